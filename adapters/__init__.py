@@ -1,0 +1,1 @@
+"""Bridges between kvblocks and other frameworks; `hf` is the transformers cache adapter."""

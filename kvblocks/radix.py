@@ -1,0 +1,224 @@
+"""Radix tree over token ids: which token prefixes are resident and in which pool slots.
+
+The tree knows nothing of tensors. Each node owns a run of tokens (int32) and the pool slots
+(int32) that hold their KV. Lock and pin counts walk to the root, so a node is evictable exactly
+when no live match and no pin passes through it. Not thread-safe: `KVCacheTrie` serialises access.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TOKEN_DTYPE = np.int32
+SLOT_DTYPE = np.int32
+_EMPTY = np.zeros(0, dtype=TOKEN_DTYPE)
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    tokens: np.ndarray
+    slots: np.ndarray
+    parent: Node | None
+    children: dict[int, Node] = field(default_factory=dict)
+    lock_ref: int = 0
+    pin_ref: int = 0
+    last_access: int = 0
+    hits: int = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def evictable(self) -> bool:
+        return not self.children and not self.is_root and self.lock_ref == 0 and self.pin_ref == 0
+
+
+@dataclass(slots=True, frozen=True)
+class Match:
+    """Longest resident prefix: `node` holds the last matched token at `node_offset - 1`."""
+
+    node: Node
+    node_offset: int
+    length: int
+    slot_runs: tuple[np.ndarray, ...]
+
+    def slots(self, length: int | None = None) -> np.ndarray:
+        length = self.length if length is None else length
+        if not self.slot_runs:
+            return np.zeros(0, dtype=SLOT_DTYPE)
+        return np.concatenate(self.slot_runs)[:length]
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    neq = a[:n] != b[:n]
+    return int(neq.argmax()) if neq.any() else n
+
+
+class RadixTree:
+    """Token-granular prefix tree with one root per namespace."""
+
+    def __init__(self) -> None:
+        self.roots: dict[Hashable, Node] = {}
+        self.resident_tokens = 0
+        self.pinned_tokens = 0
+        self.num_nodes = 0
+        self._clock = 0
+        self._leaves: set[Node] = set()
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def root(self, namespace: Hashable) -> Node:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = Node(_EMPTY, np.zeros(0, dtype=SLOT_DTYPE), None)
+            self.roots[namespace] = root
+        return root
+
+    def match(self, namespace: Hashable, ids: np.ndarray, touch: bool = True) -> Match:
+        """Walk the longest resident prefix of `ids`; with `touch`, refresh LRU times on the path."""
+        node = self.root(namespace)
+        pos, offset, runs = 0, 0, []
+        now = self._tick() if touch else 0
+        while pos < len(ids):
+            child = node.children.get(int(ids[pos]))
+            if child is None:
+                break
+            run = child.tokens
+            seg = ids[pos : pos + len(run)]
+            k = len(run) if len(seg) == len(run) and np.array_equal(seg, run) else common_prefix_len(seg, run)
+            if touch:
+                child.last_access = now
+                child.hits += 1
+            runs.append(child.slots[:k])
+            node, offset, pos = child, k, pos + k
+            if k < len(run):
+                break
+        if node.is_root:
+            offset = 0
+        return Match(node, offset, pos, tuple(runs))
+
+    def path_tokens(self, node: Node) -> np.ndarray:
+        runs = []
+        while node.parent is not None:
+            runs.append(node.tokens)
+            node = node.parent
+        return np.concatenate(runs[::-1]) if runs else _EMPTY
+
+    def iter_nodes(self) -> Iterator[Node]:
+        stack = [r for r in self.roots.values()]
+        while stack:
+            node = stack.pop()
+            if not node.is_root:
+                yield node
+            stack.extend(node.children.values())
+
+    # ---- mutations -------------------------------------------------------------------------
+
+    def split(self, node: Node, offset: int) -> Node:
+        """Cut `node` after `offset` tokens and return the upper part (which keeps the counts)."""
+        assert 0 < offset <= len(node.tokens) and not node.is_root
+        if offset == len(node.tokens):
+            return node
+        parent = node.parent
+        upper = Node(
+            node.tokens[:offset].copy(),
+            node.slots[:offset].copy(),
+            parent,
+            lock_ref=node.lock_ref,
+            pin_ref=node.pin_ref,
+            last_access=node.last_access,
+            hits=node.hits,
+        )
+        parent.children[int(upper.tokens[0])] = upper
+        node.tokens = node.tokens[offset:].copy()
+        node.slots = node.slots[offset:].copy()
+        node.parent = upper
+        upper.children[int(node.tokens[0])] = node
+        self.num_nodes += 1
+        return upper
+
+    def extend(self, match: Match, tokens: np.ndarray, slots: np.ndarray) -> Node:
+        """Attach `tokens` (with their slots) right after `match`; returns the node ending with them."""
+        assert len(tokens) == len(slots) and len(tokens) > 0
+        node = match.node
+        if not node.is_root and match.node_offset < len(node.tokens):
+            node = self.split(node, match.node_offset)
+        now = self._tick()
+        if not node.is_root and not node.children and node.pin_ref == 0:
+            node.tokens = np.concatenate([node.tokens, tokens.astype(TOKEN_DTYPE)])
+            node.slots = np.concatenate([node.slots, slots.astype(SLOT_DTYPE)])
+            node.last_access = now
+            self.resident_tokens += len(tokens)
+            return node
+        child = Node(tokens.astype(TOKEN_DTYPE, copy=True), slots.astype(SLOT_DTYPE, copy=True), node)
+        child.last_access = now
+        assert int(tokens[0]) not in node.children
+        node.children[int(tokens[0])] = child
+        self._leaves.discard(node)
+        self._leaves.add(child)
+        self.num_nodes += 1
+        self.resident_tokens += len(tokens)
+        return child
+
+    def lock(self, node: Node, delta: int) -> None:
+        while node is not None and not node.is_root:
+            node.lock_ref += delta
+            assert node.lock_ref >= 0
+            node = node.parent
+
+    def pin(self, node: Node, delta: int) -> None:
+        while node is not None and not node.is_root:
+            if delta > 0 and node.pin_ref == 0:
+                self.pinned_tokens += len(node.tokens)
+            node.pin_ref += delta
+            assert node.pin_ref >= 0
+            if node.pin_ref == 0 and delta < 0:
+                self.pinned_tokens -= len(node.tokens)
+            node = node.parent
+
+    def unpinned_tokens_on_path(self, node: Node) -> int:
+        total = 0
+        while node is not None and not node.is_root:
+            if node.pin_ref == 0:
+                total += len(node.tokens)
+            node = node.parent
+        return total
+
+    def evict(self, num_tokens: int) -> np.ndarray:
+        """Free at least `num_tokens` (fewer if too much is locked or pinned), least recent leaves first.
+
+        A leaf is trimmed from its tail, so eviction is token-granular and what stays is still a
+        prefix of something that was inserted.
+        """
+        heap = [(n.last_access, id(n), n) for n in self._leaves if n.evictable()]
+        heapq.heapify(heap)
+        freed: list[np.ndarray] = []
+        remaining = num_tokens
+        while remaining > 0 and heap:
+            _, _, node = heapq.heappop(heap)
+            take = min(remaining, len(node.tokens))
+            freed.append(node.slots[len(node.slots) - take :])
+            remaining -= take
+            self.resident_tokens -= take
+            if take < len(node.tokens):
+                node.tokens = node.tokens[: len(node.tokens) - take].copy()
+                node.slots = node.slots[: len(node.slots) - take].copy()
+                continue
+            parent = node.parent
+            del parent.children[int(node.tokens[0])]
+            self._leaves.discard(node)
+            self.num_nodes -= 1
+            if not parent.is_root and not parent.children:
+                self._leaves.add(parent)
+                if parent.evictable():
+                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return np.concatenate(freed) if freed else np.zeros(0, dtype=SLOT_DTYPE)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock

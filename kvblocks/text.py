@@ -1,0 +1,82 @@
+"""Prompt encoding and incremental detokenisation with stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor | np.ndarray
+
+
+class PromptError(ValueError):
+    """The prompt cannot be turned into token ids (empty, wrong shape, bad messages)."""
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids for a string, chat messages (via the tokenizer's chat template) or ids."""
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    elif isinstance(prompt, torch.Tensor | np.ndarray):
+        ids = [int(t) for t in np.asarray(prompt.cpu() if isinstance(prompt, torch.Tensor) else prompt).reshape(-1)]
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        for i, m in enumerate(prompt):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise PromptError(f"message {i} needs string 'role' and 'content' fields")
+        if not getattr(tokenizer, "chat_template", None):
+            raise PromptError("this tokenizer has no chat template; pass a string or token ids")
+        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int | np.integer) for t in prompt):
+        ids = [int(t) for t in prompt]
+    else:
+        raise PromptError("prompt must be a string, a list of chat messages or a list of token ids")
+    if not ids:
+        raise PromptError("prompt is empty")
+    return list(ids)
+
+
+class StopTextAssembler:
+    """Turns generated ids into text deltas, holding back text that may begin a stop string.
+
+    The whole generated text is re-decoded each step (byte-level BPE can only be decoded
+    correctly in context); an unfinished UTF-8 sequence (U+FFFD at the end) is held back too.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the text now safe to show. Sets `stopped` on a stop string."""
+        self.ids.append(token_id)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if self.stop:
+            window = max(0, self.emitted - max(len(s) for s in self.stop))
+            hits = [i for i in (full.find(s, window) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                self.text = full[: min(hits)]
+                return self._take(len(self.text))
+        self.text = full
+        safe = len(full.rstrip("\ufffd"))
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, safe), 0, -1):
+                if full[safe - k : safe] == s[:k]:
+                    hold = max(hold, k)
+                    break
+        return self._take(max(safe - hold, self.emitted))
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        delta = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return delta

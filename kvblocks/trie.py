@@ -1,0 +1,286 @@
+"""KVCacheTrie: the prefix cache a model's requests share (radix tree + device KV pool)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvblocks.adapters import hf
+from kvblocks.namespace import Namespace, namespace_for
+from kvblocks.pool import KVPool, LayerShape
+from kvblocks.radix import TOKEN_DTYPE, Match, RadixTree
+
+DEFAULT_CAPACITY_BYTES = 1 << 30
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def as_token_array(token_ids: TokenIds) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() == 2 and token_ids.shape[0] == 1:
+            token_ids = token_ids[0]
+        if token_ids.dim() != 1:
+            raise ValueError(f"token ids must be one sequence, got a tensor of shape {tuple(token_ids.shape)}")
+        token_ids = token_ids.cpu().numpy()
+    return np.asarray(token_ids, dtype=TOKEN_DTYPE).reshape(-1)
+
+
+class PinLimitError(ValueError):
+    """Pinning this prefix would exceed the trie's cap on pinned tokens."""
+
+
+@dataclass(slots=True)
+class Counters:
+    queries: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    inserted_tokens: int = 0
+    insert_dropped_tokens: int = 0
+    evicted_tokens: int = 0
+
+
+class Hit:
+    """A locked match: the first `length` tokens are resident and stay so until `release()`."""
+
+    def __init__(self, trie: KVCacheTrie, namespace: Namespace, match: Match, length: int) -> None:
+        self.trie = trie
+        self.namespace = namespace
+        self.length = length
+        self._match = match
+        self._slots = match.slots(length)
+        self._locked = length > 0
+        if self._locked:
+            trie._tree.lock(match.node, +1)
+
+    def to_hf_cache(self):
+        """A fresh transformers cache holding the KV of the `length` hit tokens."""
+        if self.length and not self._locked:
+            raise RuntimeError("this hit was released; its slots may already hold other tokens")
+        return self.trie._build_cache(self._slots, self.length)
+
+    def release(self) -> None:
+        if self._locked:
+            with self.trie._lock:
+                self.trie._tree.lock(self._match.node, -1)
+            self._locked = False
+
+    def __enter__(self) -> Hit:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"Hit(length={self.length}, locked={self._locked})"
+
+
+class KVCacheTrie:
+    """Token-prefix cache of KV tensors, shared by all requests to one model.
+
+    Thread-safe: tree and pool bookkeeping run under one lock; gathers for a hit run outside it
+    because the hit's lock keeps its slots from being reused.
+    """
+
+    def __init__(
+        self,
+        config,
+        specs: list[hf.LayerSpec],
+        namespace: Namespace,
+        *,
+        capacity_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_pinned_tokens: int | None = None,
+    ) -> None:
+        self.config = config
+        self.specs = specs
+        self.namespace = namespace
+        shapes = [None if s.kind == "none" else LayerShape(s.heads, s.head_dim) for s in specs]
+        self._pool = KVPool(shapes, capacity_tokens, dtype, device)
+        self._tree = RadixTree()
+        self._lock = threading.RLock()
+        self._counters = Counters()
+        self.max_pinned_tokens = capacity_tokens // 2 if max_pinned_tokens is None else max_pinned_tokens
+
+    @classmethod
+    def for_model(
+        cls,
+        model,
+        capacity_tokens: int | None = None,
+        *,
+        capacity_bytes: int | None = None,
+        max_pinned_tokens: int | None = None,
+    ) -> KVCacheTrie:
+        """Probe the model's cache layout and preallocate a pool on its device and dtype.
+
+        Capacity is `capacity_tokens`, or `capacity_bytes` of KV (default 1 GiB) divided by the
+        bytes one token takes across all layers.
+        """
+        if capacity_tokens is not None and capacity_bytes is not None:
+            raise ValueError("give capacity_tokens or capacity_bytes, not both")
+        specs = hf.describe_layers(model)
+        param = next(model.parameters())
+        shapes = [None if s.kind == "none" else LayerShape(s.heads, s.head_dim) for s in specs]
+        if capacity_tokens is None:
+            per_token = KVPool.bytes_per_token(shapes, param.dtype)
+            capacity_tokens = (capacity_bytes or DEFAULT_CAPACITY_BYTES) // per_token
+        return cls(
+            model.config,
+            specs,
+            namespace_for(model),
+            capacity_tokens=capacity_tokens,
+            dtype=param.dtype,
+            device=param.device,
+            max_pinned_tokens=max_pinned_tokens,
+        )
+
+    # ---- lookups ---------------------------------------------------------------------------
+
+    def match(self, token_ids: TokenIds, *, salt: str | None = None) -> Hit:
+        """Lock the longest cached prefix of `token_ids`, leaving at least the last token uncached.
+
+        At least one token is always recomputed so the model produces logits for the next one.
+        """
+        ids = as_token_array(token_ids)
+        ns = self.namespace.with_salt(salt)
+        with self._lock:
+            m = self._tree.match(ns.key, ids[: max(len(ids) - 1, 0)])
+            c = self._counters
+            c.queries += 1
+            c.queried_tokens += len(ids)
+            c.hit_tokens += m.length
+            return Hit(self, ns, m, m.length)
+
+    def cached_length(self, token_ids: TokenIds, *, salt: str | None = None) -> int:
+        """Resident prefix length of `token_ids`, without locking, counting or refreshing LRU."""
+        ids = as_token_array(token_ids)
+        with self._lock:
+            return self._tree.match(self.namespace.with_salt(salt).key, ids, touch=False).length
+
+    # ---- mutations -------------------------------------------------------------------------
+
+    def insert(self, token_ids: TokenIds, past, *, salt: str | None = None) -> int:
+        """Store the KV of the tokens of `token_ids` not cached yet; returns how many were stored.
+
+        `past` is a transformers cache whose first positions are `token_ids`; tokens beyond its
+        length (e.g. the last sampled one) are skipped. When eviction cannot make room (too much
+        locked or pinned) only the leading part that fits is stored.
+        """
+        ids = as_token_array(token_ids)
+        n = min(len(ids), hf.seq_length(past))
+        ns = self.namespace.with_salt(salt)
+        with self._lock:
+            m = self._tree.match(ns.key, ids[:n])
+            need = n - m.length
+            if need <= 0:
+                return 0
+            self._tree.lock(m.node, +1)
+            try:
+                if need > self._pool.num_free:
+                    self._evict(need - self._pool.num_free)
+                k = min(need, self._pool.num_free)
+                self._counters.insert_dropped_tokens += need - k
+                if k == 0:
+                    return 0
+                start = m.length
+                kv = hf.extract(past, self.specs, start, start + k)
+                slots = self._pool.alloc(k)
+                index = self._pool.index(slots)
+                for layer, item in enumerate(kv):
+                    if item is not None:
+                        self._pool.scatter(layer, index, *item)
+                self._tree.extend(m, ids[start : start + k], slots)
+                self._counters.inserted_tokens += k
+                return k
+            finally:
+                self._tree.lock(m.node, -1)
+
+    def evict(self, num_tokens: int) -> int:
+        """Free up to `num_tokens` least-recently-used unlocked, unpinned tokens."""
+        with self._lock:
+            return self._evict(num_tokens)
+
+    def _evict(self, num_tokens: int) -> int:
+        freed = self._tree.evict(num_tokens)
+        self._pool.release(freed)
+        self._counters.evicted_tokens += len(freed)
+        return len(freed)
+
+    def pin(self, token_ids: TokenIds, *, salt: str | None = None) -> int:
+        """Exempt the resident prefix of `token_ids` from eviction; returns the pinned length."""
+        ids = as_token_array(token_ids)
+        key = self.namespace.with_salt(salt).key
+        with self._lock:
+            m = self._tree.match(key, ids)
+            if m.length == 0:
+                return 0
+            added = self._tree.unpinned_tokens_on_path(m.node) - (len(m.node.tokens) - m.node_offset) * (
+                m.node.pin_ref == 0
+            )
+            if self._tree.pinned_tokens + added > self.max_pinned_tokens:
+                raise PinLimitError(
+                    f"pinning {m.length} tokens would pin {self._tree.pinned_tokens + added}, "
+                    f"over the cap of {self.max_pinned_tokens}"
+                )
+            node = self._tree.split(m.node, m.node_offset)
+            self._tree.pin(node, +1)
+            return m.length
+
+    def unpin(self, token_ids: TokenIds, *, salt: str | None = None) -> int:
+        """Undo one `pin` of exactly this prefix; returns the unpinned length (0 if it was not pinned)."""
+        ids = as_token_array(token_ids)
+        key = self.namespace.with_salt(salt).key
+        with self._lock:
+            m = self._tree.match(key, ids, touch=False)
+            if m.length == 0 or m.node_offset != len(m.node.tokens) or m.node.pin_ref == 0:
+                return 0
+            self._tree.pin(m.node, -1)
+            return m.length
+
+    # ---- reporting -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counters since creation plus current occupancy; rates are for the reader to compute."""
+        with self._lock:
+            c = self._counters
+            token_bytes = self._pool.token_bytes
+            locked = sum(len(n.tokens) for n in self._tree.iter_nodes() if n.lock_ref > 0)
+            return {
+                "queries": c.queries,
+                "queried_tokens": c.queried_tokens,
+                "hit_tokens": c.hit_tokens,
+                "inserted_tokens": c.inserted_tokens,
+                "insert_dropped_tokens": c.insert_dropped_tokens,
+                "evicted_tokens": c.evicted_tokens,
+                "resident_tokens": self._tree.resident_tokens,
+                "resident_bytes": self._tree.resident_tokens * token_bytes,
+                "capacity_tokens": self._pool.capacity,
+                "capacity_bytes": self._pool.capacity * token_bytes,
+                "pinned_tokens": self._tree.pinned_tokens,
+                "locked_tokens": locked,
+                "nodes": self._tree.num_nodes,
+            }
+
+    @property
+    def token_bytes(self) -> int:
+        return self._pool.token_bytes
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _build_cache(self, slots: np.ndarray, length: int):
+        kv: list[torch.Tensor | None] = []
+        indices: dict[int, torch.Tensor] = {}
+        for layer, spec in enumerate(self.specs):
+            held = spec.tokens_held(length)
+            if spec.kind == "none" or held == 0:
+                kv.append(None)
+                continue
+            index = indices.get(held)
+            if index is None:
+                index = indices[held] = self._pool.index(slots[length - held : length])
+            kv.append(self._pool.gather(layer, index))
+        return hf.build_cache(self.config, self.specs, kv, length)
