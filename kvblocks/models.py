@@ -18,7 +18,12 @@ import torch
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 class ModelLoadError(RuntimeError):

@@ -8,7 +8,7 @@ when no live match and no pin passes through it. Not thread-safe: `KVCacheTrie` 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,12 +102,16 @@ class RadixTree:
             offset = 0
         return Match(node, offset, pos, tuple(runs))
 
-    def path_tokens(self, node: Node) -> np.ndarray:
-        runs = []
+    def path(self, node: Node) -> tuple[np.ndarray, np.ndarray]:
+        """All token ids and slots from the root down to the end of `node`."""
+        tokens, slots = [], []
         while node.parent is not None:
-            runs.append(node.tokens)
+            tokens.append(node.tokens)
+            slots.append(node.slots)
             node = node.parent
-        return np.concatenate(runs[::-1]) if runs else _EMPTY
+        if not tokens:
+            return _EMPTY, np.zeros(0, dtype=SLOT_DTYPE)
+        return np.concatenate(tokens[::-1]), np.concatenate(slots[::-1])
 
     def iter_nodes(self) -> Iterator[Node]:
         stack = [r for r in self.roots.values()]
@@ -189,11 +193,12 @@ class RadixTree:
             node = node.parent
         return total
 
-    def evict(self, num_tokens: int) -> np.ndarray:
+    def evict(self, num_tokens: int, before_trim: Callable[[Node, int], None] | None = None) -> np.ndarray:
         """Free at least `num_tokens` (fewer if too much is locked or pinned), least recent leaves first.
 
         A leaf is trimmed from its tail, so eviction is token-granular and what stays is still a
-        prefix of something that was inserted.
+        prefix of something that was inserted. `before_trim(node, n)` runs before the last `n`
+        tokens of `node` go (the spill tier's write-back copies them then).
         """
         heap = [(n.last_access, id(n), n) for n in self._leaves if n.evictable()]
         heapq.heapify(heap)
@@ -202,6 +207,8 @@ class RadixTree:
         while remaining > 0 and heap:
             _, _, node = heapq.heappop(heap)
             take = min(remaining, len(node.tokens))
+            if before_trim is not None:
+                before_trim(node, take)
             freed.append(node.slots[len(node.slots) - take :])
             remaining -= take
             self.resident_tokens -= take

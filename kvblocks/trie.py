@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvblocks.adapters import hf
+from kvblocks.chunks import ChunkLayout
 from kvblocks.namespace import Namespace, namespace_for
 from kvblocks.pool import KVPool, LayerShape
-from kvblocks.radix import TOKEN_DTYPE, Match, RadixTree
+from kvblocks.radix import TOKEN_DTYPE, Match, Node, RadixTree
+
+if TYPE_CHECKING:
+    from kvblocks.redis_tier import RedisTier
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+# (start, end) -> per-layer [end - start, 2, H, D] KV, None for layers that cache nothing
+KVSource = Callable[[int, int], list[torch.Tensor | None]]
 
 
 def as_token_array(token_ids: TokenIds) -> np.ndarray:
@@ -24,7 +31,9 @@ def as_token_array(token_ids: TokenIds) -> np.ndarray:
         if token_ids.dim() == 2 and token_ids.shape[0] == 1:
             token_ids = token_ids[0]
         if token_ids.dim() != 1:
-            raise ValueError(f"token ids must be one sequence, got a tensor of shape {tuple(token_ids.shape)}")
+            raise ValueError(
+                f"token ids must be one sequence, got a tensor of shape {tuple(token_ids.shape)}"
+            )
         token_ids = token_ids.cpu().numpy()
     return np.asarray(token_ids, dtype=TOKEN_DTYPE).reshape(-1)
 
@@ -41,6 +50,7 @@ class Counters:
     inserted_tokens: int = 0
     insert_dropped_tokens: int = 0
     evicted_tokens: int = 0
+    spill_hit_tokens: int = 0
 
 
 class Hit:
@@ -95,6 +105,7 @@ class KVCacheTrie:
         dtype: torch.dtype,
         device: torch.device | str,
         max_pinned_tokens: int | None = None,
+        spill: RedisTier | None = None,
     ) -> None:
         self.config = config
         self.specs = specs
@@ -105,6 +116,10 @@ class KVCacheTrie:
         self._lock = threading.RLock()
         self._counters = Counters()
         self.max_pinned_tokens = capacity_tokens // 2 if max_pinned_tokens is None else max_pinned_tokens
+        self.spill = spill
+        if spill is not None:
+            layers = tuple((0, 0) if s is None else (s.heads, s.head_dim) for s in shapes)
+            spill.bind(ChunkLayout(dtype, layers), self._pool.device, self._read_kv)
 
     @classmethod
     def for_model(
@@ -114,11 +129,13 @@ class KVCacheTrie:
         *,
         capacity_bytes: int | None = None,
         max_pinned_tokens: int | None = None,
+        spill: RedisTier | None = None,
     ) -> KVCacheTrie:
         """Probe the model's cache layout and preallocate a pool on its device and dtype.
 
         Capacity is `capacity_tokens`, or `capacity_bytes` of KV (default 1 GiB) divided by the
-        bytes one token takes across all layers.
+        bytes one token takes across all layers. `spill` adds a shared tier below the device
+        pool (`RedisTier`).
         """
         if capacity_tokens is not None and capacity_bytes is not None:
             raise ValueError("give capacity_tokens or capacity_bytes, not both")
@@ -136,6 +153,7 @@ class KVCacheTrie:
             dtype=param.dtype,
             device=param.device,
             max_pinned_tokens=max_pinned_tokens,
+            spill=spill,
         )
 
     # ---- lookups ---------------------------------------------------------------------------
@@ -143,12 +161,26 @@ class KVCacheTrie:
     def match(self, token_ids: TokenIds, *, salt: str | None = None) -> Hit:
         """Lock the longest cached prefix of `token_ids`, leaving at least the last token uncached.
 
-        At least one token is always recomputed so the model produces logits for the next one.
+        At least one token is always recomputed so the model produces logits for the next one. On
+        a device miss the spill tier is asked for the chunks that follow, which are verified and
+        promoted into the pool first.
         """
         ids = as_token_array(token_ids)
         ns = self.namespace.with_salt(salt)
+        limit = max(len(ids) - 1, 0)
+        if self.spill is not None:
+            with self._lock:
+                device = self._tree.match(ns.key, ids[:limit], touch=False).length
+            fetched = self.spill.fetch(ns.key, ids, device, limit) if device < limit else None
+            if fetched is not None:
+                with self._lock:
+                    before = self._tree.match(ns.key, ids[:limit], touch=False).length
+                    end = fetched.start + fetched.length
+                    self._store(ns, ids[:end], self._slicer(fetched.start, fetched.kv))
+                    after = self._tree.match(ns.key, ids[:limit], touch=False).length
+                    self._counters.spill_hit_tokens += max(0, after - before)
         with self._lock:
-            m = self._tree.match(ns.key, ids[: max(len(ids) - 1, 0)])
+            m = self._tree.match(ns.key, ids[:limit])
             c = self._counters
             c.queries += 1
             c.queried_tokens += len(ids)
@@ -173,31 +205,49 @@ class KVCacheTrie:
         ids = as_token_array(token_ids)
         n = min(len(ids), hf.seq_length(past))
         ns = self.namespace.with_salt(salt)
+
+        def source(start: int, end: int) -> list[torch.Tensor | None]:
+            return [
+                None if kv is None else torch.stack(kv, dim=1)
+                for kv in hf.extract(past, self.specs, start, end)
+            ]
+
         with self._lock:
-            m = self._tree.match(ns.key, ids[:n])
-            need = n - m.length
-            if need <= 0:
-                return 0
-            self._tree.lock(m.node, +1)
-            try:
-                if need > self._pool.num_free:
-                    self._evict(need - self._pool.num_free)
-                k = min(need, self._pool.num_free)
-                self._counters.insert_dropped_tokens += need - k
-                if k == 0:
-                    return 0
-                start = m.length
-                kv = hf.extract(past, self.specs, start, start + k)
-                slots = self._pool.alloc(k)
-                index = self._pool.index(slots)
-                for layer, item in enumerate(kv):
-                    if item is not None:
-                        self._pool.scatter(layer, index, *item)
-                self._tree.extend(m, ids[start : start + k], slots)
-                self._counters.inserted_tokens += k
-                return k
-            finally:
-                self._tree.lock(m.node, -1)
+            start, stored = self._store(ns, ids[:n], source)
+        if stored and self.spill is not None:
+            self.spill.on_insert(ns.key, ids[: start + stored], start)
+        return stored
+
+    def _store(self, ns: Namespace, ids: np.ndarray, source: KVSource) -> tuple[int, int]:
+        """Store the KV of the not-yet-resident tail of `ids`; returns (first new position, count)."""
+        m = self._tree.match(ns.key, ids)
+        need = len(ids) - m.length
+        if need <= 0:
+            return m.length, 0
+        self._tree.lock(m.node, +1)
+        try:
+            if need > self._pool.num_free:
+                self._evict(need - self._pool.num_free)
+            k = min(need, self._pool.num_free)
+            self._counters.insert_dropped_tokens += need - k
+            if k == 0:
+                return m.length, 0
+            start = m.length
+            kv = source(start, start + k)
+            slots = self._pool.alloc(k)
+            index = self._pool.index(slots)
+            for layer, data in enumerate(kv):
+                if data is not None:
+                    self._pool.scatter(layer, index, data[:, 0], data[:, 1])
+            self._tree.extend(m, ids[start : start + k], slots)
+            self._counters.inserted_tokens += k
+            return start, k
+        finally:
+            self._tree.lock(m.node, -1)
+
+    @staticmethod
+    def _slicer(base: int, kv: list[torch.Tensor | None]) -> KVSource:
+        return lambda start, end: [None if t is None else t[start - base : end - base] for t in kv]
 
     def evict(self, num_tokens: int) -> int:
         """Free up to `num_tokens` least-recently-used unlocked, unpinned tokens."""
@@ -205,10 +255,19 @@ class KVCacheTrie:
             return self._evict(num_tokens)
 
     def _evict(self, num_tokens: int) -> int:
-        freed = self._tree.evict(num_tokens)
+        before_trim = self._write_back if self.spill is not None and self.spill.write_mode == "back" else None
+        freed = self._tree.evict(num_tokens, before_trim)
         self._pool.release(freed)
         self._counters.evicted_tokens += len(freed)
         return len(freed)
+
+    def _write_back(self, node: Node, count: int) -> None:
+        ids, slots = self._tree.path(node)
+        root = node
+        while root.parent is not None:
+            root = root.parent
+        ns_key = next(k for k, r in self._tree.roots.items() if r is root)
+        self.spill.on_evict(ns_key, ids, len(ids) - count, lambda a, b: self._gather(slots[a:b]))
 
     def pin(self, token_ids: TokenIds, *, salt: str | None = None) -> int:
         """Exempt the resident prefix of `token_ids` from eviction; returns the pinned length."""
@@ -263,13 +322,38 @@ class KVCacheTrie:
                 "pinned_tokens": self._tree.pinned_tokens,
                 "locked_tokens": locked,
                 "nodes": self._tree.num_nodes,
-            }
+                "spill_hit_tokens": c.spill_hit_tokens,
+            } | (self.spill.stats() if self.spill is not None else {})
+
+    def close(self) -> None:
+        """Flush and close the spill tier (queued writes finish first)."""
+        if self.spill is not None:
+            self.spill.close()
 
     @property
     def token_bytes(self) -> int:
         return self._pool.token_bytes
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _gather(self, slots: np.ndarray) -> list[torch.Tensor | None]:
+        index = self._pool.index(slots)
+        return [None if s.kind == "none" else self._pool.gather(i, index) for i, s in enumerate(self.specs)]
+
+    def _read_kv(
+        self, ns_key: str, ids: np.ndarray, start: int, end: int
+    ) -> list[torch.Tensor | None] | None:
+        """KV of positions [start, end) of `ids` if still resident (for the spill tier's writer)."""
+        with self._lock:
+            m = self._tree.match(ns_key, ids[:end], touch=False)
+            if m.length < end:
+                return None
+            self._tree.lock(m.node, +1)
+        try:
+            return self._gather(m.slots(end)[start:end])
+        finally:
+            with self._lock:
+                self._tree.lock(m.node, -1)
 
     def _build_cache(self, slots: np.ndarray, length: int):
         kv: list[torch.Tensor | None] = []

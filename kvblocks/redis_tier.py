@@ -1,0 +1,296 @@
+"""RedisTier: the spill tier below the device pool, shared by every process using the same Redis.
+
+Reads happen on a device miss, before the model runs: one pipelined EXISTS finds the longest run
+of consecutive chunks present, one pipelined GET fetches them, each is verified and promoted into
+the device pool. Writes never block generation: they go through a bounded queue to a background
+thread, and a full queue drops (and counts) the write. Any Redis failure is a miss, never an
+error; after a failure the tier stays quiet for `retry_interval_s`, then reconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvblocks.chunks import ChunkLayout, VerificationError, chain_hashes, decode_record, encode_record
+
+# Reads the tier needs from its trie: (namespace key, ids, start, end) -> per-layer [n, 2, H, D]
+# tensors, or None when those tokens are no longer resident.
+ReadKV = Callable[[str, np.ndarray, int, int], "list[torch.Tensor | None] | None"]
+
+
+@dataclass(slots=True)
+class TierCounters:
+    lookups: int = 0
+    lookup_chunks: int = 0
+    hit_chunks: int = 0
+    hit_tokens: int = 0
+    read_bytes: int = 0
+    errors: int = 0
+    verify_failures: int = 0
+    skipped_while_down: int = 0
+    write_jobs: int = 0
+    write_drops: int = 0
+    written_chunks: int = 0
+    written_bytes: int = 0
+    write_skipped_present: int = 0
+    write_skipped_evicted: int = 0
+    write_errors: int = 0
+
+
+@dataclass(slots=True)
+class Fetched:
+    """Verified KV for positions `[start, start + length)`: per-layer `[length, 2, H, D]`."""
+
+    start: int
+    length: int
+    kv: list[torch.Tensor | None]
+
+
+class RedisTier:
+    """Chunk-aligned, content-addressed KV spill tier in Redis, Redis Cluster or Valkey.
+
+    `write_mode="through"` (default) writes every completed chunk as soon as it is cached on the
+    device, so other processes can hit at once; `"back"` writes chunks only when the device pool
+    evicts them.
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        chunk_tokens: int = 64,
+        key_prefix: str = "kvblocks",
+        ttl_s: float | None = None,
+        timeout_s: float = 0.5,
+        connect_timeout_s: float = 0.5,
+        retry_interval_s: float = 1.0,
+        write_mode: str = "through",
+        queue_size: int = 64,
+        cluster: bool | None = None,
+    ) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if write_mode not in ("through", "back"):
+            raise ValueError(f"write_mode must be 'through' or 'back', got '{write_mode}'")
+        self.url = url
+        self.chunk_tokens = chunk_tokens
+        self.key_prefix = key_prefix
+        self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self.retry_interval_s = retry_interval_s
+        self.write_mode = write_mode
+        self.counters = TierCounters()
+        self._count_lock = threading.Lock()
+        self._down_until = 0.0
+        kwargs = dict(
+            socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s, retry=Retry(NoBackoff(), 0)
+        )
+        is_cluster = (
+            cluster if cluster is not None else url.startswith(("redis+cluster://", "rediss+cluster://"))
+        )
+        self._client_factory = lambda: (
+            redis.RedisCluster.from_url(url.replace("+cluster", ""), **kwargs)
+            if is_cluster
+            else redis.Redis.from_url(url, **kwargs)
+        )
+        self._client: redis.Redis | redis.RedisCluster | None = None
+        self._layout: ChunkLayout | None = None
+        self._device: torch.device | None = None
+        self._read_kv: ReadKV | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._writer = threading.Thread(target=self._write_loop, name="kvblocks-redis-writer", daemon=True)
+        self._writer.start()
+
+    # ---- wiring ----------------------------------------------------------------------------
+
+    def bind(self, layout: ChunkLayout, device: torch.device, read_kv: ReadKV) -> None:
+        """Called once by the owning KVCacheTrie."""
+        if self._read_kv is not None:
+            raise ValueError("a RedisTier belongs to one KVCacheTrie; create one per cache")
+        self._layout, self._device, self._read_kv = layout, device, read_kv
+
+    def key(self, namespace_key: str, chunk_hash: str) -> str:
+        return f"{self.key_prefix}:{namespace_key}:{chunk_hash}"
+
+    # ---- read path -------------------------------------------------------------------------
+
+    def fetch(self, namespace_key: str, ids: np.ndarray, start: int, limit: int) -> Fetched | None:
+        """Longest verified run of chunks continuing a device hit of `start` tokens, within `limit`."""
+        c = self.chunk_tokens
+        first = start // c
+        hashes = chain_hashes(namespace_key, ids[:limit], c)
+        if first >= len(hashes):
+            return None
+        keys = [self.key(namespace_key, h) for h in hashes[first:]]
+        if time.monotonic() < self._down_until:
+            self._count(skipped_while_down=1)
+            return None
+        self._count(lookups=1, lookup_chunks=len(keys))
+        try:
+            client = self._connection()
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            present = pipe.execute()
+            run = next((i for i, p in enumerate(present) if not p), len(present))
+            if run == 0:
+                return None
+            pipe = client.pipeline(transaction=False)
+            for k in keys[:run]:
+                pipe.get(k)
+            values = pipe.execute()
+        except redis.RedisError:
+            self._mark_down()
+            return None
+        chunks: list[list[torch.Tensor | None]] = []
+        for i, raw in enumerate(values):
+            if raw is None:
+                break
+            pos = (first + i) * c
+            try:
+                chunks.append(
+                    decode_record(raw, namespace_key, ids[pos : pos + c], self._layout, self._device)
+                )
+            except VerificationError:
+                self._count(verify_failures=1)
+                break
+            self._count(read_bytes=len(raw))
+        if not chunks:
+            return None
+        kv = [None if parts[0] is None else torch.cat(parts) for parts in zip(*chunks)]
+        length = len(chunks) * c
+        self._count(hit_chunks=len(chunks), hit_tokens=first * c + length - start)
+        return Fetched(first * c, length, kv)
+
+    # ---- write path ------------------------------------------------------------------------
+
+    def on_insert(self, namespace_key: str, ids: np.ndarray, start: int) -> None:
+        """Tokens `[start, len(ids))` of `ids` were just cached on the device (write-through)."""
+        if self.write_mode != "through":
+            return
+        c = self.chunk_tokens
+        if len(ids) // c <= start // c:
+            return
+        self._enqueue(("through", namespace_key, ids.copy(), start))
+
+    def on_evict(self, namespace_key: str, ids: np.ndarray, evicted_from: int, read: Callable) -> None:
+        """Tokens `[evicted_from, len(ids))` are about to leave the device pool (write-back).
+
+        `read(start, end)` gathers still-resident KV; complete chunks that lose tokens are copied
+        to the host now, before their slots are reused, and written in the background.
+        """
+        if self.write_mode != "back":
+            return
+        c = self.chunk_tokens
+        first, last = evicted_from // c, len(ids) // c
+        if first >= last:
+            return
+        hashes = chain_hashes(namespace_key, ids[: last * c], c)
+        for k in range(first, last):
+            kv = [None if t is None else t.to("cpu", copy=True) for t in read(k * c, (k + 1) * c)]
+            tokens = ids[k * c : (k + 1) * c].copy()
+            self._enqueue(("record", self.key(namespace_key, hashes[k]), namespace_key, tokens, kv))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until queued writes are done (or dropped); True if the queue drained in time."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self._queue.unfinished_tasks == 0
+
+    def stats(self) -> dict[str, int]:
+        with self._count_lock:
+            return {f"redis_{k}": v for k, v in asdict(self.counters).items()} | {
+                "redis_queue_depth": self._queue.qsize()
+            }
+
+    def close(self) -> None:
+        self.flush()
+        if self._client is not None:
+            self._client.close()
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _enqueue(self, job: tuple) -> None:
+        try:
+            self._queue.put_nowait(job)
+            self._count(write_jobs=1)
+        except queue.Full:
+            self._count(write_drops=1)
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if time.monotonic() < self._down_until:
+                    self._count(write_drops=1)
+                elif job[0] == "through":
+                    self._write_through(*job[1:])
+                else:
+                    self._write_records([job[1:]])
+            except redis.RedisError:
+                self._count(write_errors=1)
+                self._mark_down()
+            finally:
+                self._queue.task_done()
+
+    def _write_through(self, namespace_key: str, ids: np.ndarray, start: int) -> None:
+        c = self.chunk_tokens
+        hashes = chain_hashes(namespace_key, ids, c)
+        wanted = list(range(start // c, len(hashes)))
+        keys = [self.key(namespace_key, hashes[k]) for k in wanted]
+        pipe = self._connection().pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        present = pipe.execute()
+        records = []
+        for k, key, there in zip(wanted, keys, present):
+            if there:
+                self._count(write_skipped_present=1)
+                continue
+            kv = self._read_kv(namespace_key, ids[: (k + 1) * c], k * c, (k + 1) * c)
+            if kv is None:
+                self._count(write_skipped_evicted=1)
+                continue
+            records.append((key, namespace_key, ids[k * c : (k + 1) * c], kv))
+        self._write_records(records)
+
+    def _write_records(self, records: list[tuple]) -> None:
+        if not records:
+            return
+        pipe = self._connection().pipeline(transaction=False)
+        total = 0
+        for key, namespace_key, tokens, kv in records:
+            value = encode_record(namespace_key, tokens, self._layout, kv)
+            total += len(value)
+            pipe.set(key, value, px=self.ttl_ms)
+        pipe.execute()
+        self._count(written_chunks=len(records), written_bytes=total)
+
+    def _connection(self):
+        if self._client is None:
+            self._client = self._client_factory()
+        return self._client
+
+    def _mark_down(self) -> None:
+        self._count(errors=1)
+        self._down_until = time.monotonic() + self.retry_interval_s
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(redis.RedisError):
+                client.close()
+
+    def _count(self, **deltas: int) -> None:
+        with self._count_lock:
+            for name, d in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + d)

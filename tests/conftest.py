@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """A 2-layer random-weight llama (no download), for tests that need any real model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    fields.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**fields)).to(dtype).eval()
+
+
+class IdTokenizer:
+    """Stand-in tokenizer for random-weight models: text is the ids joined by spaces."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return {"input_ids": [int(t) for t in text.split()]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f" {int(t)}" for t in ids)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the real default model, SmolLM2-135M-Instruct, float32 on CPU."""
+    from kvblocks import models
+
+    return models.load(None, "float32", "cpu")
