@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +32,19 @@ class GenerationResult:
     finish_reason: str
     prompt_ids: list[int] = field(repr=False, default_factory=list)
     logits: list[torch.Tensor] | None = field(repr=False, default=None)
+    spec: Any = None
+
+
+@dataclass(slots=True)
+class DecodeState:
+    """One request's decoding state, shared between the stream driver and a decode strategy."""
+
+    sequence: list[int]
+    computed: int
+    logits: list[torch.Tensor] | None
+    salt: str | None
+    past: Any = None
+    spec: Any = None
 
 
 @dataclass(slots=True)
@@ -138,25 +152,18 @@ class CachedGenerator:
         rng = None if params.greedy else make_generator(self.runner.device, seed)
         text = StopTextAssembler(self.tokenizer, stops)
         hit = self.cache.match(ids, salt=salt) if self.cache is not None else None
-        cached = hit.length if hit is not None else 0
-        sequence = list(ids)
-        computed = cached
-        logits_seen: list[torch.Tensor] | None = [] if output_logits else None
-        past = None
+        run = DecodeState(list(ids), hit.length if hit is not None else 0, [] if output_logits else None, salt)
+        tokens = None
         try:
-            past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
-            logits = self.runner.forward(ids[cached:], past)[-1]
-            computed = len(ids)
+            run.past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
+            tokens = self._decode(ids, run, params, rng)
             ttft, finish, pending = 0.0, "length", ""
             generated: list[int] = []
-            while True:
-                if logits_seen is not None:
-                    logits_seen.append(logits.detach().clone())
-                token = choose(logits, params, rng)
+            for token in tokens:
                 if not generated:
                     ttft = time.perf_counter() - t0
                 generated.append(token)
-                sequence.append(token)
+                run.sequence.append(token)
                 if token in self.eos_ids and not ignore_eos:
                     finish = "stop"
                     break
@@ -168,24 +175,40 @@ class CachedGenerator:
                     break
                 yield Piece(pending, [token])
                 pending = ""
-                logits = self.runner.forward([token], past)[-1]
-                computed = len(sequence)
+            tokens.close()
             result = GenerationResult(
                 token_ids=generated,
                 text=text.text,
                 prompt_tokens=len(ids),
-                cached_tokens=cached,
+                cached_tokens=hit.length if hit is not None else 0,
                 ttft_s=ttft,
                 total_s=time.perf_counter() - t0,
                 finish_reason=finish,
                 prompt_ids=ids,
-                logits=logits_seen,
+                logits=run.logits,
+                spec=run.spec,
             )
             yield Piece(pending + text.flush(), [generated[-1]], result)
         finally:
             try:
-                if self.cache is not None and past is not None:
-                    self.cache.insert(sequence[:computed], past, salt=salt)
+                if tokens is not None:
+                    tokens.close()
+                if self.cache is not None and run.past is not None:
+                    self.cache.insert(run.sequence[: min(run.computed, len(run.sequence))], run.past, salt=salt)
             finally:
                 if hit is not None:
                     hit.release()
+
+    def _decode(
+        self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None
+    ) -> Iterator[int]:
+        """Yield next tokens one at a time; keep `run.computed` = positions of `run.past` that hold
+        the KV of `run.sequence` (the caller appends each yielded token to it)."""
+        logits = self.runner.forward(ids[run.computed :], run.past)[-1]
+        run.computed = len(ids)
+        while True:
+            if run.logits is not None:
+                run.logits.append(logits.detach().clone())
+            yield choose(logits, params, rng)
+            logits = self.runner.forward(run.sequence[-1:], run.past)[-1]
+            run.computed += 1

@@ -27,7 +27,12 @@ class Namespace:
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """Name + config hash + a sample of the weights (so two random-init models never collide)."""
+    """Model type + hash of the config and a sample of the weights.
+
+    The load path is left out on purpose: processes on different machines load the same model
+    from different folders and must land in the same namespace to share a Redis tier. The weight
+    sample keeps two random-init or fine-tuned models with one config apart.
+    """
     config = model.config
     cfg = config.to_dict()
     cfg.pop("_name_or_path", None)
@@ -37,8 +42,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     for p in (params[0], params[len(params) // 2], params[-1]):
         sample = p.detach().reshape(-1)[:4096].to("cpu", torch.float64)
         h.update(sample.numpy().tobytes())
-    name = getattr(config, "name_or_path", "") or config.model_type
-    return f"{name}@{h.hexdigest()[:16]}"
+    return f"{config.model_type}@{h.hexdigest()[:16]}"
 
 
 def namespace_for(model: torch.nn.Module, salt: str | None = None) -> Namespace:

@@ -113,6 +113,24 @@ class RadixTree:
             return _EMPTY, np.zeros(0, dtype=SLOT_DTYPE)
         return np.concatenate(tokens[::-1]), np.concatenate(slots[::-1])
 
+    def continuation(self, match: Match, max_tokens: int) -> np.ndarray:
+        """Up to `max_tokens` resident tokens that follow `match`, taking the most recently used
+        branch at each fork (what the last request with this prefix went on to say)."""
+        node, offset, out = match.node, match.node_offset, []
+        remaining = max_tokens
+        while remaining > 0:
+            if offset < len(node.tokens):
+                run = node.tokens[offset : offset + remaining]
+                out.append(run)
+                remaining -= len(run)
+                offset += len(run)
+                continue
+            if not node.children:
+                break
+            node = max(node.children.values(), key=lambda child: child.last_access)
+            offset = 0
+        return np.concatenate(out) if out else _EMPTY
+
     def iter_nodes(self) -> Iterator[Node]:
         stack = [r for r in self.roots.values()]
         while stack:

@@ -193,6 +193,15 @@ class KVCacheTrie:
         with self._lock:
             return self._tree.match(self.namespace.with_salt(salt).key, ids, touch=False).length
 
+    def continuation(self, token_ids: TokenIds, max_tokens: int, *, salt: str | None = None) -> list[int]:
+        """Tokens the trie holds right after all of `token_ids` (empty unless all are resident)."""
+        ids = as_token_array(token_ids)
+        with self._lock:
+            m = self._tree.match(self.namespace.with_salt(salt).key, ids, touch=False)
+            if m.length < len(ids) or max_tokens <= 0:
+                return []
+            return self._tree.continuation(m, max_tokens).tolist()
+
     # ---- mutations -------------------------------------------------------------------------
 
     def insert(self, token_ids: TokenIds, past, *, salt: str | None = None) -> int:

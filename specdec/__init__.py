@@ -1,0 +1,20 @@
+"""Speculative decoding over the kvblocks prefix cache (imported as `kvblocks.specdec`)."""
+
+from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, Proposal, TrieDrafter, truncated_model
+from .generator import Round, SpecStats, SpeculativeGenerator
+from .verify import acceptance_probability, residual, verify
+
+__all__ = [
+    "Drafter",
+    "ModelDrafter",
+    "PromptLookupDrafter",
+    "Proposal",
+    "Round",
+    "SpecStats",
+    "SpeculativeGenerator",
+    "TrieDrafter",
+    "acceptance_probability",
+    "residual",
+    "truncated_model",
+    "verify",
+]

@@ -1,0 +1,170 @@
+"""SpeculativeGenerator: draft/verify decoding over the prefix cache, exact by construction.
+
+Each round: the drafter proposes up to gamma tokens from the committed sequence; the target runs
+once over [uncomputed committed tokens] + drafts and `verify` accepts a prefix of the drafts plus
+one token of its own. Both caches are then cropped to len(committed) - 1 (roll back by target
+length, never by deltas), so rejected drafts vanish. Only committed tokens reach either trie, when
+the request ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvblocks.adapters import hf
+from kvblocks.generator import CachedGenerator, DecodeState
+from kvblocks.sampling import SamplingParams, distribution
+from kvblocks.trie import KVCacheTrie
+
+from .drafters import Drafter, Proposal
+from .verify import verify
+
+_NO_DRAFT = Proposal([], None)
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Acceptance figures of one request (see DESIGN.md: report alpha, not an "acceptance rate")."""
+
+    gamma: int
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejected_rounds: int = 0
+    emitted: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    @property
+    def alpha(self) -> float:
+        """MLE of the per-token acceptance probability: sum(n) / (sum(n) + rounds with a rejection)."""
+        denom = self.accepted + self.rejected_rounds
+        return self.accepted / denom if denom else 0.0
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Mean tokens committed per target call (accepted drafts + the target's own token)."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    @property
+    def draft_efficiency(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += accepted + 1
+        self.rejected_rounds += accepted < drafted
+        grow = drafted - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    def as_dict(self) -> dict:
+        return {
+            "gamma": self.gamma,
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "rejected_rounds": self.rejected_rounds,
+            "alpha": self.alpha,
+            "tokens_per_call": self.tokens_per_call,
+            "draft_efficiency": self.draft_efficiency,
+            "acceptance_by_position": self.acceptance_by_position,
+        }
+
+
+@dataclass(slots=True, frozen=True)
+class Round:
+    """What one round did, for observers (tests check cache invariants after every round)."""
+
+    committed: list[int]
+    drafts: list[int]
+    accepted: int
+    token: int
+    target_past: object
+
+
+class SpeculativeGenerator(CachedGenerator):
+    """`CachedGenerator` whose decode step is draft + verify. Same call shape and result, plus `r.spec`.
+
+    `adaptive=True` grows gamma by one after a fully accepted round and shrinks it by one after a
+    rejection, within [1, max_gamma].
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        cache: KVCacheTrie | None,
+        drafter: Drafter,
+        gamma: int = 4,
+        *,
+        adaptive: bool = False,
+        max_gamma: int = 16,
+        on_round: Callable[[Round], None] | None = None,
+    ) -> None:
+        super().__init__(model, tokenizer, cache)
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.drafter = drafter
+        self.gamma = gamma
+        self.adaptive = adaptive
+        self.max_gamma = max(max_gamma, gamma)
+        self.on_round = on_round
+
+    def _decode(
+        self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None
+    ) -> Iterator[int]:
+        stats = run.spec = SpecStats(self.gamma)
+        committed = list(ids)
+        gamma = self.gamma
+        self.drafter.begin(ids, run.salt)
+        try:
+            while True:
+                room = (
+                    gamma if self.max_context is None else min(gamma, self.max_context - len(committed) - 1)
+                )
+                proposal = self.drafter.propose(committed, room, params, rng) if room > 0 else _NO_DRAFT
+                drafts = proposal.tokens[: max(room, 0)]
+                feed = committed[run.computed :] + drafts
+                logits = self.runner.forward(feed, run.past, keep=len(drafts) + 1)
+                p = distribution(logits, params)
+                q = None if proposal.q is None else _match_vocab(proposal.q[: len(drafts)], p.shape[-1])
+                n, token = verify(p, drafts, q, params.greedy, rng)
+                new = [*drafts[:n], token]
+                committed.extend(new)
+                hf.crop(run.past, len(committed) - 1)
+                run.computed = len(committed) - 1
+                self.drafter.rollback(len(committed) - 1)
+                stats.record(len(drafts), n)
+                if run.logits is not None:
+                    run.logits.extend(row.detach().clone() for row in logits[: n + 1])
+                if self.on_round is not None:
+                    self.on_round(Round(list(committed), drafts, n, token, run.past))
+                if self.adaptive and drafts:
+                    gamma = min(gamma + 1, self.max_gamma) if n == len(drafts) else max(gamma - 1, 1)
+                yield from new
+        finally:
+            self.drafter.end(run.sequence)
+
+
+def _match_vocab(q: torch.Tensor, size: int) -> torch.Tensor:
+    """Drafter and target may pad their vocabularies differently; align q to the target's."""
+    if q.shape[-1] == size:
+        return q
+    if q.shape[-1] > size:
+        q = q[..., :size]
+        return q / q.sum(dim=-1, keepdim=True)
+    return torch.nn.functional.pad(q, (0, size - q.shape[-1]))
