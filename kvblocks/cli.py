@@ -28,6 +28,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="device KV pool size: tokens (e.g. 200000) or bytes with a unit (e.g. 512MiB, 2GiB); default 1GiB",
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--redis", default=None, metavar="URL", help="spill tier, e.g. redis://127.0.0.1:6379/0")
+    p.add_argument("--redis-chunk-tokens", type=int, default=64, help="tokens per Redis chunk (default 64)")
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    from kvblocks.specdec.factory import DRAFT_HELP
+
+    p.add_argument("--draft", default=None, help=f"speculative decoding with this {DRAFT_HELP}")
+    p.add_argument("--gamma", type=int, default=4, help="drafts per round (default 4)")
+    p.add_argument(
+        "--adaptive-gamma", action="store_true", help="grow gamma on full acceptance, shrink on rejection"
+    )
 
 
 def parse_capacity(text: str) -> dict[str, int]:
@@ -51,19 +63,48 @@ def load_stack(args: argparse.Namespace):
 
     torch.set_num_threads(max(1, args.threads))
     capacity = parse_capacity(args.capacity)
+    spill = None
+    if args.redis:
+        from kvblocks.redis_tier import RedisTier
+
+        try:
+            spill = RedisTier(args.redis, chunk_tokens=args.redis_chunk_tokens)
+        except ValueError as exc:
+            raise UserError(f"--redis: {exc}") from exc
     try:
         model, tokenizer = models.load(args.model, args.dtype, args.device)
-        cache = KVCacheTrie.for_model(model, **capacity)
-    except (models.ModelLoadError, UnsupportedModelError) as exc:
+        cache = KVCacheTrie.for_model(model, **capacity, spill=spill)
+    except (models.ModelLoadError, UnsupportedModelError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     return model, tokenizer, cache
+
+
+def make_generator(args: argparse.Namespace, model, tokenizer, cache, on_round=None):
+    """A CachedGenerator, or a SpeculativeGenerator when --draft is given."""
+    from kvblocks import CachedGenerator
+
+    if not getattr(args, "draft", None):
+        return CachedGenerator(model, tokenizer, cache)
+    from kvblocks.specdec import SpeculativeGenerator
+    from kvblocks.specdec.factory import DraftSpecError, build_drafter
+
+    try:
+        drafter = build_drafter(
+            args.draft, model, cache, parse_capacity(args.capacity), args.dtype, args.device
+        )
+    except DraftSpecError as exc:
+        raise UserError(str(exc)) from exc
+    return SpeculativeGenerator(
+        model, tokenizer, cache, drafter, gamma=args.gamma, adaptive=args.adaptive_gamma, on_round=on_round
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvblocks import CachedGenerator, PromptError
 
     model, tokenizer, cache = load_stack(args)
-    gen = CachedGenerator(model, tokenizer, cache)
+    show = DraftPainter(tokenizer) if args.show_drafts and args.draft else None
+    gen = make_generator(args, model, tokenizer, cache, on_round=show)
     prompts = list(args.prompt)
     if not prompts:
         if sys.stdin.isatty():
@@ -83,12 +124,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
             result = None
             for piece in stream:
-                sys.stdout.write(piece.text)
-                sys.stdout.flush()
+                if show is None:
+                    sys.stdout.write(piece.text)
+                    sys.stdout.flush()
                 result = piece.result
         except (PromptError, ValueError) as exc:
             raise UserError(str(exc)) from exc
         sys.stdout.write("\n")
+        if result.spec is not None:
+            baseline = CachedGenerator(model, tokenizer, cache).generate(
+                request, max_new_tokens=len(result.token_ids), temperature=args.temperature, seed=args.seed
+            )
+            print(_spec_line(result, baseline), file=sys.stderr)
         summary = {
             "prompt_tokens": result.prompt_tokens,
             "cached_tokens": result.cached_tokens,
@@ -99,6 +146,73 @@ def cmd_generate(args: argparse.Namespace) -> int:
         }
         print(json.dumps(summary) if args.json else _summary_line(summary), file=sys.stderr)
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvblocks import models
+    from kvblocks.engine import Engine
+    from kvblocks.server import ServerConfig, create_app
+
+    api_key = args.api_key or os.environ.get("KVBLOCKS_API_KEY") or None
+    model, tokenizer, cache = load_stack(args)
+    gen = make_generator(args, model, tokenizer, cache)
+    name = args.served_model_name or (models.DEFAULT_MODEL if args.model is None else args.model.rstrip("/"))
+    engine = Engine(gen).start()
+    app = create_app(engine, ServerConfig(name, api_key, args.default_max_tokens))
+    stats = cache.stats()
+    print(
+        f"kvblocks: serving {name} on http://{args.host}:{args.port} "
+        f"(cache {stats['capacity_tokens']} tokens, {stats['capacity_bytes'] / 2**20:.0f} MiB"
+        f"{', redis ' + args.redis if args.redis else ''}{', draft ' + args.draft if args.draft else ''}"
+        f"{', API key required' if api_key else ''})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.stop()
+        cache.close()
+    return 0
+
+
+def _decode_rate(r) -> float:
+    """Tokens/s after the first token (prefill excluded, so cached and uncached runs compare)."""
+    span = r.total_s - r.ttft_s
+    return (len(r.token_ids) - 1) / span if span > 0 and len(r.token_ids) > 1 else 0.0
+
+
+def _spec_line(r, baseline) -> str:
+    s = r.spec
+    fast, slow = _decode_rate(r), _decode_rate(baseline)
+    ratio = f"{fast / slow:.2f}x" if slow else "n/a"
+    return (
+        f"[speculative: {s.rounds} rounds, {s.drafted} drafted, {s.accepted} accepted, alpha {s.alpha:.3f}, "
+        f"{s.tokens_per_call:.2f} tokens/target call, draft efficiency {s.draft_efficiency:.3f}; "
+        f"decode {fast:.1f} tok/s vs target-only {slow:.1f} tok/s ({ratio})]"
+    )
+
+
+class DraftPainter:
+    """--show-drafts: accepted drafts green, rejected drafts red and struck through, the target's
+    own token (correction or bonus) yellow."""
+
+    GREEN, RED, YELLOW, RESET = "\x1b[32m", "\x1b[9;31m", "\x1b[1;33m", "\x1b[0m"
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, rnd) -> None:
+        piece = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        n = rnd.accepted
+        out = self.GREEN + piece(rnd.drafts[:n]) + self.RESET
+        if n < len(rnd.drafts):
+            out += self.RED + piece(rnd.drafts[n:]) + self.RESET
+        out += self.YELLOW + piece([rnd.token]) + self.RESET
+        sys.stdout.write(out)
+        sys.stdout.flush()
 
 
 def _messages(system: str | None, prompt: str) -> list[dict]:
@@ -135,8 +249,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print the per-request summary as JSON on stderr")
+    add_draft_args(g)
+    g.add_argument(
+        "--show-drafts",
+        action="store_true",
+        help="colour accepted drafts (green), rejected drafts (red) and the target's own tokens (yellow)",
+    )
     g.set_defaults(func=cmd_generate)
 
+    sv = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with prefix reuse",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /metrics and cache inspection.",
+    )
+    add_model_args(sv)
+    add_draft_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set KVBLOCKS_API_KEY)"
+    )
+    sv.add_argument(
+        "--served-model-name", default=None, help="model id clients send (default: the model's name)"
+    )
+    sv.add_argument(
+        "--default-max-tokens", type=int, default=256, help="max_tokens when a chat request omits it"
+    )
+    sv.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    sv.set_defaults(func=cmd_serve)
+
+    from kvblocks.inspect_cli import add_inspect_parsers
+
+    add_inspect_parsers(sub)
+
+    from kvblocks.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

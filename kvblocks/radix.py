@@ -69,6 +69,7 @@ class RadixTree:
         self.num_nodes = 0
         self._clock = 0
         self._leaves: set[Node] = set()
+        self._root_keys: dict[int, Hashable] = {}
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -77,7 +78,13 @@ class RadixTree:
         if root is None:
             root = Node(_EMPTY, np.zeros(0, dtype=SLOT_DTYPE), None)
             self.roots[namespace] = root
+            self._root_keys[id(root)] = namespace
         return root
+
+    def namespace_of(self, node: Node) -> Hashable:
+        while node.parent is not None:
+            node = node.parent
+        return self._root_keys[id(node)]
 
     def match(self, namespace: Hashable, ids: np.ndarray, touch: bool = True) -> Match:
         """Walk the longest resident prefix of `ids`; with `touch`, refresh LRU times on the path."""

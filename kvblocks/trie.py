@@ -12,6 +12,7 @@ import torch
 
 from kvblocks.adapters import hf
 from kvblocks.chunks import ChunkLayout
+from kvblocks.explain import EvictionLedger
 from kvblocks.namespace import Namespace, namespace_for
 from kvblocks.pool import KVPool, LayerShape
 from kvblocks.radix import TOKEN_DTYPE, Match, Node, RadixTree
@@ -115,6 +116,7 @@ class KVCacheTrie:
         self._tree = RadixTree()
         self._lock = threading.RLock()
         self._counters = Counters()
+        self._ledger = EvictionLedger()
         self.max_pinned_tokens = capacity_tokens // 2 if max_pinned_tokens is None else max_pinned_tokens
         self.spill = spill
         if spill is not None:
@@ -202,6 +204,69 @@ class KVCacheTrie:
                 return []
             return self._tree.continuation(m, max_tokens).tolist()
 
+    def evicted_length(self, token_ids: TokenIds, after: int, *, salt: str | None = None) -> int:
+        """Longest prefix of `token_ids` beyond `after` tokens that was cached once and evicted."""
+        ids = as_token_array(token_ids)
+        with self._lock:
+            return self._ledger.longest_evicted(self.namespace.with_salt(salt).key, ids, after)
+
+    def other_namespace_lengths(self, token_ids: TokenIds, *, salt: str | None = None) -> dict[str, int]:
+        """Resident prefix length of `token_ids` in every other namespace of this trie."""
+        ids = as_token_array(token_ids)
+        own = self.namespace.with_salt(salt).key
+        with self._lock:
+            keys = [k for k in self._tree.roots if k != own]
+            return {k: self._tree.match(k, ids, touch=False).length for k in keys}
+
+    def top_prefixes(self, limit: int = 10) -> list[dict]:
+        """The most-hit cached prefixes: ids from the start, length, hit count, namespace key."""
+        with self._lock:
+            nodes = sorted(self._tree.iter_nodes(), key=lambda n: (n.hits, n.last_access), reverse=True)[
+                :limit
+            ]
+            out = []
+            for node in nodes:
+                ids, _ = self._tree.path(node)
+                out.append(
+                    {
+                        "namespace": self._tree.namespace_of(node),
+                        "length": len(ids),
+                        "hits": node.hits,
+                        "pinned": node.pin_ref > 0,
+                        "token_ids": ids.tolist(),
+                    }
+                )
+            return out
+
+    def tree(self, max_nodes: int = 200) -> list[dict]:
+        """The trie's shape, breadth-first: each node's parent, run length, prefix length, hits."""
+        with self._lock:
+            out: list[dict] = []
+            queue = [(key, None, root, 0) for key, root in self._tree.roots.items()]
+            index = {}
+            while queue and len(out) < max_nodes:
+                key, parent, node, depth = queue.pop(0)
+                if node.parent is not None:
+                    index[id(node)] = len(out)
+                    out.append(
+                        {
+                            "id": len(out),
+                            "parent": parent,
+                            "namespace": key,
+                            "first_token": int(node.tokens[0]),
+                            "run": len(node.tokens),
+                            "prefix_length": depth + len(node.tokens),
+                            "hits": node.hits,
+                            "locked": node.lock_ref > 0,
+                            "pinned": node.pin_ref > 0,
+                            "run_ids": node.tokens[:16].tolist(),
+                        }
+                    )
+                child_depth = depth + len(node.tokens)
+                for child in node.children.values():
+                    queue.append((key, index.get(id(node)), child, child_depth))
+            return out
+
     # ---- mutations -------------------------------------------------------------------------
 
     def insert(self, token_ids: TokenIds, past, *, salt: str | None = None) -> int:
@@ -264,19 +329,18 @@ class KVCacheTrie:
             return self._evict(num_tokens)
 
     def _evict(self, num_tokens: int) -> int:
-        before_trim = self._write_back if self.spill is not None and self.spill.write_mode == "back" else None
-        freed = self._tree.evict(num_tokens, before_trim)
+        freed = self._tree.evict(num_tokens, self._before_trim)
         self._pool.release(freed)
         self._counters.evicted_tokens += len(freed)
         return len(freed)
 
-    def _write_back(self, node: Node, count: int) -> None:
+    def _before_trim(self, node: Node, count: int) -> None:
+        """Remember what is evicted (for `explain`) and, in write-back mode, spill it first."""
+        ns_key = self._tree.namespace_of(node)
         ids, slots = self._tree.path(node)
-        root = node
-        while root.parent is not None:
-            root = root.parent
-        ns_key = next(k for k, r in self._tree.roots.items() if r is root)
-        self.spill.on_evict(ns_key, ids, len(ids) - count, lambda a, b: self._gather(slots[a:b]))
+        self._ledger.record(ns_key, ids, len(ids) - count)
+        if self.spill is not None and self.spill.write_mode == "back":
+            self.spill.on_evict(ns_key, ids, len(ids) - count, lambda a, b: self._gather(slots[a:b]))
 
     def pin(self, token_ids: TokenIds, *, salt: str | None = None) -> int:
         """Exempt the resident prefix of `token_ids` from eviction; returns the pinned length."""

@@ -1,0 +1,133 @@
+"""Why did a prompt miss? The longest cached match, where it diverges, and the reason.
+
+Reasons, checked in this order:
+- `cached`: everything but the last token is cached (the last one is always recomputed);
+- `evicted`: the cache held a longer prefix of this prompt once and evicted it;
+- `namespace_mismatch`: another namespace (another salt/tenant, model or dtype) holds a longer prefix;
+- `tokenization_boundary`: the cache continues with different ids that spell the same text (a
+  prefix tokenised alone, e.g. a system prompt ending in a space, then reused inside a longer text);
+- `never_seen`: nothing cached continues this prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+LEDGER_GRANULARITY = 16
+
+
+class EvictionLedger:
+    """Bounded memory of evicted prefixes: hashes of (namespace, ids[:p]) at every 16th position.
+
+    Only used to explain misses; it never serves KV.
+    """
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+
+    def record(self, namespace_key: str, ids: np.ndarray, evicted_from: int) -> None:
+        for digest in _checkpoint_hashes(namespace_key, ids, first=evicted_from + 1):
+            self._seen[digest] = None
+            self._seen.move_to_end(digest)
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+
+    def longest_evicted(self, namespace_key: str, ids: np.ndarray, after: int) -> int:
+        """Longest checkpoint p > `after` whose prefix ids[:p] was evicted (0 if none)."""
+        best = 0
+        for p, digest in zip(
+            _checkpoints(len(ids), after + 1), _checkpoint_hashes(namespace_key, ids, after + 1)
+        ):
+            if digest in self._seen:
+                best = p
+        return best
+
+
+def _checkpoints(length: int, first: int) -> list[int]:
+    g = LEDGER_GRANULARITY
+    return list(range(max(g, -(-first // g) * g), length + 1, g))
+
+
+def _checkpoint_hashes(namespace_key: str, ids: np.ndarray, first: int) -> list[bytes]:
+    data = np.ascontiguousarray(ids, dtype="<i4")
+    h = hashlib.blake2b(namespace_key.encode(), digest_size=12)
+    out, done = [], 0
+    for p in _checkpoints(len(data), first):
+        h.update(data[done:p].tobytes())
+        done = p
+        out.append(h.copy().digest())
+    return out
+
+
+@dataclass(slots=True)
+class Explanation:
+    reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    divergence: int | None
+    detail: str
+    prompt_side: list[dict]
+    cached_side: list[dict]
+    before: list[dict]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _pieces(tokenizer, ids: list[int], start: int) -> list[dict]:
+    return [
+        {"position": start + i, "id": int(t), "text": tokenizer.decode([int(t)], skip_special_tokens=False)}
+        for i, t in enumerate(ids)
+    ]
+
+
+def explain(cache, tokenizer, ids: list[int], *, salt: str | None = None, window: int = 8) -> Explanation:
+    """Explain how much of `ids` the cache holds and why the rest missed."""
+    arr = np.asarray(ids, dtype=np.int32)
+    n = len(arr)
+    matched = cache.cached_length(arr, salt=salt)
+    usable = min(matched, max(n - 1, 0))
+    before = _pieces(tokenizer, ids[max(0, matched - window) : matched], max(0, matched - window))
+    if matched >= n - 1:
+        return Explanation(
+            "cached", n, usable, None, "every prompt token but the last is cached", [], [], before
+        )
+    prompt_side = _pieces(tokenizer, ids[matched : matched + window], matched)
+    cached_next = cache.continuation(arr[:matched], window, salt=salt)
+    cached_side = _pieces(tokenizer, cached_next, matched)
+    evicted = cache.evicted_length(arr, matched, salt=salt)
+    others = cache.other_namespace_lengths(arr, salt=salt)
+    best_other = max(others.values(), default=0)
+    if evicted > matched:
+        reason, detail = "evicted", f"the first {evicted} tokens were cached before and evicted"
+    elif best_other > matched:
+        reason, detail = (
+            "namespace_mismatch",
+            f"another namespace (salt, model or dtype) holds {best_other} tokens of this prompt",
+        )
+    elif cached_next and _same_text(tokenizer, ids[matched:], cached_next):
+        reason, detail = (
+            "tokenization_boundary",
+            "the cache continues with different token ids for the same text: the prefix was tokenised "
+            "apart from what follows it; send token ids, or tokenise the whole prompt",
+        )
+    else:
+        reason = "never_seen"
+        detail = (
+            "nothing cached continues this prompt"
+            if matched == 0
+            else f"the cache holds the first {matched} tokens; the prompt goes on differently"
+        )
+    return Explanation(reason, n, usable, matched, detail, prompt_side, cached_side, before)
+
+
+def _same_text(tokenizer, prompt_tail: list[int], cached_tail: list[int]) -> bool:
+    a = tokenizer.decode(prompt_tail[:8], skip_special_tokens=False)
+    b = tokenizer.decode(cached_tail[:8], skip_special_tokens=False)
+    k = min(len(a), len(b))
+    return k > 0 and a[:k] == b[:k]

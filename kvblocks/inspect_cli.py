@@ -1,0 +1,281 @@
+"""`kvblocks stats / inspect / explain`: a client of a running `kvblocks serve` (HTTP only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import httpx
+
+from kvblocks.cli import UserError
+
+
+def add_inspect_parsers(sub) -> None:
+    st = sub.add_parser("stats", help="hit rates per tier, tokens saved, occupancy of a running server")
+    _client_args(st)
+    st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                    help="refresh every SECONDS (default 2) with rates over the last interval")  # fmt: skip
+    st.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="sample for --duration s and plot hit rate and occupancy",
+    )
+    st.add_argument("--duration", type=float, default=30.0, help="seconds to sample for --plot (default 30)")
+    st.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between samples for --plot (default 1)"
+    )
+    st.add_argument("--json", action="store_true", help="print the raw stats JSON")
+    st.set_defaults(func=cmd_stats)
+
+    ins = sub.add_parser("inspect", help="top cached prefixes and the shape of the trie")
+    _client_args(ins)
+    ins.add_argument("--top", type=int, default=10, help="how many prefixes (default 10)")
+    ins.add_argument("--tree", action="store_true", help="also draw the trie")
+    ins.add_argument("--max-nodes", type=int, default=60, help="nodes drawn with --tree (default 60)")
+    ins.set_defaults(func=cmd_inspect)
+
+    ex = sub.add_parser("explain", help="why a prompt missed the cache: longest match, divergence, reason")
+    _client_args(ex)
+    ex.add_argument("prompt", help="the prompt text (a user message unless --raw)")
+    ex.add_argument("--system", default=None, help="system message (chat prompts)")
+    ex.add_argument("--raw", action="store_true", help="explain the plain text, without the chat template")
+    ex.add_argument("--salt", default=None, help="the request's cache_salt")
+    ex.add_argument("--json", action="store_true", help="print the raw explanation JSON")
+    ex.set_defaults(func=cmd_explain)
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=os.environ.get("KVBLOCKS_URL", "http://127.0.0.1:8000"),
+                   help="server address (default $KVBLOCKS_URL or http://127.0.0.1:8000)")  # fmt: skip
+    p.add_argument("--api-key", default=None, help="API key (default $KVBLOCKS_API_KEY)")
+
+
+class Client:
+    def __init__(self, args: argparse.Namespace) -> None:
+        key = args.api_key or os.environ.get("KVBLOCKS_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.url = args.url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=30.0)
+
+    def call(self, method: str, path: str, **kwargs) -> dict:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise UserError(
+                f"cannot reach a kvblocks server at {self.url} ({exc.__class__.__name__}); is `kvblocks serve` running?"
+            ) from exc
+        if response.status_code == 401:
+            raise UserError(
+                f"the server at {self.url} rejected the API key (set --api-key or KVBLOCKS_API_KEY)"
+            )
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise UserError(
+                f"{self.url}{path} did not answer with JSON (HTTP {response.status_code})"
+            ) from exc
+        if response.status_code >= 400:
+            message = (
+                body.get("error", {}).get("message", response.text)
+                if isinstance(body, dict)
+                else response.text
+            )
+            raise UserError(f"server answered {response.status_code}: {message}")
+        return body
+
+
+# ---- stats -----------------------------------------------------------------------------------
+
+
+def _rates(now: dict, before: dict | None) -> dict:
+    """Hit rates per tier from counter deltas (since start when `before` is None)."""
+    c0 = (before or {}).get("cache") or {}
+    c1 = now.get("cache") or {}
+    d = {k: c1.get(k, 0) - c0.get(k, 0) for k in c1 if isinstance(c1.get(k), int | float)}
+    queried = d.get("queried_tokens", 0)
+    spill = d.get("spill_hit_tokens", 0)
+    device = d.get("hit_tokens", 0) - spill
+    return {
+        "queries": d.get("queries", 0),
+        "queried_tokens": queried,
+        "device_hit_rate": device / queried if queried else 0.0,
+        "redis_hit_rate": spill / queried if queried else 0.0,
+        "hit_rate": (device + spill) / queried if queried else 0.0,
+        "tokens_saved": device + spill,
+        "occupancy": c1.get("resident_tokens", 0) / c1["capacity_tokens"]
+        if c1.get("capacity_tokens")
+        else 0.0,
+        "resident_tokens": c1.get("resident_tokens", 0),
+        "capacity_tokens": c1.get("capacity_tokens", 0),
+        "evicted_tokens": d.get("evicted_tokens", 0),
+        "redis_errors": d.get("redis_errors"),
+        "redis_verify_failures": d.get("redis_verify_failures"),
+    }
+
+
+def _stats_table(now: dict, r: dict, title: str):
+    from rich.table import Table
+
+    t = Table(title=title, show_header=True, header_style="bold")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("model", str(now.get("model")))
+    t.add_row("requests (lookups)", f"{r['queries']:,}")
+    t.add_row("prompt tokens looked up", f"{r['queried_tokens']:,}")
+    t.add_row("hit rate, device", f"{r['device_hit_rate']:.1%}")
+    if r["redis_errors"] is not None:
+        t.add_row("hit rate, redis", f"{r['redis_hit_rate']:.1%}")
+    t.add_row("hit rate, total", f"[bold]{r['hit_rate']:.1%}[/bold]")
+    t.add_row("prefill tokens saved", f"{r['tokens_saved']:,}")
+    t.add_row(
+        "occupancy", f"{r['resident_tokens']:,} / {r['capacity_tokens']:,} tokens ({r['occupancy']:.1%})"
+    )
+    t.add_row("evicted tokens", f"{r['evicted_tokens']:,}")
+    if r["redis_errors"] is not None:
+        t.add_row("redis errors / verify failures", f"{r['redis_errors']:,} / {r['redis_verify_failures']:,}")
+    engine = now.get("engine", {})
+    t.add_row("engine active / queued", f"{engine.get('active', 0)} / {engine.get('queued', 0)}")
+    return t
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    client = Client(args)
+    console = Console()
+    first = client.call("GET", "/v1/cache/stats")
+    if args.json:
+        print(json.dumps(first, indent=2))
+        return 0
+    if args.plot:
+        return _plot(client, args, first)
+    if args.watch is None:
+        console.print(_stats_table(first, _rates(first, None), "kvblocks cache (since server start)"))
+        return 0
+    before = first
+    with Live(
+        _stats_table(first, _rates(first, None), "since start"), console=console, refresh_per_second=4
+    ) as live:
+        try:
+            while True:
+                time.sleep(args.watch)
+                now = client.call("GET", "/v1/cache/stats")
+                live.update(_stats_table(now, _rates(now, before), f"last {args.watch:g} s (Ctrl-C to stop)"))
+                before = now
+        except KeyboardInterrupt:
+            return 0
+
+
+def _plot(client: Client, args: argparse.Namespace, first: dict) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times, hit, occ = [], [], []
+    before, t0 = first, time.monotonic()
+    try:
+        while time.monotonic() - t0 < args.duration:
+            time.sleep(args.interval)
+            now = client.call("GET", "/v1/cache/stats")
+            r = _rates(now, before)
+            times.append(time.monotonic() - t0)
+            hit.append(r["hit_rate"] * 100 if r["queried_tokens"] else float("nan"))
+            occ.append(r["occupancy"] * 100)
+            before = now
+            print(f"\rsampling {times[-1]:.0f}/{args.duration:g} s", end="", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+    print(file=sys.stderr)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(times, hit, label="hit rate (per interval)", marker=".")
+    ax.plot(times, occ, label="device pool occupancy", linestyle="--")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("%")
+    ax.set_ylim(0, 105)
+    ax.legend()
+    ax.set_title(f"kvblocks cache — {first.get('model')}")
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+# ---- inspect ---------------------------------------------------------------------------------
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.tree import Tree
+
+    client = Client(args)
+    body = client.call(
+        "GET",
+        "/v1/cache/prefixes",
+        params={"limit": args.top, "tree": args.tree, "max_nodes": args.max_nodes},
+    )
+    console = Console()
+    t = Table(title="top cached prefixes", header_style="bold")
+    for col, justify in (
+        ("hits", "right"),
+        ("tokens", "right"),
+        ("pinned", "center"),
+        ("namespace", "left"),
+        ("preview", "left"),
+    ):
+        t.add_column(col, justify=justify)
+    for p in body["prefixes"]:
+        t.add_row(
+            str(p["hits"]),
+            str(p["length"]),
+            "yes" if p["pinned"] else "",
+            p["namespace"][:8],
+            repr(p["preview"])[1:-1][:100],
+        )
+    console.print(t)
+    if args.tree:
+        root = Tree("[bold]trie[/bold]")
+        branches = {}
+        for node in body["tree"]:
+            label = (f"[cyan]{node['run']}[/cyan] tok (to {node['prefix_length']}) hits={node['hits']}"
+                     f"{' [red]locked[/red]' if node['locked'] else ''}{' [yellow]pinned[/yellow]' if node['pinned'] else ''}"
+                     f"  {repr(node['preview'])[1:-1][:60]}")  # fmt: skip
+            parent = branches.get(node["parent"], root)
+            branches[node["id"]] = parent.add(label)
+        console.print(root)
+    return 0
+
+
+# ---- explain ---------------------------------------------------------------------------------
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    client = Client(args)
+    if args.raw:
+        payload: dict = {"prompt": args.prompt}
+    else:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        payload = {"messages": [*system, {"role": "user", "content": args.prompt}]}
+    payload["cache_salt"] = args.salt
+    e = client.call("POST", "/v1/cache/explain", json=payload)
+    if args.json:
+        print(json.dumps(e, indent=2))
+        return 0
+    console = Console(highlight=False)
+    console.print(f"[bold]{e['reason']}[/bold]: {e['detail']}")
+    console.print(f"cached {e['cached_tokens']} of {e['prompt_tokens']} prompt tokens")
+    if e["divergence"] is not None:
+        console.print(f"diverges at token {e['divergence']}:")
+        show = lambda pieces: " ".join(f"{p['id']}:{p['text']!r}" for p in pieces) or "(nothing)"  # noqa: E731
+        console.print(f"  before     {show(e['before'])}")
+        console.print(f"  prompt  -> [red]{show(e['prompt_side'])}[/red]")
+        console.print(f"  cached  -> [green]{show(e['cached_side'])}[/green]")
+    return 0
