@@ -3,6 +3,7 @@
 from kvblocks.adapters.hf import UnsupportedModelError
 from kvblocks.generator import CachedGenerator, GenerationResult, Piece, PromptTooLongError
 from kvblocks.namespace import Namespace
+from kvblocks.redis_tier import RedisTier
 from kvblocks.sampling import SamplingParams
 from kvblocks.text import PromptError
 from kvblocks.trie import Hit, KVCacheTrie, PinLimitError
@@ -17,6 +18,7 @@ __all__ = [
     "PinLimitError",
     "PromptError",
     "PromptTooLongError",
+    "RedisTier",
     "SamplingParams",
     "UnsupportedModelError",
 ]
