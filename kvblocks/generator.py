@@ -152,7 +152,9 @@ class CachedGenerator:
         rng = None if params.greedy else make_generator(self.runner.device, seed)
         text = StopTextAssembler(self.tokenizer, stops)
         hit = self.cache.match(ids, salt=salt) if self.cache is not None else None
-        run = DecodeState(list(ids), hit.length if hit is not None else 0, [] if output_logits else None, salt)
+        run = DecodeState(
+            list(ids), hit.length if hit is not None else 0, [] if output_logits else None, salt
+        )
         tokens = None
         try:
             run.past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
@@ -188,16 +190,21 @@ class CachedGenerator:
                 logits=run.logits,
                 spec=run.spec,
             )
-            yield Piece(pending + text.flush(), [generated[-1]], result)
+            final = Piece(pending + text.flush(), [generated[-1]], result)
         finally:
             try:
                 if tokens is not None:
                     tokens.close()
                 if self.cache is not None and run.past is not None:
-                    self.cache.insert(run.sequence[: min(run.computed, len(run.sequence))], run.past, salt=salt)
+                    self.cache.insert(
+                        run.sequence[: min(run.computed, len(run.sequence))], run.past, salt=salt
+                    )
             finally:
                 if hit is not None:
                     hit.release()
+        # Committed before the result is handed over: a consumer that stops at the result piece
+        # (without exhausting the stream) holds no lock, and its next turn hits this one.
+        yield final
 
     def _decode(
         self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None
