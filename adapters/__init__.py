@@ -1,1 +1,2 @@
-"""Bridges between kvblocks and other frameworks; `hf` is the transformers cache adapter."""
+"""Bridges between kvblocks and other frameworks: `hf` adapts transformers caches, `lmcache` reads
+and writes LMCache's Redis chunk format."""

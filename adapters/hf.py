@@ -70,7 +70,14 @@ def check_supported(config) -> None:
     model_type = getattr(config, "model_type", "?")
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     layer_types = set(getattr(text, "layer_types", None) or [])
-    recurrent = layer_types & {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "attention_mamba"}
+    recurrent = layer_types & {
+        "conv",
+        "linear_attention",
+        "hybrid",
+        "hybrid_sliding",
+        "mamba",
+        "attention_mamba",
+    }
     if model_type in RECURRENT_MODEL_TYPES or recurrent:
         raise UnsupportedModelError(
             f"model type '{model_type}' keeps recurrent state in its cache, which cannot be reused per token "
@@ -92,7 +99,9 @@ def describe_layers(model: PreTrainedModel) -> list[LayerSpec]:
     check_supported(config)
     device = next(model.parameters()).device
     probe = empty_cache(config)
-    out = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=probe, use_cache=True)
+    out = model(
+        input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=probe, use_cache=True
+    )
     cache = out.past_key_values
     if not isinstance(cache, DynamicCache) or len(cache.layers) == 0:
         raise UnsupportedModelError(
@@ -189,7 +198,9 @@ def crop(cache: DynamicCache, length: int) -> None:
         if isinstance(layer, DynamicSlidingWindowLayer):
             keep = held - remove
             if keep < min(length, layer.sliding_window - 1):
-                raise ValueError(f"sliding layer {i} cannot roll back {remove} tokens without its recorded past")
+                raise ValueError(
+                    f"sliding layer {i} cannot roll back {remove} tokens without its recorded past"
+                )
             layer.cumulative_length = length
         else:
             keep = length

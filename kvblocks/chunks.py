@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import msgpack
 import numpy as np
@@ -117,3 +118,66 @@ def decode_record(
         out.append(flat[offset : offset + size].view(n, 2, heads, dim).to(device, non_blocking=True))
         offset += size
     return out
+
+
+class ChunkCodec(Protocol):
+    """How a spill tier names, frames and verifies chunks in Redis.
+
+    `NativeCodec` is kvblocks' own format; `kvblocks.adapters.lmcache.LMCacheCodec` reads and
+    writes LMCache's. `decode` raises VerificationError for anything it cannot vouch for.
+    """
+
+    # Whether a value that fails verification may be deleted: only when the format's keys belong
+    # to kvblocks, never when other programs may read the same key with other expectations.
+    delete_invalid: bool
+
+    def bind(self, layout: ChunkLayout, namespace_key: str) -> None: ...
+
+    def chunk_hashes(self, namespace_key: str, ids: np.ndarray, chunk_tokens: int) -> list[str]: ...
+
+    def key(self, namespace_key: str, chunk_hash: str) -> str: ...
+
+    def encode(
+        self, namespace_key: str, tokens: np.ndarray, layout: ChunkLayout, kv: list[torch.Tensor | None]
+    ) -> bytes: ...
+
+    def decode(
+        self,
+        raw: bytes,
+        namespace_key: str,
+        tokens: np.ndarray,
+        layout: ChunkLayout,
+        device: torch.device | str,
+    ) -> list[torch.Tensor | None]: ...
+
+
+@dataclass(slots=True, frozen=True)
+class NativeCodec:
+    """kvblocks' own format: `prefix:vN:namespace:chain-hash` keys, verified msgpack records."""
+
+    key_prefix: str = "kvblocks"
+    delete_invalid: ClassVar[bool] = True
+
+    def bind(self, layout: ChunkLayout, namespace_key: str) -> None:
+        """Every layout is supported."""
+
+    def chunk_hashes(self, namespace_key: str, ids: np.ndarray, chunk_tokens: int) -> list[str]:
+        return chain_hashes(namespace_key, ids, chunk_tokens)
+
+    def key(self, namespace_key: str, chunk_hash: str) -> str:
+        return f"{self.key_prefix}:v{FORMAT_VERSION}:{namespace_key}:{chunk_hash}"
+
+    def encode(
+        self, namespace_key: str, tokens: np.ndarray, layout: ChunkLayout, kv: list[torch.Tensor | None]
+    ) -> bytes:
+        return encode_record(namespace_key, tokens, layout, kv)
+
+    def decode(
+        self,
+        raw: bytes,
+        namespace_key: str,
+        tokens: np.ndarray,
+        layout: ChunkLayout,
+        device: torch.device | str,
+    ) -> list[torch.Tensor | None]:
+        return decode_record(raw, namespace_key, tokens, layout, device)

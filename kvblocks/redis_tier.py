@@ -9,7 +9,6 @@ error; after a failure the tier stays quiet for `retry_interval_s`, then reconne
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -22,7 +21,11 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvblocks.chunks import ChunkLayout, VerificationError, chain_hashes, decode_record, encode_record
+from kvblocks.chunks import ChunkCodec, ChunkLayout, NativeCodec, VerificationError
+
+# What an unreachable or failing Redis raises. RedisClusterException is not a RedisError: a
+# RedisCluster client raises it when no startup node answers.
+REDIS_FAILURES = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 # Reads the tier needs from its trie: (namespace key, ids, start, end) -> per-layer [n, 2, H, D]
 # tensors, or None when those tokens are no longer resident.
@@ -38,6 +41,7 @@ class TierCounters:
     read_bytes: int = 0
     errors: int = 0
     verify_failures: int = 0
+    deleted_invalid: int = 0
     skipped_while_down: int = 0
     write_jobs: int = 0
     write_drops: int = 0
@@ -62,7 +66,7 @@ class RedisTier:
 
     `write_mode="through"` (default) writes every completed chunk as soon as it is cached on the
     device, so other processes can hit at once; `"back"` writes chunks only when the device pool
-    evicts them.
+    evicts them. `codec` picks the key and value format (default: kvblocks' own `NativeCodec`).
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class RedisTier:
         write_mode: str = "through",
         queue_size: int = 64,
         cluster: bool | None = None,
+        codec: ChunkCodec | None = None,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -86,6 +91,7 @@ class RedisTier:
         self.url = url
         self.chunk_tokens = chunk_tokens
         self.key_prefix = key_prefix
+        self.codec = codec if codec is not None else NativeCodec(key_prefix)
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.retry_interval_s = retry_interval_s
         self.write_mode = write_mode
@@ -113,14 +119,17 @@ class RedisTier:
 
     # ---- wiring ----------------------------------------------------------------------------
 
-    def bind(self, layout: ChunkLayout, device: torch.device, read_kv: ReadKV) -> None:
-        """Called once by the owning KVCacheTrie."""
+    def bind(
+        self, layout: ChunkLayout, device: torch.device, read_kv: ReadKV, namespace_key: str = ""
+    ) -> None:
+        """Called once by the owning KVCacheTrie; `namespace_key` is its unsalted namespace."""
         if self._read_kv is not None:
             raise ValueError("a RedisTier belongs to one KVCacheTrie; create one per cache")
+        self.codec.bind(layout, namespace_key)
         self._layout, self._device, self._read_kv = layout, device, read_kv
 
     def key(self, namespace_key: str, chunk_hash: str) -> str:
-        return f"{self.key_prefix}:{namespace_key}:{chunk_hash}"
+        return self.codec.key(namespace_key, chunk_hash)
 
     # ---- read path -------------------------------------------------------------------------
 
@@ -128,7 +137,7 @@ class RedisTier:
         """Longest verified run of chunks continuing a device hit of `start` tokens, within `limit`."""
         c = self.chunk_tokens
         first = start // c
-        hashes = chain_hashes(namespace_key, ids[:limit], c)
+        hashes = self.codec.chunk_hashes(namespace_key, ids[:limit], c)
         if first >= len(hashes):
             return None
         keys = [self.key(namespace_key, h) for h in hashes[first:]]
@@ -149,7 +158,7 @@ class RedisTier:
             for k in keys[:run]:
                 pipe.get(k)
             values = pipe.execute()
-        except redis.RedisError:
+        except REDIS_FAILURES:
             self._mark_down()
             return None
         chunks: list[list[torch.Tensor | None]] = []
@@ -159,10 +168,16 @@ class RedisTier:
             pos = (first + i) * c
             try:
                 chunks.append(
-                    decode_record(raw, namespace_key, ids[pos : pos + c], self._layout, self._device)
+                    self.codec.decode(raw, namespace_key, ids[pos : pos + c], self._layout, self._device)
                 )
             except VerificationError:
+                # The key fixes format version, namespace and tokens, so this value is useless to
+                # every reader: delete it, or write-through (which skips present keys) never
+                # replaces it and the prefix stays broken at this chunk for everyone. A foreign
+                # format's keys (LMCache) are shared with programs that may read them otherwise.
                 self._count(verify_failures=1)
+                if self.codec.delete_invalid:
+                    self._enqueue(("delete", keys[i]))
                 break
             self._count(read_bytes=len(raw))
         if not chunks:
@@ -195,7 +210,7 @@ class RedisTier:
         first, last = evicted_from // c, len(ids) // c
         if first >= last:
             return
-        hashes = chain_hashes(namespace_key, ids[: last * c], c)
+        hashes = self.codec.chunk_hashes(namespace_key, ids[: last * c], c)
         for k in range(first, last):
             kv = [None if t is None else t.to("cpu", copy=True) for t in read(k * c, (k + 1) * c)]
             tokens = ids[k * c : (k + 1) * c].copy()
@@ -215,7 +230,10 @@ class RedisTier:
             }
 
     def close(self) -> None:
+        """Finish queued writes, stop the writer thread and close the connection."""
         self.flush()
+        self._queue.put(None)
+        self._writer.join(timeout=5.0)
         if self._client is not None:
             self._client.close()
 
@@ -231,14 +249,19 @@ class RedisTier:
     def _write_loop(self) -> None:
         while True:
             job = self._queue.get()
+            if job is None:
+                self._queue.task_done()
+                return
             try:
                 if time.monotonic() < self._down_until:
                     self._count(write_drops=1)
                 elif job[0] == "through":
                     self._write_through(*job[1:])
+                elif job[0] == "delete":
+                    self._count(deleted_invalid=self._connection().delete(job[1]))
                 else:
                     self._write_records([job[1:]])
-            except redis.RedisError:
+            except REDIS_FAILURES:
                 self._count(write_errors=1)
                 self._mark_down()
             finally:
@@ -246,7 +269,7 @@ class RedisTier:
 
     def _write_through(self, namespace_key: str, ids: np.ndarray, start: int) -> None:
         c = self.chunk_tokens
-        hashes = chain_hashes(namespace_key, ids, c)
+        hashes = self.codec.chunk_hashes(namespace_key, ids, c)
         wanted = list(range(start // c, len(hashes)))
         keys = [self.key(namespace_key, hashes[k]) for k in wanted]
         pipe = self._connection().pipeline(transaction=False)
@@ -271,7 +294,7 @@ class RedisTier:
         pipe = self._connection().pipeline(transaction=False)
         total = 0
         for key, namespace_key, tokens, kv in records:
-            value = encode_record(namespace_key, tokens, self._layout, kv)
+            value = self.codec.encode(namespace_key, tokens, self._layout, kv)
             total += len(value)
             pipe.set(key, value, px=self.ttl_ms)
         pipe.execute()
@@ -285,10 +308,10 @@ class RedisTier:
     def _mark_down(self) -> None:
         self._count(errors=1)
         self._down_until = time.monotonic() + self.retry_interval_s
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(redis.RedisError):
-                client.close()
+        # Drop the client without closing it: another thread (the writer, or a concurrent
+        # request) may be mid-command on it, and closing its sockets under that thread raises
+        # errors redis-py does not wrap (ValueError). It closes once its last user lets go.
+        self._client = None
 
     def _count(self, **deltas: int) -> None:
         with self._count_lock:

@@ -121,7 +121,7 @@ class KVCacheTrie:
         self.spill = spill
         if spill is not None:
             layers = tuple((0, 0) if s is None else (s.heads, s.head_dim) for s in shapes)
-            spill.bind(ChunkLayout(dtype, layers), self._pool.device, self._read_kv)
+            spill.bind(ChunkLayout(dtype, layers), self._pool.device, self._read_kv, namespace.key)
 
     @classmethod
     def for_model(

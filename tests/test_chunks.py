@@ -1,0 +1,249 @@
+"""Spill-tier chunks: the record codec refuses anything but the exact record, and chain hashes name
+exact prefixes.
+
+A record that decodes must be bit-identical to what was encoded; every other value (another
+version, namespace, token run, dtype or layout, a short or damaged payload, garbage) raises
+VerificationError, which the tier turns into a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvblocks.chunks import (
+    FORMAT_VERSION,
+    ChunkLayout,
+    VerificationError,
+    chain_hashes,
+    decode_record,
+    encode_record,
+)
+
+NS = "ns-a"
+TOKENS = np.arange(100, 108, dtype=np.int32)
+# Layer 1 caches nothing (heads 0), as a layer of kind "none" does.
+LAYOUT = ChunkLayout(torch.float32, ((2, 4), (0, 0), (1, 8)))
+
+
+def random_kv(layout: ChunkLayout, n: int, seed: int = 0) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        None if heads == 0 else torch.randn(n, 2, heads, dim, generator=g).to(layout.dtype)
+        for heads, dim in layout.layers
+    ]
+
+
+def record(**overrides) -> bytes:
+    """A valid record for (NS, TOKENS, LAYOUT), with some fields replaced after encoding."""
+    raw = encode_record(NS, TOKENS, LAYOUT, random_kv(LAYOUT, len(TOKENS)))
+    fields = msgpack.unpackb(raw, raw=False) | overrides
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def decode(raw: bytes, namespace: str = NS, tokens: np.ndarray = TOKENS, layout: ChunkLayout = LAYOUT):
+    return decode_record(raw, namespace, tokens, layout, "cpu")
+
+
+# ---- codec -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_record_round_trip_is_bit_exact(dtype):
+    layout = ChunkLayout(dtype, LAYOUT.layers)
+    kv = random_kv(layout, len(TOKENS), seed=3)
+    out = decode(encode_record(NS, TOKENS, layout, kv), layout=layout)
+    assert out[1] is None
+    for got, want in zip(out, kv):
+        if want is not None:
+            assert got.dtype == dtype
+            assert got.shape == want.shape
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_decoded_tensors_do_not_alias_the_stored_bytes():
+    raw = encode_record(NS, TOKENS, LAYOUT, random_kv(LAYOUT, len(TOKENS)))
+    out = decode(raw)
+    out[0].add_(1.0)
+    assert torch.equal(decode(raw)[2], out[2])
+    assert not torch.equal(decode(raw)[0], out[0])
+
+
+def test_token_ids_of_any_integer_type_encode_alike():
+    kv = random_kv(LAYOUT, len(TOKENS))
+    raws = {encode_record(NS, t, LAYOUT, kv) for t in (TOKENS, TOKENS.astype(np.int64), TOKENS.tolist())}
+    assert len(raws) == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        pytest.param(record(v=FORMAT_VERSION + 1), "version", id="newer-version"),
+        pytest.param(record(v=None), "version", id="no-version"),
+        pytest.param(record(ns="ns-b"), "namespace", id="other-namespace"),
+        pytest.param(record(tokens=(TOKENS + 1).astype("<i4").tobytes()), "tokens", id="other-tokens"),
+        pytest.param(record(tokens=TOKENS[:-1].astype("<i4").tobytes()), "tokens", id="fewer-tokens"),
+        pytest.param(record(dtype="float64"), "dtype", id="other-dtype"),
+        pytest.param(record(shape=[8, [[2, 4], [0, 0], [2, 4]]]), "shape", id="other-heads"),
+        pytest.param(record(shape=[7, [[2, 4], [0, 0], [1, 8]]]), "shape", id="other-length"),
+        pytest.param(record(kv=b""), "payload length", id="empty-payload"),
+        pytest.param(record(kv="text"), "payload length", id="payload-not-bytes"),
+        pytest.param(record(sum=0), "checksum", id="wrong-checksum"),
+        pytest.param(record(sum=None), "checksum", id="no-checksum"),
+    ],
+)
+def test_record_with_a_wrong_field_fails_verification(raw, reason):
+    with pytest.raises(VerificationError, match=reason):
+        decode(raw)
+
+
+def test_record_for_another_namespace_fails_verification():
+    with pytest.raises(VerificationError, match="namespace"):
+        decode(record(), namespace="ns-b")
+
+
+def test_record_for_other_token_ids_fails_verification():
+    with pytest.raises(VerificationError, match="tokens"):
+        decode(record(), tokens=TOKENS[::-1].copy())
+
+
+def test_record_read_as_another_dtype_fails_verification():
+    with pytest.raises(VerificationError, match="dtype"):
+        decode(record(), layout=ChunkLayout(torch.bfloat16, LAYOUT.layers))
+
+
+def test_record_read_with_another_layer_shape_fails_verification():
+    with pytest.raises(VerificationError, match="shape"):
+        decode(record(), layout=ChunkLayout(torch.float32, ((2, 4), (0, 0), (2, 4))))
+    with pytest.raises(VerificationError, match="shape"):
+        decode(record(), layout=ChunkLayout(torch.float32, ((2, 4), (0, 0))))
+
+
+def test_payload_cut_short_with_a_matching_checksum_fails_verification():
+    raw = record()
+    payload = msgpack.unpackb(raw, raw=False)["kv"][:-4]
+    with pytest.raises(VerificationError, match="payload length"):
+        decode(record(kv=payload, sum=xxhash.xxh3_64_intdigest(payload)))
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.01, 0.1, 0.5, 0.999])
+def test_truncated_value_fails_verification(keep):
+    raw = record()
+    with pytest.raises(VerificationError, match="msgpack"):
+        decode(raw[: int(len(raw) * keep)])
+    with pytest.raises(VerificationError, match="msgpack"):
+        decode(raw[:-1])
+
+
+@pytest.mark.parametrize("from_end", [1, 2, 100])
+def test_flipped_payload_byte_fails_the_checksum(from_end):
+    raw = bytearray(record())
+    raw[-from_end] ^= 0x01
+    with pytest.raises(VerificationError, match="checksum"):
+        decode(bytes(raw))
+
+
+@pytest.mark.parametrize("bit", [0x01, 0x10, 0x40, 0x80])
+def test_any_flipped_header_bit_fails_verification(bit):
+    raw = encode_record(NS, TOKENS, LAYOUT, random_kv(LAYOUT, len(TOKENS)))
+    payload_start = len(raw) - len(TOKENS) * LAYOUT.token_bytes()
+    for i in range(payload_start):
+        damaged = bytearray(raw)
+        damaged[i] ^= bit
+        with pytest.raises(VerificationError):
+            decode(bytes(damaged))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"\xc1", b"not msgpack at all", bytes(range(256)), b"\x81\xa1v\x01trailing"],
+    ids=["empty", "reserved-byte", "text", "bytes", "extra-data"],
+)
+def test_non_msgpack_garbage_fails_verification(raw):
+    with pytest.raises(VerificationError, match="msgpack"):
+        decode(raw)
+
+
+@pytest.mark.parametrize("value", [[1, 2, 3], 5, "kv", b"kv", None, {1: 2}])
+def test_msgpack_that_is_not_a_record_map_fails_verification(value):
+    with pytest.raises(VerificationError):
+        decode(msgpack.packb(value, use_bin_type=True))
+
+
+def test_empty_map_fails_verification():
+    with pytest.raises(VerificationError, match="version"):
+        decode(msgpack.packb({}))
+
+
+# ---- chain hashes ----------------------------------------------------------------------------
+
+
+def reference_chain(namespace: str, ids: list[int], c: int) -> list[str]:
+    """The spec: h_-1 = blake2b-128(namespace); h_i = blake2b-128(h_{i-1} + int32le(chunk i))."""
+    h = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+    out = []
+    for i in range(len(ids) // c):
+        chunk = b"".join(t.to_bytes(4, "little", signed=True) for t in ids[i * c : (i + 1) * c])
+        h = hashlib.blake2b(h + chunk, digest_size=16).digest()
+        out.append(h.hex())
+    return out
+
+
+# Timing is no property here; a busy 2-core machine can stall any one example past a deadline.
+no_deadline = settings(deadline=None)
+token_lists = st.lists(st.integers(0, 200_000), max_size=60)
+chunk_sizes = st.integers(1, 9)
+
+
+@no_deadline
+@given(token_lists, chunk_sizes)
+def test_chain_hashes_follow_the_spec_and_cover_only_complete_chunks(ids, c):
+    hashes = chain_hashes(NS, np.array(ids, dtype=np.int64), c)
+    assert len(hashes) == len(ids) // c
+    assert hashes == reference_chain(NS, ids, c)
+
+
+@no_deadline
+@given(token_lists, chunk_sizes, st.integers(0, 60))
+def test_chain_hash_of_a_prefix_is_a_prefix_of_the_chain(ids, c, cut):
+    arr = np.array(ids, dtype=np.int32)
+    assert chain_hashes(NS, arr[:cut], c) == chain_hashes(NS, arr, c)[: min(cut, len(ids)) // c]
+
+
+@no_deadline
+@given(token_lists.filter(len), chunk_sizes, st.data())
+def test_changing_one_token_changes_its_chunk_hash_and_every_later_one_only(ids, c, data):
+    p = data.draw(st.integers(0, len(ids) - 1))
+    other = list(ids)
+    other[p] += 1
+    a, b = chain_hashes(NS, np.array(ids), c), chain_hashes(NS, np.array(other), c)
+    first = p // c
+    assert a[:first] == b[:first]
+    assert all(x != y for x, y in zip(a[first:], b[first:]))
+
+
+@no_deadline
+@given(token_lists.filter(lambda x: len(x) >= 9), chunk_sizes)
+def test_chain_hashes_differ_between_namespaces(ids, c):
+    a, b = chain_hashes("ns-a", np.array(ids), c), chain_hashes("ns-b", np.array(ids), c)
+    assert not set(a) & set(b)
+
+
+@no_deadline
+@given(token_lists.filter(lambda x: len(x) >= 9), chunk_sizes, chunk_sizes)
+def test_chain_hashes_differ_between_chunk_sizes(ids, c1, c2):
+    if c1 != c2:
+        assert not set(chain_hashes(NS, np.array(ids), c1)) & set(chain_hashes(NS, np.array(ids), c2))
+
+
+def test_chain_hashes_ignore_the_integer_type_of_the_ids():
+    ids = [5, 70000, 3, 9, 11, 0, 1, 2]
+    hashes = {tuple(chain_hashes(NS, x, 4)) for x in (ids, np.array(ids, np.int32), np.array(ids, np.int64))}
+    assert len(hashes) == 1

@@ -1,0 +1,564 @@
+"""RedisTier against real servers: shared across processes, exact, and harmless when Redis fails.
+
+Every cached generation here is checked against a run without any cache (greedy tokens of the
+float32 tiny llama are identical). Servers are real (tests/redis_server.py). Without a server the
+tests skip, except in CI (KVBLOCKS_CI=1), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import IdTokenizer, tiny_llama
+from redis_server import LocalCluster, RedisServer, RedisUnavailable, free_port
+
+import kvblocks
+from kvblocks import CachedGenerator, KVCacheTrie
+from kvblocks.chunks import ChunkLayout, chain_hashes, encode_record
+from kvblocks.redis_tier import RedisTier
+
+SEED = 0
+CHUNK = 8
+PROMPT_TOKENS = 80
+NEW_TOKENS = 8
+# Chunks a cold trie can take from Redis for an 80-token prompt: all complete chunks of the
+# first 79 tokens (the last prompt token is always recomputed).
+FULL_HIT = (PROMPT_TOKENS - 1) // CHUNK * CHUNK
+FAST = dict(chunk_tokens=CHUNK, timeout_s=0.2, connect_timeout_s=0.2, retry_interval_s=0.2)
+TESTS_DIR = Path(__file__).parent
+TOKENIZER = IdTokenizer()
+
+
+# ---- servers ---------------------------------------------------------------------------------
+
+
+def unavailable(reason: str):
+    """Redis tests may skip on a developer's machine, never in CI."""
+    if os.environ.get("KVBLOCKS_CI") == "1":
+        pytest.fail(f"Redis server needed in CI (KVBLOCKS_CI=1) could not start: {reason}", pytrace=False)
+    pytest.skip(f"no Redis server: {reason}")
+
+
+def started(server: RedisServer | LocalCluster):
+    try:
+        return server.start()
+    except RedisUnavailable as exc:
+        unavailable(str(exc))
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = started(RedisServer(tmp_path / "redis"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def tiers():
+    """Makes RedisTiers with short timeouts; drains and closes them after the test."""
+    made: list[RedisTier] = []
+
+    def make(url: str, **overrides) -> RedisTier:
+        tier = RedisTier(url, **(FAST | overrides))
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.flush(timeout_s=3)
+        tier.close()
+
+
+# ---- model, prompts, exactness ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=SEED)
+
+
+def prompt(seed: int, n: int = PROMPT_TOKENS) -> str:
+    return " ".join(str(t) for t in np.random.default_rng(seed).integers(0, 128, n))
+
+
+def ids_of(text: str) -> list[int]:
+    return TOKENIZER(text)["input_ids"]
+
+
+# (id(model), text) -> (model, tokens); the model is kept so that its id is never reused.
+_baselines: dict[tuple[int, str], tuple[object, list[int]]] = {}
+
+
+def no_cache_tokens(model, text: str) -> list[int]:
+    key = (id(model), text)
+    if key not in _baselines:
+        result = CachedGenerator(model, TOKENIZER, None).generate(text, max_new_tokens=NEW_TOKENS)
+        _baselines[key] = (model, result.token_ids)
+    return _baselines[key][1]
+
+
+def trie(model, tier: RedisTier | None, capacity_tokens: int = 1000) -> KVCacheTrie:
+    return KVCacheTrie.for_model(model, capacity_tokens=capacity_tokens, spill=tier)
+
+
+def generate_exact(model, cache: KVCacheTrie, text: str, **kwargs):
+    """Generate with `cache`; the greedy tokens must equal those of a run without any cache."""
+    expected = no_cache_tokens(model, text)
+    result = CachedGenerator(model, TOKENIZER, cache).generate(text, max_new_tokens=NEW_TOKENS, **kwargs)
+    assert result.token_ids == expected
+    return result
+
+
+def prefill(model, text: str):
+    """A transformers cache holding the KV of the whole prompt (for direct `insert` calls)."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids_of(text)]), use_cache=True).past_key_values
+
+
+def chunk_key(tier: RedisTier, cache: KVCacheTrie, text: str, k: int) -> str:
+    return tier.key(cache.namespace.key, chain_hashes(cache.namespace.key, np.array(ids_of(text)), CHUNK)[k])
+
+
+def redis_stats(cache: KVCacheTrie) -> dict[str, int]:
+    return {k: v for k, v in cache.stats().items() if k.startswith(("redis_", "spill_"))}
+
+
+# ---- sharing ---------------------------------------------------------------------------------
+
+
+def test_redis_tier_is_public_as_kvblocks_RedisTier():
+    assert kvblocks.RedisTier is RedisTier
+
+
+PROCESS_B = """
+import json, sys
+import torch
+from conftest import IdTokenizer, tiny_llama
+from kvblocks import CachedGenerator, KVCacheTrie
+from kvblocks.redis_tier import RedisTier
+
+args = json.loads(sys.argv[1])
+runs = []
+for dtype in args["dtypes"]:
+    model = tiny_llama(getattr(torch, dtype), seed=args["seed"])
+    tier = RedisTier(args["url"], **args["tier"])
+    cache = KVCacheTrie.for_model(model, capacity_tokens=1000, spill=tier)
+    gen = CachedGenerator(model, IdTokenizer(), cache)
+    cached = gen.generate(args["prompt"], max_new_tokens=args["new_tokens"])
+    plain = CachedGenerator(model, IdTokenizer(), None).generate(args["prompt"], max_new_tokens=args["new_tokens"])
+    tier.close()
+    runs.append(dict(dtype=dtype, tokens=cached.token_ids, no_cache_tokens=plain.token_ids,
+                     cached_tokens=cached.cached_tokens, stats=cache.stats()))
+print(json.dumps(runs))
+"""
+
+
+@pytest.fixture(scope="module")
+def process_b(model, tmp_path_factory):
+    """This process caches a prompt; a fresh OS process then runs it in float32 and float64."""
+    srv = started(RedisServer(tmp_path_factory.mktemp("redis")))
+    try:
+        text = prompt(1)
+        tier = RedisTier(srv.url, **FAST)
+        cache = trie(model, tier)
+        generate_exact(model, cache, text)
+        assert tier.flush()
+        written = cache.stats()["redis_written_chunks"]
+        tier.close()
+        args = dict(url=srv.url, seed=SEED, dtypes=["float32", "float64"], prompt=text)
+        args |= dict(new_tokens=NEW_TOKENS, tier=FAST)
+        env = os.environ | {"PYTHONPATH": str(TESTS_DIR), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-c", PROCESS_B, json.dumps(args)],
+            cwd=TESTS_DIR,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs = {run["dtype"]: run for run in json.loads(proc.stdout.strip().splitlines()[-1])}
+        return text, written, runs
+    finally:
+        srv.stop()
+
+
+def test_second_process_with_an_empty_pool_hits_redis_and_matches_no_cache(model, process_b):
+    text, written, runs = process_b
+    run = runs["float32"]
+    assert written == (PROMPT_TOKENS + NEW_TOKENS - 1) // CHUNK
+    assert run["cached_tokens"] == FULL_HIT
+    assert run["stats"]["spill_hit_tokens"] == FULL_HIT
+    assert run["stats"]["redis_verify_failures"] == 0
+    assert run["tokens"] == run["no_cache_tokens"] == no_cache_tokens(model, text)
+
+
+def test_process_with_another_dtype_never_uses_the_records(process_b):
+    run = process_b[2]["float64"]
+    assert run["cached_tokens"] == 0
+    assert run["stats"]["redis_hit_chunks"] == 0
+    assert run["stats"]["redis_verify_failures"] == 0
+    assert run["tokens"] == run["no_cache_tokens"]
+
+
+def test_records_of_other_weights_or_another_salt_are_never_used(model, server, tiers):
+    text = prompt(2)
+    a = trie(model, tiers(server.url))
+    generate_exact(model, a, text)
+    generate_exact(model, a, text, salt="tenant-a")
+    assert a.spill.flush()
+
+    other_weights = tiny_llama(seed=SEED + 1)
+    b = trie(other_weights, tiers(server.url))
+    assert generate_exact(other_weights, b, text).cached_tokens == 0
+    assert redis_stats(b)["redis_hit_chunks"] == redis_stats(b)["redis_verify_failures"] == 0
+
+    c = trie(model, tiers(server.url))
+    assert generate_exact(model, c, text, salt="tenant-b").cached_tokens == 0
+    assert generate_exact(model, c, text, salt="tenant-a").cached_tokens == FULL_HIT
+    assert redis_stats(c)["redis_verify_failures"] == 0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    nodes = started(LocalCluster(3, tmp_path_factory.mktemp("cluster")))
+    yield nodes
+    nodes.stop()
+
+
+def test_cluster_shares_chunks_between_tries_and_output_matches_no_cache(model, cluster, tiers):
+    texts = [prompt(3), prompt(4)]
+    a = trie(model, tiers(cluster.url))
+    for text in texts:
+        generate_exact(model, a, text)
+    assert a.spill.flush()
+    written = redis_stats(a)["redis_written_chunks"]
+    per_node = [node.client().dbsize() for node in cluster.nodes]
+    assert sum(per_node) == written == 2 * ((PROMPT_TOKENS + NEW_TOKENS - 1) // CHUNK)
+    assert sum(n > 0 for n in per_node) >= 2
+
+    plain_url = cluster.url.replace("redis+cluster://", "redis://")
+    b = trie(model, tiers(plain_url, cluster=True))
+    for text in texts:
+        assert generate_exact(model, b, text).cached_tokens == FULL_HIT
+    assert redis_stats(b)["redis_errors"] == 0
+
+
+def test_cluster_with_a_node_down_gives_misses_not_errors(model, cluster, tiers):
+    a = trie(model, tiers(cluster.url))
+    generate_exact(model, a, prompt(5))
+    assert a.spill.flush()
+    cluster.nodes[1].stop()
+    b = trie(model, tiers(cluster.url))
+    generate_exact(model, b, prompt(5))
+    generate_exact(model, a, prompt(6))
+    assert a.spill.flush() and b.spill.flush()
+    assert redis_stats(b)["redis_errors"] >= 1
+
+
+def test_unreachable_cluster_is_a_miss_not_an_error(model, tiers):
+    """redis-py raises RedisClusterException, not a RedisError, when no startup node answers."""
+    cache = trie(model, tiers(f"redis+cluster://127.0.0.1:{free_port()}"))
+    assert generate_exact(model, cache, prompt(7)).cached_tokens == 0
+    assert cache.spill.flush()
+    assert redis_stats(cache)["redis_errors"] >= 1
+
+
+def test_ttl_s_puts_an_expiry_on_every_written_key(model, tmp_path, tiers):
+    srv = started(RedisServer(tmp_path / "redis", unix_socket=True))
+    try:
+        client = srv.client()
+        with_ttl = trie(model, tiers(srv.url, ttl_s=30))
+        generate_exact(model, with_ttl, prompt(6))
+        assert with_ttl.spill.flush()
+        keys = client.keys("*")
+        assert len(keys) == redis_stats(with_ttl)["redis_written_chunks"] > 0
+        assert all(0 < client.pttl(k) <= 30_000 for k in keys)
+
+        client.flushall()
+        without = trie(model, tiers(srv.url))
+        generate_exact(model, without, prompt(6))
+        assert without.spill.flush()
+        assert [client.pttl(k) for k in client.keys("*")] == [-1] * redis_stats(without)[
+            "redis_written_chunks"
+        ]
+    finally:
+        srv.stop()
+
+
+# ---- write modes and the queue ---------------------------------------------------------------
+
+
+def test_write_back_writes_chunks_only_when_the_pool_evicts_them(model, server, tiers):
+    client = server.client()
+    first, second, third = prompt(7), prompt(8), prompt(9)
+    a = trie(model, tiers(server.url, write_mode="back"), capacity_tokens=100)
+    generate_exact(model, a, first)
+    assert a.spill.flush()
+    assert redis_stats(a)["redis_written_chunks"] == 0
+    assert client.dbsize() == 0
+
+    generate_exact(model, a, second)  # evicts most of `first`
+    generate_exact(model, a, third)  # evicts the rest of it
+    assert a.spill.flush()
+    assert a.stats()["evicted_tokens"] >= PROMPT_TOKENS + NEW_TOKENS
+    assert a.cached_length(ids_of(first)) == 0
+    assert redis_stats(a)["redis_written_chunks"] > 0
+    assert client.exists(*(chunk_key(a.spill, a, first, k) for k in range(PROMPT_TOKENS // CHUNK))) == 10
+
+    b = trie(model, tiers(server.url))
+    assert generate_exact(model, b, first).cached_tokens == FULL_HIT
+    assert generate_exact(model, a, first).cached_tokens == FULL_HIT
+
+
+def test_full_write_queue_drops_writes_and_never_blocks_inserts(model, server, tiers):
+    texts = [prompt(10 + i) for i in range(5)]
+    pasts = [prefill(model, t) for t in texts]
+    tier = tiers(server.url, queue_size=1, timeout_s=1.0)
+    cache = trie(model, tier)
+    server.pause()
+    try:
+        t0 = time.monotonic()
+        for text, past in zip(texts, pasts):
+            assert cache.insert(ids_of(text), past) == PROMPT_TOKENS
+        assert time.monotonic() - t0 < 0.5  # the writer is stuck for 1 s on its first job
+        assert redis_stats(cache)["redis_write_drops"] >= 3
+        t0 = time.monotonic()
+        generate_exact(model, cache, prompt(15))
+        assert time.monotonic() - t0 < 1.0 + 1.0
+    finally:
+        server.resume()
+    assert tier.flush()
+    for text in texts:
+        assert generate_exact(model, cache, text).cached_tokens == PROMPT_TOKENS - 1
+
+
+# ---- faults ----------------------------------------------------------------------------------
+
+
+def test_redis_absent_at_start_gives_misses_then_is_used_once_it_is_up(model, tmp_path, tiers):
+    srv = RedisServer(tmp_path / "redis", port=free_port())
+    a = trie(model, tiers(srv.url))
+    for seed in (20, 21):
+        assert generate_exact(model, a, prompt(seed)).cached_tokens == 0
+    assert a.spill.flush()
+    stats = redis_stats(a)
+    assert stats["redis_errors"] >= 1
+    assert stats["redis_hit_chunks"] == stats["redis_written_chunks"] == 0
+
+    started(srv)
+    try:
+        time.sleep(FAST["retry_interval_s"] + 0.05)
+        generate_exact(model, a, prompt(22))
+        assert a.spill.flush()
+        assert redis_stats(a)["redis_written_chunks"] > 0
+        b = trie(model, tiers(srv.url))
+        assert generate_exact(model, b, prompt(22)).cached_tokens == FULL_HIT
+    finally:
+        srv.stop()
+
+
+def test_redis_killed_between_requests_gives_misses_not_errors(model, server, tiers):
+    a = trie(model, tiers(server.url))
+    generate_exact(model, a, prompt(23))
+    assert a.spill.flush()
+    server.stop()
+
+    generate_exact(model, a, prompt(24))
+    b = trie(model, tiers(server.url))
+    assert generate_exact(model, b, prompt(23)).cached_tokens == 0
+    assert a.spill.flush() and b.spill.flush()
+    assert redis_stats(a)["redis_errors"] >= 1
+    assert redis_stats(b)["redis_errors"] >= 1
+
+
+def test_redis_killed_with_writes_queued_loses_only_those_writes(model, server, tiers):
+    texts = [prompt(25 + i) for i in range(3)]
+    pasts = [prefill(model, t) for t in texts]
+    tier = tiers(server.url, timeout_s=1.0)
+    cache = trie(model, tier)
+    server.pause()
+    for text, past in zip(texts, pasts):
+        cache.insert(ids_of(text), past)
+    assert redis_stats(cache)["redis_queue_depth"] >= 1
+    server.kill()
+
+    assert tier.flush(timeout_s=5)
+    stats = redis_stats(cache)
+    assert stats["redis_written_chunks"] == 0
+    assert stats["redis_write_errors"] >= 1
+    assert stats["redis_write_errors"] + stats["redis_write_drops"] == stats["redis_write_jobs"] == 3
+    assert generate_exact(model, cache, texts[0]).cached_tokens == PROMPT_TOKENS - 1
+    generate_exact(model, cache, prompt(28))
+
+
+def test_hung_redis_delays_a_request_by_at_most_the_timeout(model, server, tiers):
+    timeout_s = FAST["timeout_s"]
+    a = trie(model, tiers(server.url))
+    texts = [prompt(30), prompt(31)]
+    for text in texts:
+        no_cache_tokens(model, text)
+    server.pause()
+    try:
+        for text in texts:
+            t0 = time.monotonic()
+            assert generate_exact(model, a, text).cached_tokens == 0
+            assert time.monotonic() - t0 < timeout_s + 1.0
+        assert redis_stats(a)["redis_errors"] >= 1
+    finally:
+        server.resume()
+
+    time.sleep(FAST["retry_interval_s"] + 0.05)
+    generate_exact(model, a, prompt(32))
+    assert a.spill.flush()
+    assert redis_stats(a)["redis_written_chunks"] > 0
+    b = trie(model, tiers(server.url))
+    assert generate_exact(model, b, prompt(32)).cached_tokens == FULL_HIT
+
+
+def test_restarted_redis_is_used_again_after_retry_interval(model, server, tiers):
+    a, b = trie(model, tiers(server.url)), trie(model, tiers(server.url))
+    generate_exact(model, a, prompt(33))
+    assert a.spill.flush()
+    assert generate_exact(model, b, prompt(33)).cached_tokens == FULL_HIT
+
+    server.stop()
+    generate_exact(model, a, prompt(34))
+    assert a.spill.flush()
+    errors = redis_stats(a)["redis_errors"]
+    assert errors >= 1
+    server.start()
+
+    time.sleep(FAST["retry_interval_s"] + 0.05)
+    written = redis_stats(a)["redis_written_chunks"]
+    generate_exact(model, a, prompt(35))
+    assert a.spill.flush()
+    assert redis_stats(a)["redis_written_chunks"] > written
+    assert generate_exact(model, b, prompt(35)).cached_tokens == FULL_HIT
+
+
+def test_full_redis_with_lru_eviction_keeps_output_exact(model, server, tiers):
+    client = server.client()
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    client.config_set("maxmemory", client.info("memory")["used_memory"] + 300_000)
+    texts = [prompt(40 + i) for i in range(8)]
+    a = trie(model, tiers(server.url))
+    for text in texts:
+        generate_exact(model, a, text)
+        assert a.spill.flush()
+    assert client.info("stats")["evicted_keys"] > 0
+    assert client.dbsize() < redis_stats(a)["redis_written_chunks"]
+
+    b = trie(model, tiers(server.url))
+    for text in reversed(texts):
+        generate_exact(model, b, text)
+    assert redis_stats(b)["redis_hit_chunks"] > 0
+    assert redis_stats(a)["redis_errors"] == redis_stats(b)["redis_errors"] == 0
+
+
+def test_full_redis_with_noeviction_counts_write_errors_and_requests_succeed(model, server, tiers):
+    client = server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)
+    a = trie(model, tiers(server.url))
+    generate_exact(model, a, prompt(50))
+    assert a.spill.flush()
+    stats = redis_stats(a)
+    assert stats["redis_write_errors"] >= 1
+    assert stats["redis_written_chunks"] == 0
+    assert client.dbsize() == 0
+    b = trie(model, tiers(server.url))
+    assert generate_exact(model, b, prompt(50)).cached_tokens == 0
+
+
+# ---- damaged and foreign values --------------------------------------------------------------
+
+DAMAGED_CHUNK = 3
+LAYOUT = ChunkLayout(torch.float32, ((2, 16), (2, 16)))  # tiny_llama: 2 layers, 2 KV heads of 16
+
+
+def foreign_record(namespace: str, tokens: list[int], dtype: torch.dtype = torch.float32) -> bytes:
+    """A well-formed record with random KV: harmless only if verification refuses it."""
+    layout = ChunkLayout(dtype, LAYOUT.layers)
+    kv = [torch.randn(len(tokens), 2, h, d).to(dtype) for h, d in layout.layers]
+    return encode_record(namespace, np.array(tokens), layout, kv)
+
+
+def damage(kind: str, value: bytes, later_value: bytes, namespace: str, tokens: list[int]) -> bytes:
+    if kind == "truncated":
+        return value[: len(value) // 2]
+    if kind == "flipped-payload-byte":
+        return value[:-5] + bytes([value[-5] ^ 0x01]) + value[-4:]
+    if kind == "flipped-header-byte":
+        return value[:20] + bytes([value[20] ^ 0x01]) + value[21:]
+    if kind == "garbage":
+        return b"\x00garbage\xff" * 10
+    if kind == "empty":
+        return b""
+    if kind == "record-of-the-next-chunk":
+        return later_value
+    if kind == "record-of-another-namespace":
+        return foreign_record("another-namespace", tokens)
+    if kind == "record-of-other-tokens":
+        return foreign_record(namespace, [(t + 1) % 128 for t in tokens])
+    if kind == "record-of-another-dtype":
+        return foreign_record(namespace, tokens, torch.float64)
+    raise AssertionError(kind)
+
+
+DAMAGE = [
+    "truncated",
+    "flipped-payload-byte",
+    "flipped-header-byte",
+    "garbage",
+    "empty",
+    "record-of-the-next-chunk",
+    "record-of-another-namespace",
+    "record-of-other-tokens",
+    "record-of-another-dtype",
+]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_or_foreign_value_is_a_miss_not_an_error(model, server, tiers, kind):
+    client = server.client()
+    text = prompt(60)
+    a = trie(model, tiers(server.url))
+    generate_exact(model, a, text)
+    assert a.spill.flush()
+    key = chunk_key(a.spill, a, text, DAMAGED_CHUNK)
+    later = client.get(chunk_key(a.spill, a, text, DAMAGED_CHUNK + 1))
+    tokens = ids_of(text)[DAMAGED_CHUNK * CHUNK : (DAMAGED_CHUNK + 1) * CHUNK]
+    client.set(key, damage(kind, client.get(key), later, a.namespace.key, tokens))
+
+    b = trie(model, tiers(server.url))
+    assert generate_exact(model, b, text).cached_tokens == DAMAGED_CHUNK * CHUNK
+    stats = redis_stats(b)
+    assert stats["redis_verify_failures"] == 1
+    assert stats["redis_errors"] == 0
+
+
+def test_damaged_value_is_rewritten_by_the_next_trie_that_computes_it(model, server, tiers):
+    client = server.client()
+    text = prompt(61)
+    a = trie(model, tiers(server.url))
+    generate_exact(model, a, text)
+    assert a.spill.flush()
+    key = chunk_key(a.spill, a, text, DAMAGED_CHUNK)
+    client.set(key, client.get(key)[:-1])
+
+    b = trie(model, tiers(server.url))
+    assert generate_exact(model, b, text).cached_tokens == DAMAGED_CHUNK * CHUNK
+    assert b.spill.flush()
+    assert redis_stats(b)["redis_deleted_invalid"] == 1
+    c = trie(model, tiers(server.url))
+    assert generate_exact(model, c, text).cached_tokens == FULL_HIT
+    assert redis_stats(c)["redis_verify_failures"] == 0
