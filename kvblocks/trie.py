@@ -309,10 +309,14 @@ class KVCacheTrie:
             start = m.length
             kv = source(start, start + k)
             slots = self._pool.alloc(k)
-            index = self._pool.index(slots)
-            for layer, data in enumerate(kv):
-                if data is not None:
-                    self._pool.scatter(layer, index, data[:, 0], data[:, 1])
+            try:
+                index = self._pool.index(slots)
+                for layer, data in enumerate(kv):
+                    if data is not None:
+                        self._pool.scatter(layer, index, data[:, 0], data[:, 1])
+            except BaseException:
+                self._pool.release(slots)
+                raise
             self._tree.extend(m, ids[start : start + k], slots)
             self._counters.inserted_tokens += k
             return start, k
@@ -343,7 +347,10 @@ class KVCacheTrie:
             self.spill.on_evict(ns_key, ids, len(ids) - count, lambda a, b: self._gather(slots[a:b]))
 
     def pin(self, token_ids: TokenIds, *, salt: str | None = None) -> int:
-        """Exempt the resident prefix of `token_ids` from eviction; returns the pinned length."""
+        """Exempt the resident prefix of `token_ids` from eviction; returns the pinned length L.
+
+        Release it with `unpin` of exactly those L tokens (`token_ids[:L]`).
+        """
         ids = as_token_array(token_ids)
         key = self.namespace.with_salt(salt).key
         with self._lock:
@@ -368,9 +375,13 @@ class KVCacheTrie:
         key = self.namespace.with_salt(salt).key
         with self._lock:
             m = self._tree.match(key, ids, touch=False)
-            if m.length == 0 or m.node_offset != len(m.node.tokens) or m.node.pin_ref == 0:
+            node = m.node
+            # Pin counts propagate to the root, so the pins that end exactly here are this node's
+            # count minus its children's (splits preserve that difference).
+            ends_here = node.pin_ref - sum(c.pin_ref for c in node.children.values())
+            if m.length == 0 or m.node_offset != len(node.tokens) or ends_here <= 0:
                 return 0
-            self._tree.pin(m.node, -1)
+            self._tree.pin(node, -1)
             return m.length
 
     # ---- reporting -------------------------------------------------------------------------
