@@ -2,7 +2,7 @@
 
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, Proposal, TrieDrafter, truncated_model
 from .generator import Round, SpecStats, SpeculativeGenerator
-from .verify import acceptance_probability, residual, verify
+from .rejection import acceptance_probability, residual, verify
 
 __all__ = [
     "Drafter",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvblocks.adapters import hf
-from kvblocks.generator import ModelRunner
+from kvblocks.generator import ModelRunner, context_length
 from kvblocks.sampling import SamplingParams, distribution
 from kvblocks.trie import Hit, KVCacheTrie
 
@@ -24,7 +24,11 @@ class Proposal:
 
 
 class Drafter:
-    """Interface: `begin` a request, `propose` each round, `rollback` to the committed length, `end`."""
+    """Interface: `begin` a request, `propose` each round, `rollback` to the committed length, `end`.
+
+    Each request gets a shallow copy of the drafter, so per-request state must be (re)bound in
+    `begin`, never mutated in place on shared objects.
+    """
 
     def begin(self, prompt_ids: list[int], salt: str | None) -> None:
         return None
@@ -49,6 +53,7 @@ class ModelDrafter(Drafter):
         self.model = draft_model
         self.cache = draft_cache
         self.runner = ModelRunner(draft_model)
+        self.max_context = context_length(draft_model.config)
         self._hit: Hit | None = None
         self._past = None
         self._length = 0
@@ -67,6 +72,10 @@ class ModelDrafter(Drafter):
     def propose(
         self, committed: list[int], gamma: int, params: SamplingParams, rng: torch.Generator | None
     ) -> Proposal:
+        if self.max_context is not None:
+            gamma = min(gamma, self.max_context - len(committed) - 1)
+        if gamma <= 0:
+            return Proposal([], None)
         logits = self.runner.forward(committed[self._length :], self._past)[-1]
         self._length = len(committed)
         tokens, rows = [], []

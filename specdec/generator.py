@@ -9,6 +9,7 @@ the request ends.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from kvblocks.sampling import SamplingParams, distribution
 from kvblocks.trie import KVCacheTrie
 
 from .drafters import Drafter, Proposal
-from .verify import verify
+from .rejection import verify
 
 _NO_DRAFT = Proposal([], None)
 
@@ -123,6 +124,7 @@ class SpeculativeGenerator(CachedGenerator):
         self.adaptive = adaptive
         self.max_gamma = max(max_gamma, gamma)
         self.on_round = on_round
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
 
     def _decode(
         self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None
@@ -130,41 +132,51 @@ class SpeculativeGenerator(CachedGenerator):
         stats = run.spec = SpecStats(self.gamma)
         committed = list(ids)
         gamma = self.gamma
-        self.drafter.begin(ids, run.salt)
+        # a request's drafter state (cache, trie lock, salt) is its own: the engine interleaves requests
+        drafter = copy.copy(self.drafter)
+        drafter.begin(ids, run.salt)
         try:
             while True:
                 room = (
                     gamma if self.max_context is None else min(gamma, self.max_context - len(committed) - 1)
                 )
-                proposal = self.drafter.propose(committed, room, params, rng) if room > 0 else _NO_DRAFT
+                proposal = drafter.propose(committed, room, params, rng) if room > 0 else _NO_DRAFT
                 drafts = proposal.tokens[: max(room, 0)]
+                # A draft id the target's vocabulary lacks has p = 0: it is rejected outright, so it
+                # is never fed to the target and the round ends there with a residual sample.
+                cut = next((i for i, t in enumerate(drafts) if t >= self.vocab_size), len(drafts))
+                tail_q = None
+                if cut < len(drafts) and proposal.q is not None:
+                    tail_q = _match_vocab(proposal.q[cut], self.vocab_size)
+                drafts = drafts[:cut]
                 feed = committed[run.computed :] + drafts
                 logits = self.runner.forward(feed, run.past, keep=len(drafts) + 1)
                 p = distribution(logits, params)
-                q = None if proposal.q is None else _match_vocab(proposal.q[: len(drafts)], p.shape[-1])
-                n, token = verify(p, drafts, q, params.greedy, rng)
+                q = None if proposal.q is None else _match_vocab(proposal.q[: len(drafts)], self.vocab_size)
+                n, token = verify(p, drafts, q, params.greedy, rng, tail_q=tail_q)
                 new = [*drafts[:n], token]
                 committed.extend(new)
                 hf.crop(run.past, len(committed) - 1)
                 run.computed = len(committed) - 1
-                self.drafter.rollback(len(committed) - 1)
+                drafter.rollback(len(committed) - 1)
                 stats.record(len(drafts), n)
-                if run.logits is not None:
-                    run.logits.extend(row.detach().clone() for row in logits[: n + 1])
                 if self.on_round is not None:
                     self.on_round(Round(list(committed), drafts, n, token, run.past))
                 if self.adaptive and drafts:
                     gamma = min(gamma + 1, self.max_gamma) if n == len(drafts) else max(gamma - 1, 1)
-                yield from new
+                for emitted, row in zip(new, logits[: n + 1]):
+                    if run.logits is not None:  # row by row: the consumer may stop mid-round
+                        run.logits.append(row.detach().clone())
+                    yield emitted
         finally:
-            self.drafter.end(run.sequence)
+            drafter.end(run.sequence)
 
 
 def _match_vocab(q: torch.Tensor, size: int) -> torch.Tensor:
-    """Drafter and target may pad their vocabularies differently; align q to the target's."""
-    if q.shape[-1] == size:
-        return q
-    if q.shape[-1] > size:
-        q = q[..., :size]
-        return q / q.sum(dim=-1, keepdim=True)
+    """Drafter and target may pad their vocabularies differently; align q to the target's.
+
+    Not renormalised: the drafter's mass on ids the target lacks is mass the target rejects.
+    """
+    if q.shape[-1] >= size:
+        return q[..., :size]
     return torch.nn.functional.pad(q, (0, size - q.shape[-1]))

@@ -41,11 +41,14 @@ def verify(
     q: torch.Tensor | None,
     greedy: bool,
     rng: torch.Generator | None,
+    tail_q: torch.Tensor | None = None,
 ) -> tuple[int, int]:
     """(number of drafts accepted, the token emitted after them).
 
     `p` is `[len(drafts) + 1, V]` target probabilities; `q` is `[len(drafts), V]` drafter
-    probabilities, or None for a point-mass drafter.
+    probabilities, or None for a point-mass drafter. `tail_q` is the drafter's distribution at
+    position len(drafts) when its draft there was rejected outright (an id outside the target's
+    vocabulary): the last token then comes from the residual instead of p.
     """
     assert p.shape[0] == len(drafts) + 1
     for i, x in enumerate(drafts):
@@ -60,4 +63,6 @@ def verify(
         elif _uniform(rng, p) >= acceptance_probability(p[i], q[i], x):
             return i, _sample(residual(p[i], q[i]), rng)
     last = p[len(drafts)]
-    return len(drafts), int(last.argmax()) if greedy else _sample(last, rng)
+    if greedy:
+        return len(drafts), int(last.argmax())
+    return len(drafts), _sample(last if tail_q is None else residual(last, tail_q), rng)
