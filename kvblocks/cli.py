@@ -7,8 +7,6 @@ import json
 import os
 import sys
 
-import torch
-
 
 class UserError(Exception):
     """Bad input or environment: printed as one line, exit status 2, no traceback."""
@@ -59,6 +57,8 @@ def parse_capacity(text: str) -> dict[str, int]:
 
 def load_stack(args: argparse.Namespace):
     """(model, tokenizer, cache) from the common model arguments."""
+    import torch
+
     from kvblocks import KVCacheTrie, UnsupportedModelError, models
 
     torch.set_num_threads(max(1, args.threads))
@@ -170,11 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        engine.stop()
-        cache.close()
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)  # lifespan stops the engine
     return 0
 
 

@@ -75,7 +75,7 @@ class Engine:
             self._admit(block=not self._active)
             for request in self._schedule():
                 self._step(request)
-        for request in self._active:
+        for request in list(self._active):  # _finish removes from the list
             self._finish(request)
 
     def _admit(self, block: bool) -> None:
@@ -87,7 +87,8 @@ class Engine:
             if request is None:
                 return
             block = False
-            if request.cancelled.is_set():
+            if request.cancelled.is_set():  # its client left while it waited
+                self.metrics.inc("kvblocks_requests_cancelled_total")
                 continue
             request.stream = self.generator.stream(request.prompt, **request.options)
             self._active.append(request)

@@ -127,7 +127,11 @@ def explain(cache, tokenizer, ids: list[int], *, salt: str | None = None, window
 
 
 def _same_text(tokenizer, prompt_tail: list[int], cached_tail: list[int]) -> bool:
-    a = tokenizer.decode(prompt_tail[:8], skip_special_tokens=False)
-    b = tokenizer.decode(cached_tail[:8], skip_special_tokens=False)
-    k = min(len(a), len(b))
-    return k > 0 and a[:k] == b[:k]
+    """Whether the cache spells the prompt's next text with other ids: its leading tokens spell a
+    prefix of the prompt's text (what it holds after them, e.g. a cached reply, may differ), or
+    the prompt's remaining text is a prefix of the cached text."""
+    prompt_text = tokenizer.decode(prompt_tail[:8], skip_special_tokens=False)
+    cached = [tokenizer.decode(cached_tail[:j], skip_special_tokens=False) for j in range(1, 9)]
+    return bool(prompt_text) and (
+        cached[-1].startswith(prompt_text) or any(t and prompt_text.startswith(t) for t in cached)
+    )

@@ -105,9 +105,13 @@ class CachedGenerator:
         self.runner = ModelRunner(model)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.max_context = context_length(model.config)
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]
 
     def encode(self, prompt: Prompt) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if self.max_context is not None and len(ids) >= self.max_context:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but the model's context is {self.max_context} tokens"

@@ -172,7 +172,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _plot(client: Client, args: argparse.Namespace, first: dict) -> int:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise UserError("--plot needs matplotlib: pip install 'kvblocks[bench]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -63,7 +63,7 @@ class Metrics:
                 lines += [
                     f"# HELP {name} {HELP.get(name, name)}",
                     f"# TYPE {name} counter",
-                    f"{name} {value:g}",
+                    f"{name} {_sample(value)}",
                 ]
             for name, h in sorted(self.histograms.items()):
                 lines += [f"# HELP {name} {HELP.get(name, name)}", f"# TYPE {name} histogram"]
@@ -84,5 +84,11 @@ class Metrics:
             lines += [f"# HELP {base} {helps[base]}", f"# TYPE {base} {kind}"]
             for labels, value in samples:
                 label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-                lines.append(f"{base}{{{label_text}}} {value:g}" if label_text else f"{base} {value:g}")
+                sample = f"{base}{{{label_text}}}" if label_text else base
+                lines.append(f"{sample} {_sample(value)}")
         return "\n".join(lines) + "\n"
+
+
+def _sample(value: float) -> str:
+    """A sample value in full: `:g` would print 1234567 as 1.23457e+06 and stall a counter's rate."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this temperature sampling is greedy (as in vLLM): dividing float32 logits by a tinier
+# temperature overflows to inf and the distribution becomes NaN.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
@@ -27,7 +31,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -49,6 +53,7 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_probs = sorted_scores.softmax(dim=-1)
         # drop a token once the mass strictly before it already reaches top_p (keeps at least one)
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
+        drop_sorted[..., 0] = False  # a top_p that rounds to 0 in float32 must still keep the top token
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(dim=-1)

@@ -7,10 +7,12 @@ with a 4xx before they queue), hands token ids to the engine and relays pieces a
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -77,7 +79,7 @@ class _Sampling(_Strict):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None  # what torch accepts
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
@@ -122,7 +124,22 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     gen: CachedGenerator = engine.generator
     cache = gen.cache
     started = time.time()
-    app = FastAPI(title="kvblocks", version="0.1.0", description="OpenAI-compatible server with prefix reuse")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # uvicorn re-raises SIGTERM after its graceful shutdown, so code after `uvicorn.run()` never
+        # runs: stop the engine (closing streams commits their tokens) and flush the spill tier here.
+        await run_in_threadpool(engine.stop)
+        if cache is not None:
+            await run_in_threadpool(cache.close)
+
+    app = FastAPI(
+        title="kvblocks",
+        version="0.1.0",
+        description="OpenAI-compatible server with prefix reuse",
+        lifespan=lifespan,
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -145,8 +162,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         if config.api_key and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {config.api_key}":
+            header = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(header, f"Bearer {config.api_key}".encode()):  # constant time
                 return APIError(401, "invalid or missing API key", code="invalid_api_key").response()
         return await call_next(request)
 
@@ -208,7 +225,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             salt=body.cache_salt,
         )
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        events = submit(ids, options)
+        events = submit(ids, options, watch=None if body.stream else request)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -216,13 +233,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        text, result = "", None
+        result = None
         try:
             async for piece in events:
-                text += piece.text
                 result = piece.result
         finally:
             await events.aclose()
+        if result is None:  # the client went away; nobody reads this
+            return JSONResponse({"error": {"message": "client closed the request"}}, status_code=499)
         created = int(time.time())
         choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
         if chat:
@@ -240,7 +258,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             "usage": usage(result),
         }
 
-    def submit(ids: list[int], options: dict) -> AsyncIterator[Piece]:
+    def submit(ids: list[int], options: dict, watch: Request | None = None) -> AsyncIterator[Piece]:
+        """Queue a request; its pieces as an async iterator. With `watch`, a client that goes away
+        cancels the request (streams are cancelled by Starlette itself when their writes fail)."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         handle = engine.submit(ids, lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item), **options)
@@ -248,7 +268,12 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         async def events() -> AsyncIterator[Piece]:
             try:
                 while True:
-                    item = await inbox.get()
+                    try:
+                        item = await asyncio.wait_for(inbox.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if watch is not None and await watch.is_disconnected():
+                            return
+                        continue
                     if isinstance(item, BaseException):
                         raise APIError(500, f"generation failed: {item}", type_="server_error")
                     yield item

@@ -124,7 +124,7 @@ class SpeculativeGenerator(CachedGenerator):
         self.adaptive = adaptive
         self.max_gamma = max(max_gamma, gamma)
         self.on_round = on_round
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.target_vocab = model.get_output_embeddings().weight.shape[0]
 
     def _decode(
         self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None
@@ -144,15 +144,15 @@ class SpeculativeGenerator(CachedGenerator):
                 drafts = proposal.tokens[: max(room, 0)]
                 # A draft id the target's vocabulary lacks has p = 0: it is rejected outright, so it
                 # is never fed to the target and the round ends there with a residual sample.
-                cut = next((i for i, t in enumerate(drafts) if t >= self.vocab_size), len(drafts))
+                cut = next((i for i, t in enumerate(drafts) if t >= self.target_vocab), len(drafts))
                 tail_q = None
                 if cut < len(drafts) and proposal.q is not None:
-                    tail_q = _match_vocab(proposal.q[cut], self.vocab_size)
+                    tail_q = _match_vocab(proposal.q[cut], self.target_vocab)
                 drafts = drafts[:cut]
                 feed = committed[run.computed :] + drafts
                 logits = self.runner.forward(feed, run.past, keep=len(drafts) + 1)
                 p = distribution(logits, params)
-                q = None if proposal.q is None else _match_vocab(proposal.q[: len(drafts)], self.vocab_size)
+                q = None if proposal.q is None else _match_vocab(proposal.q[: len(drafts)], self.target_vocab)
                 n, token = verify(p, drafts, q, params.greedy, rng, tail_q=tail_q)
                 new = [*drafts[:n], token]
                 committed.extend(new)
