@@ -12,7 +12,6 @@ Reasons, checked in this order:
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -21,31 +20,31 @@ LEDGER_GRANULARITY = 16
 
 
 class EvictionLedger:
-    """Bounded memory of evicted prefixes: hashes of (namespace, ids[:p]) at every 16th position.
+    """Bounded memory of evicted prefixes: 64-bit hashes of (namespace, ids[:p]) at every 16th
+    position, in a ring buffer (8 bytes each, no Python object per entry).
 
     Only used to explain misses; it never serves KV.
     """
 
-    def __init__(self, capacity: int = 100_000) -> None:
-        self.capacity = capacity
-        self._seen: OrderedDict[bytes, None] = OrderedDict()
+    def __init__(self, capacity: int = 1 << 17) -> None:
+        self._ring = np.zeros(capacity, dtype=np.uint64)
+        self._next = 0
+        self._filled = 0
 
     def record(self, namespace_key: str, ids: np.ndarray, evicted_from: int) -> None:
         for digest in _checkpoint_hashes(namespace_key, ids, first=evicted_from + 1):
-            self._seen[digest] = None
-            self._seen.move_to_end(digest)
-        while len(self._seen) > self.capacity:
-            self._seen.popitem(last=False)
+            self._ring[self._next] = digest
+            self._next = (self._next + 1) % len(self._ring)
+            self._filled = min(self._filled + 1, len(self._ring))
 
     def longest_evicted(self, namespace_key: str, ids: np.ndarray, after: int) -> int:
         """Longest checkpoint p > `after` whose prefix ids[:p] was evicted (0 if none)."""
-        best = 0
-        for p, digest in zip(
-            _checkpoints(len(ids), after + 1), _checkpoint_hashes(namespace_key, ids, after + 1)
-        ):
-            if digest in self._seen:
-                best = p
-        return best
+        points = _checkpoints(len(ids), after + 1)
+        if not points or not self._filled:
+            return 0
+        query = np.array(_checkpoint_hashes(namespace_key, ids, after + 1), dtype=np.uint64)
+        seen = np.isin(query, self._ring[: self._filled])
+        return points[int(np.flatnonzero(seen)[-1])] if seen.any() else 0
 
 
 def _checkpoints(length: int, first: int) -> list[int]:
@@ -53,14 +52,14 @@ def _checkpoints(length: int, first: int) -> list[int]:
     return list(range(max(g, -(-first // g) * g), length + 1, g))
 
 
-def _checkpoint_hashes(namespace_key: str, ids: np.ndarray, first: int) -> list[bytes]:
+def _checkpoint_hashes(namespace_key: str, ids: np.ndarray, first: int) -> list[int]:
     data = np.ascontiguousarray(ids, dtype="<i4")
-    h = hashlib.blake2b(namespace_key.encode(), digest_size=12)
+    h = hashlib.blake2b(namespace_key.encode(), digest_size=8)
     out, done = [], 0
     for p in _checkpoints(len(data), first):
         h.update(data[done:p].tobytes())
         done = p
-        out.append(h.copy().digest())
+        out.append(int.from_bytes(h.copy().digest(), "little"))
     return out
 
 
