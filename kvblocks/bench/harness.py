@@ -1,0 +1,378 @@
+"""Benchmark harness shared by every `kvblocks bench` workload.
+
+Compared variants run interleaved round by round (A B C, B C A, C A B, ...) after warm-up, on a
+fixed torch thread count, so background load on a busy machine hits all of them alike; ratios
+are taken between medians.
+A `Report` holds the raw samples and the checks against targets, and is written as JSON,
+Markdown and a PNG box plot under the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class BenchOptions:
+    threads: int = 1
+    warmup: int = 2
+    out: Path = Path("bench-results")
+    plots: bool = True
+    progress: bool = True
+    clock: str = "wall"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchOptions:
+        return cls(
+            args.threads, args.warmup, Path(args.out), not args.no_plots, not args.no_progress, args.clock
+        )
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def count(text: str) -> int:
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
+def _int_at_least(text: str, low: int, what: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got '{text}'")
+    return value
+
+
+def add_harness_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument(
+        "--warmup", type=count, default=2, help="untimed runs of every variant before measuring (default 2)"
+    )
+    p.add_argument("--out", default="bench-results", help="folder for JSON, Markdown and PNG results")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="time runs by wall clock (default) or by this process's CPU time, which leaves out the time "
+        "other processes on a busy machine take the core away (use with --threads 1)",
+    )
+
+
+def set_threads(n: int) -> None:
+    """Pin intra-op threads: on a busy 2-core machine more threads than cores is up to 10x slower."""
+    torch.set_num_threads(n)
+
+
+def machine_info(opts: BenchOptions) -> dict[str, object]:
+    import transformers
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": opts.threads,
+        "clock": opts.clock,
+        "cuda": torch.cuda.is_available(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ---- progress ------------------------------------------------------------------------------
+
+
+class _PlainBar:
+    """Fallback when tqdm is not installed: one rewritten line on stderr."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.n = total, desc, 0
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        sys.stderr.write(f"\r{self.desc}: {self.n}/{self.total}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+class _NoBar:
+    def update(self, k: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@contextmanager
+def progress(total: int, desc: str, enabled: bool = True) -> Iterator[_PlainBar | _NoBar]:
+    if not enabled:
+        bar = _NoBar()
+    else:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+        except ImportError:
+            bar = _PlainBar(total, desc)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+# ---- measuring -----------------------------------------------------------------------------
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@dataclass(slots=True)
+class Variant:
+    """One compared alternative. Only `run` is timed; `setup`/`teardown` bracket every run."""
+
+    name: str
+    run: Callable[[], None]
+    setup: Callable[[], None] | None = None
+    teardown: Callable[[], None] | None = None
+
+    def once(self, clock: Callable[[], float]) -> float:
+        if self.setup is not None:
+            self.setup()
+        t0 = clock()
+        self.run()
+        elapsed = clock() - t0
+        if self.teardown is not None:
+            self.teardown()
+        return elapsed
+
+
+def measure(
+    variants: Sequence[Variant], repeats: int, opts: BenchOptions, desc: str = ""
+) -> dict[str, list[float]]:
+    """Seconds per run for each variant: `opts.warmup` untimed rounds, then `repeats` timed rounds.
+
+    Every round runs each variant once (A B C, then B C A, then C A B, ...): interleaving makes
+    drifting background load hit all variants alike, and rotating the order keeps one variant
+    from always inheriting the caches and allocator state the same predecessor left behind.
+    Sample `i` of every variant comes from round `i`, so samples can be paired by index.
+    """
+    names = [v.name for v in variants]
+    assert len(set(names)) == len(names), names
+    clock = CLOCKS[opts.clock]
+    for _ in range(opts.warmup):
+        for v in variants:
+            v.once(clock)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    with progress(repeats * len(variants), desc, opts.progress) as bar:
+        for r in range(repeats):
+            k = r % len(variants)
+            for v in [*variants[k:], *variants[:k]]:
+                samples[v.name].append(v.once(clock))
+                bar.update()
+    return samples
+
+
+@dataclass(slots=True, frozen=True)
+class Stats:
+    n: int
+    median: float
+    p99: float
+    mean: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Stats:
+        a = np.asarray(samples, dtype=np.float64)
+        assert a.size > 0, "no samples"
+        return cls(
+            int(a.size),
+            float(np.median(a)),
+            float(np.percentile(a, 99)),
+            float(a.mean()),
+            float(a.min()),
+            float(a.max()),
+        )
+
+
+# ---- reporting -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Check:
+    """A measured value against a target (`higher_is_better` decides the direction)."""
+
+    name: str
+    value: float
+    unit: str = ""
+    target: float | None = None
+    higher_is_better: bool = False
+
+    @property
+    def passed(self) -> bool | None:
+        if self.target is None:
+            return None
+        return self.value >= self.target if self.higher_is_better else self.value <= self.target
+
+    def target_text(self) -> str:
+        if self.target is None:
+            return ""
+        return f"{'>=' if self.higher_is_better else '<='} {fmt_number(self.target)} {self.unit}".strip()
+
+    def row(self) -> str:
+        result = {True: "pass", False: "**MISS**", None: ""}[self.passed]
+        value = f"{fmt_number(self.value)} {self.unit}".strip()
+        return f"| {self.name} | {value} | {self.target_text()} | {result} |"
+
+
+def fmt_number(x: float) -> str:
+    if x == 0 or abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.3g}" if abs(x) >= 1 else f"{x:.3f}"
+
+
+def fmt_seconds(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} µs"
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s:.3g} s"
+
+
+@dataclass(slots=True)
+class Report:
+    """One benchmark's result. `baseline` names the variant the others' medians are divided by."""
+
+    name: str
+    title: str
+    params: dict[str, object]
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    baseline: str | None = None
+
+    def stats(self) -> dict[str, Stats]:
+        return {name: Stats.of(s) for name, s in self.samples.items()}
+
+    def median(self, variant: str) -> float:
+        return float(np.median(self.samples[variant]))
+
+    def ratio(self, a: str, b: str) -> float:
+        """median(a) / median(b)."""
+        return self.median(a) / self.median(b)
+
+    def paired_ratio(self, a: str, b: str) -> float:
+        """Median over rounds of a_i / b_i: robust when the machine's load drifts between rounds."""
+        return float(np.median(np.asarray(self.samples[a]) / np.asarray(self.samples[b])))
+
+    def to_markdown(self) -> str:
+        lines = [f"### {self.title}", "", " ".join(f"`{k}={v}`" for k, v in self.params.items()), ""]
+        if self.samples:
+            ratio_col = f" vs {self.baseline} |" if self.baseline else ""
+            lines += [
+                f"| variant | runs | median | p99 | mean |{ratio_col}",
+                "|---|---:|---:|---:|---:|" + ("---:|" if self.baseline else ""),
+            ]
+            for name, st in self.stats().items():
+                ratio = f" {self.ratio(name, self.baseline):.3f} |" if self.baseline else ""
+                lines.append(
+                    f"| {name} | {st.n} | {fmt_seconds(st.median)} | {fmt_seconds(st.p99)} | "
+                    f"{fmt_seconds(st.mean)} |{ratio}"
+                )
+            lines.append("")
+        if self.checks:
+            lines += ["| metric | value | target | result |", "|---|---:|---:|:---:|"]
+            lines += [c.row() for c in self.checks]
+            lines.append("")
+        lines += [f"- {note}" for note in self.notes]
+        return "\n".join(lines).rstrip() + "\n"
+
+    def to_json(self, machine: dict[str, object]) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "title": self.title,
+            "machine": machine,
+            "params": self.params,
+            "baseline": self.baseline,
+            "stats_s": {name: asdict(st) for name, st in self.stats().items()},
+            "ratios_of_medians": (
+                {name: self.ratio(name, self.baseline) for name in self.samples} if self.baseline else {}
+            ),
+            "checks": [dict(asdict(c), passed=c.passed) for c in self.checks],
+            "notes": self.notes,
+            "samples_s": self.samples,
+        }
+
+    def save(self, opts: BenchOptions, machine: dict[str, object]) -> list[Path]:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        paths = [opts.out / f"{self.name}.json", opts.out / f"{self.name}.md"]
+        paths[0].write_text(json.dumps(self.to_json(machine), indent=2) + "\n")
+        paths[1].write_text(self.to_markdown())
+        if opts.plots and self.samples:
+            paths.append(opts.out / f"{self.name}.png")
+            plot_samples(self, paths[-1])
+        return paths
+
+
+def plot_samples(report: Report, path: Path) -> None:
+    """Box plot of each variant's run times (log scale: variants often differ by orders of magnitude)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report.samples)
+    fig, ax = plt.subplots(figsize=(2.5 + 2.0 * len(names), 4.5))
+    ax.boxplot([np.asarray(report.samples[n]) * 1e3 for n in names])
+    ax.set_xticks(range(1, len(names) + 1), [textwrap.fill(n, 22) for n in names], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per run (log scale)")
+    ax.set_title(report.title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summary_markdown(reports: Sequence[Report]) -> str:
+    lines = ["| benchmark | metric | value | target | result |", "|---|---|---:|---:|:---:|"]
+    for r in reports:
+        lines += [f"| {r.title} {c.row()}" for c in r.checks]
+    return "\n".join(lines) + "\n"
+
+
+def publish(reports: Sequence[Report], opts: BenchOptions, suite: str) -> None:
+    """Print every report as Markdown and write each one plus a `<suite>-summary` to `opts.out`."""
+    machine = machine_info(opts)
+    written: list[Path] = []
+    for r in reports:
+        written += r.save(opts, machine)
+        print(r.to_markdown())
+    summary = summary_markdown(reports)
+    print(f"### Summary\n\n{summary}")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / f"{suite}-summary.md").write_text(summary)
+    data = {"machine": machine, "reports": [r.to_json(machine) for r in reports]}
+    (opts.out / f"{suite}-summary.json").write_text(json.dumps(data, indent=2) + "\n")
+    print(f"kvblocks: wrote {len(written) + 2} files to {opts.out}/", file=sys.stderr)

@@ -1,0 +1,598 @@
+"""`kvblocks bench micro`: the core costs against their targets.
+
+- gather: re-attach bandwidth (pool gather of fragmented slots) as a ratio to `clone()` of the
+  same bytes;
+- trie: `match` and `insert` latency for a 4k-token prompt with 1M tokens resident;
+- memory: bookkeeping bytes per cached token beyond the KV itself (same trie, tracemalloc);
+- ttft: time to first token on the real model with a cached system prompt, against the ideal
+  (the bare model on a prebuilt cache) and against no cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvblocks.bench.harness import (
+    BenchOptions,
+    Check,
+    Report,
+    Variant,
+    add_harness_args,
+    measure,
+    positive_int,
+    progress,
+    publish,
+    set_threads,
+)
+from kvblocks.pool import KVPool, LayerShape
+from kvblocks.radix import SLOT_DTYPE, TOKEN_DTYPE
+
+BENCHMARKS = ("gather", "trie", "ttft")
+GB = 1e9
+
+
+def add_parser(suites: argparse._SubParsersAction) -> None:
+    p = suites.add_parser(
+        "micro",
+        help="core costs vs targets: gather bandwidth, trie latency and memory, time to first token",
+        description="Core micro-benchmarks of kvblocks, each checked against its target.",
+    )
+    add_harness_args(p)
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=BENCHMARKS,
+        help="run only this benchmark (repeatable; 'trie' includes memory)",
+    )
+    g = p.add_argument_group("gather (re-attach bandwidth)")
+    g.add_argument(
+        "--gather-tokens", type=positive_int, default=1024, help="tokens gathered per run (default 1024)"
+    )
+    g.add_argument(
+        "--gather-capacity", type=positive_int, default=8192, help="pool capacity in tokens (default 8192)"
+    )
+    g.add_argument("--gather-layers", type=positive_int, default=30, help="layers (default 30, SmolLM2)")
+    g.add_argument("--gather-heads", type=positive_int, default=3, help="KV heads (default 3, SmolLM2)")
+    g.add_argument("--gather-head-dim", type=positive_int, default=64, help="head dim (default 64, SmolLM2)")
+    g.add_argument(
+        "--gather-repeats", type=positive_int, default=60, help="timed runs per variant (default 60)"
+    )
+    t = p.add_argument_group("trie (match/insert latency and metadata bytes)")
+    t.add_argument(
+        "--trie-resident", type=positive_int, default=1_000_000, help="resident tokens (default 1M)"
+    )
+    t.add_argument(
+        "--trie-prompt", type=positive_int, default=4096, help="prompt tokens per op (default 4096)"
+    )
+    t.add_argument(
+        "--trie-new", type=positive_int, default=128, help="uncached tail of the mostly-hit prompt (128)"
+    )
+    t.add_argument(
+        "--trie-layers", type=positive_int, default=1, help="layers of the tiny KV layout (default 1)"
+    )
+    t.add_argument(
+        "--trie-head-dim", type=positive_int, default=4, help="head dim of the tiny layout (default 4)"
+    )
+    t.add_argument(
+        "--trie-repeats", type=positive_int, default=40, help="timed runs per variant (default 40)"
+    )
+    t.add_argument(
+        "--trie-fill",
+        type=float,
+        default=3.0,
+        help="tokens inserted before measuring, as a multiple of --trie-resident (default 3: steady state)",
+    )
+    m = p.add_argument_group("ttft (time to first token on a real model)")
+    m.add_argument("--model", default=None, help="model path or hub id (default: SmolLM2-135M-Instruct)")
+    m.add_argument(
+        "--ttft-cached", type=positive_int, default=1000, help="cached system prompt tokens (default 1000)"
+    )
+    m.add_argument(
+        "--ttft-question", type=positive_int, default=30, help="uncached question tokens (default 30)"
+    )
+    m.add_argument(
+        "--ttft-repeats", type=positive_int, default=15, help="timed runs of kvblocks and ideal (default 15)"
+    )
+    m.add_argument(
+        "--ttft-nocache-repeats",
+        type=positive_int,
+        default=5,
+        help="timed runs of kvblocks and no cache, the slow full prefill (default 5)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = BenchOptions.from_args(args)
+    set_threads(opts.threads)
+    selected = args.only or list(BENCHMARKS)
+    reports: list[Report] = []
+    if "gather" in selected:
+        shape = LayerShape(args.gather_heads, args.gather_head_dim)
+        reports.append(
+            bench_gather(
+                opts,
+                args.gather_tokens,
+                args.gather_capacity,
+                [shape] * args.gather_layers,
+                args.gather_repeats,
+            )
+        )
+    if "trie" in selected:
+        reports += bench_trie(
+            opts,
+            args.trie_resident,
+            args.trie_prompt,
+            args.trie_new,
+            args.trie_layers,
+            args.trie_head_dim,
+            args.trie_repeats,
+            args.trie_fill,
+        )
+    if "ttft" in selected:
+        model, tokenizer = _load_model(args.model)
+        reports.append(
+            bench_ttft(
+                opts,
+                model,
+                tokenizer,
+                args.ttft_cached,
+                args.ttft_question,
+                args.ttft_repeats,
+                args.ttft_nocache_repeats,
+            )
+        )
+    publish(reports, opts, "micro")
+    return 0
+
+
+def _load_model(name: str | None):
+    from kvblocks import models
+    from kvblocks.cli import UserError
+
+    try:
+        return models.load(name, "float32", "cpu")
+    except models.ModelLoadError as exc:
+        raise UserError(str(exc)) from exc
+
+
+# ---- a. gather bandwidth -------------------------------------------------------------------
+
+
+def fragment(pool: KVPool, rng: np.random.Generator, rounds: int) -> None:
+    """Churn the pool the way a trie does: inserts of varied length, LRU-ish whole and tail evictions."""
+    live: list[np.ndarray] = []
+    top = max(2, min(512, pool.capacity // 4))
+    for _ in range(rounds):
+        size = int(rng.integers(min(16, top - 1), top))
+        while pool.num_free < size:
+            victim = live.pop(int(rng.integers(len(live))))
+            if len(victim) > 32 and rng.random() < 0.3:
+                cut = int(rng.integers(1, len(victim)))
+                pool.release(victim[cut:])
+                live.append(victim[:cut])
+            else:
+                pool.release(victim)
+        live.append(pool.alloc(size))
+    for chunk in live:
+        pool.release(chunk)
+
+
+def slot_runs(slots: np.ndarray) -> int:
+    """How many maximal runs of consecutive slot numbers `slots` is made of."""
+    return int(np.count_nonzero(np.diff(slots) != 1)) + 1 if len(slots) else 0
+
+
+def bench_gather(
+    opts: BenchOptions, tokens: int, capacity: int, shapes: list[LayerShape], repeats: int
+) -> Report:
+    if tokens > capacity:
+        raise _user_error(f"--gather-tokens ({tokens}) must not exceed --gather-capacity ({capacity})")
+    rng = np.random.default_rng(0)
+    pool = KVPool(shapes, capacity, torch.float32, "cpu")
+    everything = pool.index(np.arange(capacity))
+    for layer, s in enumerate(shapes):
+        pool.scatter(
+            layer,
+            everything,
+            torch.randn(capacity, s.heads, s.head_dim),
+            torch.randn(capacity, s.heads, s.head_dim),
+        )
+    fragment(pool, rng, rounds=4 * capacity // 264)
+    slots = pool.alloc(tokens)
+    contiguous = np.arange(tokens, dtype=slots.dtype)
+    sources = [torch.randn(tokens, 2, s.heads, s.head_dim) for s in shapes]
+    nbytes = tokens * pool.token_bytes
+    sink: list[torch.Tensor] = []
+
+    def gather(slot_ids: np.ndarray):
+        def go() -> None:
+            index = pool.index(slot_ids)
+            sink[:] = [pool.gather(layer, index) for layer in range(len(shapes))]
+
+        return go
+
+    def clone() -> None:
+        sink[:] = [s.clone() for s in sources]
+
+    variants = [
+        Variant("clone (contiguous)", clone),
+        Variant("gather (fragmented slots)", gather(slots)),
+        Variant("gather (contiguous slots)", gather(contiguous)),
+    ]
+    samples = measure(variants, repeats, opts, "gather")
+    report = Report(
+        "micro-gather",
+        "Re-attach gather bandwidth",
+        {
+            "tokens": tokens,
+            "capacity": capacity,
+            "layers": len(shapes),
+            "heads": shapes[0].heads,
+            "head_dim": shapes[0].head_dim,
+            "dtype": "float32",
+            "MB_per_run": round(nbytes / 1e6, 1),
+        },
+        samples,
+        baseline="clone (contiguous)",
+    )
+    bw = {name: nbytes / report.median(name) / GB for name in samples}
+    report.checks = [
+        Check("clone bandwidth", bw["clone (contiguous)"], "GB/s"),
+        Check("gather bandwidth, fragmented slots", bw["gather (fragmented slots)"], "GB/s"),
+        Check("gather bandwidth, contiguous slots", bw["gather (contiguous slots)"], "GB/s"),
+        Check(
+            "gather / clone bandwidth (fragmented)",
+            report.ratio("clone (contiguous)", "gather (fragmented slots)"),
+            target=0.7,
+            higher_is_better=True,
+        ),
+    ]
+    runs = slot_runs(slots)
+    report.notes = [
+        f"fragmented slots: {runs} runs of consecutive slots, {tokens / runs:.1f} tokens per run on average, "
+        "after churning the pool with inserts of 16-511 tokens and whole/tail evictions",
+        "bandwidth = bytes of KV delivered per second (every layer's [tokens, 2, H, D]); "
+        "each gather run includes building the slot index, as `Hit.to_hf_cache` does",
+    ]
+    return report
+
+
+# ---- b./c. trie latency and metadata bytes -------------------------------------------------
+
+
+def chat_histories(
+    rng: np.random.Generator, vocab: int, max_len: int, systems: int = 32
+) -> Iterator[np.ndarray]:
+    """Endless token histories shaped like chat/agent traffic, one per finished request.
+
+    Conversations start from a few popular system prompts (200-2000 tokens, Zipf-like popularity)
+    and grow turn by turn (about 3 turns on average, user 16-255 + reply 32-511 tokens each); a
+    quarter of them branch off an earlier conversation at a random point (an edit, a regenerated
+    reply, an agent retrying a tool call).
+    """
+    prompts = [rng.integers(0, vocab, int(rng.integers(200, 2000)), dtype=np.int32) for _ in range(systems)]
+    popularity = 1.0 / np.arange(1, systems + 1)
+    popularity /= popularity.sum()
+    finished: list[np.ndarray] = []
+    while True:
+        if finished and rng.random() < 0.25:
+            base = finished[int(rng.integers(len(finished)))]
+            history = base[: int(rng.integers(len(base) // 2, len(base)))]
+        else:
+            history = prompts[int(rng.choice(systems, p=popularity))]
+        for _ in range(min(int(rng.geometric(0.35)), 12)):
+            turn = rng.integers(0, vocab, int(rng.integers(16, 256) + rng.integers(32, 512)), dtype=np.int32)
+            if len(history) + len(turn) > max_len:
+                break
+            history = np.concatenate([history, turn])
+            yield history
+        finished = [*finished[-63:], history]
+
+
+class KVSource:
+    """Random KV for up to `max_len` positions, handed out as transformers caches for `insert`."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, max_len: int) -> None:
+        self.kv = [
+            (torch.randn(1, heads, max_len, head_dim), torch.randn(1, heads, max_len, head_dim))
+            for _ in range(layers)
+        ]
+
+    def cache(self, length: int):
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=[(k[:, :, :length], v[:, :, :length]) for k, v in self.kv])
+
+
+def tiny_trie(capacity: int, layers: int, head_dim: int):
+    """A KVCacheTrie over a tiny 1-head layout (no model), so a million tokens fit in a few MB of KV."""
+    from transformers import LlamaConfig
+
+    from kvblocks.adapters.hf import LayerSpec
+    from kvblocks.namespace import Namespace
+    from kvblocks.trie import KVCacheTrie
+
+    config = LlamaConfig(
+        hidden_size=head_dim,
+        head_dim=head_dim,
+        num_hidden_layers=layers,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        intermediate_size=4 * head_dim,
+    )
+    specs = [LayerSpec("full", 1, head_dim)] * layers
+    ns = Namespace("bench-tiny", "float32")
+    return KVCacheTrie(config, specs, ns, capacity_tokens=capacity, dtype=torch.float32, device="cpu")
+
+
+def metadata_bytes(snapshot: tracemalloc.Snapshot) -> dict[str, int]:
+    """Live bytes allocated from kvblocks' own modules (the benchmark excluded), per file."""
+    package = Path(__file__).resolve().parents[1]
+    roots = (str(package), str(package.parent / "adapters"))
+    bench = str(package / "bench")
+    out: dict[str, int] = {}
+    for stat in snapshot.statistics("filename"):
+        name = stat.traceback[0].filename
+        if name.startswith(roots) and not name.startswith(bench):
+            out[Path(name).name] = out.get(Path(name).name, 0) + stat.size
+    return out
+
+
+def bench_trie(
+    opts: BenchOptions,
+    resident: int,
+    prompt: int,
+    new: int,
+    layers: int,
+    head_dim: int,
+    repeats: int,
+    fill: float = 3.0,
+) -> list[Report]:
+    if new >= prompt:
+        raise _user_error(f"--trie-new ({new}) must be smaller than --trie-prompt ({prompt})")
+    if fill < 1.0:
+        raise _user_error(f"--trie-fill must be >= 1 so the pool is full and evicting, got {fill}")
+    rng = np.random.default_rng(1)
+    vocab, max_len = 32_000, max(8192, 2 * prompt)
+    source = KVSource(layers, 1, head_dim, max_len)
+
+    gc.collect()
+    tracemalloc.start()
+    trie = tiny_trie(resident, layers, head_dim)
+    traffic = chat_histories(rng, vocab, max_len)
+    inserted, target = 0, int(resident * fill)
+    with progress(target, "fill trie", opts.progress) as bar:
+        while inserted < target:
+            ids = next(traffic)
+            stored = trie.insert(ids, source.cache(len(ids)))
+            inserted += stored
+            bar.update(stored)
+    probe = next(traffic)
+    while len(probe) < prompt:
+        trie.insert(probe, source.cache(len(probe)))
+        probe = np.concatenate([probe, rng.integers(0, vocab, 400, dtype=np.int32)])
+    trie.insert(probe, source.cache(len(probe)))
+    gc.collect()
+    snapshot = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    before = trie.stats()
+    memory = memory_report(metadata_bytes(snapshot), before, layers, head_dim)
+
+    cut = prompt - new
+
+    branch = itertools.count(1)
+
+    def fresh(n: int, after: int | None = None) -> np.ndarray:
+        """Random ids; with `after`, the first differs from `after` and from every earlier branch."""
+        ids = rng.integers(0, vocab, n, dtype=np.int32)
+        if after is not None:
+            ids[0] = (after + next(branch)) % vocab
+        return ids
+
+    hit_prompt = np.concatenate([probe[:cut], fresh(new, int(probe[cut]))])
+    pending: dict[str, tuple[np.ndarray, object]] = {}
+
+    with trie.match(hit_prompt) as hit:
+        assert hit.length == cut, (hit.length, cut)
+
+    def do_match() -> None:
+        trie.match(hit_prompt).release()
+
+    def prepare(name: str, make_ids, stores: int, room: bool):
+        """Untimed: fresh ids and their cache (and room in the pool when `room`); timed: the insert."""
+
+        def setup() -> None:
+            ids = make_ids()
+            if room:
+                trie.evict(stores)
+            pending[name] = (ids, source.cache(len(ids)))
+
+        def go() -> None:
+            ids, past = pending.pop(name)
+            stored = trie.insert(ids, past)
+            assert stored == stores, (name, stored, stores)
+
+        return setup, go
+
+    new_setup, new_run = prepare("new", lambda: fresh(prompt), prompt, room=True)
+    shared_setup, shared_run = prepare(
+        "shared", lambda: np.concatenate([probe[:cut], fresh(new, int(probe[cut]))]), new, room=True
+    )
+    evict_setup, evict_run = prepare("evict", lambda: fresh(prompt), prompt, room=False)
+    variants = [
+        Variant(f"match+release ({cut} of {prompt} hit)", do_match),
+        Variant(f"insert fully new ({prompt})", new_run, new_setup),
+        Variant(f"insert mostly shared ({new} new of {prompt})", shared_run, shared_setup),
+        Variant(f"insert fully new, evicting {prompt}", evict_run, evict_setup),
+    ]
+    samples = measure(variants, repeats, opts, "trie ops")
+    after = trie.stats()
+    latency = Report(
+        "micro-trie",
+        "Trie match/insert latency",
+        {
+            "resident_tokens": before["resident_tokens"],
+            "capacity_tokens": before["capacity_tokens"],
+            "prompt_tokens": prompt,
+            "layout": f"{layers} layer x 1 head x head_dim {head_dim} fp32",
+        },
+        samples,
+    )
+    ms = 1e3
+    latency.checks = [Check(f"{name}, median", latency.median(name) * ms, "ms", 1.0) for name in samples]
+    latency.checks += [
+        Check(f"{name}, p99", float(np.percentile(samples[name], 99)) * ms, "ms") for name in samples
+    ]
+    latency.notes = [
+        f"tiny KV layout ({layers} layer, 1 KV head, head_dim {head_dim}: {trie.token_bytes} B of KV per token) so "
+        f"{resident:,} resident tokens fit in memory; match/insert cost does not depend on the KV size except "
+        "for the scatter of new tokens",
+        f"filled with {inserted:,} tokens of chat traffic (32 system prompts, multi-turn, 25% branches) into a "
+        f"pool of {resident:,} tokens, so it is full and evicting: {before['nodes']:,} nodes before the runs, "
+        f"{after['nodes']:,} after ({after['resident_tokens']:,} resident)",
+        "'insert fully new' / 'mostly shared' get room made by an untimed `evict` first; "
+        "the 'evicting' variant pays for LRU eviction inside `insert`",
+    ]
+    return [latency, memory]
+
+
+def memory_report(by_file: dict[str, int], stats: dict[str, int], layers: int, head_dim: int) -> Report:
+    resident = stats["resident_tokens"]
+    total = sum(by_file.values())
+    report = Report(
+        "micro-memory",
+        "Metadata bytes per cached token",
+        {
+            "resident_tokens": resident,
+            "capacity_tokens": stats["capacity_tokens"],
+            "nodes": stats["nodes"],
+            "layout": f"{layers} layer x 1 head x head_dim {head_dim} fp32",
+        },
+    )
+    report.checks = [Check("bookkeeping bytes per resident token", total / resident, "B", 16.0)]
+    big = {name: size for name, size in by_file.items() if size / resident >= 0.01}
+    report.checks += [
+        Check(f"of which allocated in {name}", size / resident, "B")
+        for name, size in sorted(big.items(), key=lambda kv: -kv[1])
+    ]
+    if len(big) < len(by_file):
+        report.checks.append(
+            Check("of which elsewhere in kvblocks", (total - sum(big.values())) / resident, "B")
+        )
+    report.notes = [
+        "tracemalloc over the fill of the trie of the latency benchmark (same trie): live Python and numpy "
+        "allocations made by kvblocks code (tree nodes, child dicts, token and slot arrays, the pool's free "
+        "list, any other bookkeeping the trie keeps), divided by resident tokens; the KV tensors themselves "
+        "(torch allocator) are not counted",
+        f"{total:,} bytes for {resident:,} tokens in {stats['nodes']:,} nodes",
+    ]
+    nodes = stats["nodes"]
+    ids_per_token = np.dtype(TOKEN_DTYPE).itemsize + np.dtype(SLOT_DTYPE).itemsize
+    if nodes and "radix.py" in by_file:
+        per_node = (by_file["radix.py"] - ids_per_token * resident) / nodes
+        report.notes.append(
+            f"the tree costs {ids_per_token} B per token (token and slot ids) + about {per_node:,.0f} B per node "
+            f"(here {resident / nodes:,.0f} tokens per node, so {per_node * nodes / resident:.2f} B per token)"
+        )
+    return report
+
+
+# ---- d. time to first token ----------------------------------------------------------------
+
+
+def bench_ttft(
+    opts: BenchOptions, model, tokenizer, cached: int, question: int, repeats: int, nocache_repeats: int
+) -> Report:
+    from kvblocks.adapters import hf
+    from kvblocks.generator import CachedGenerator
+    from kvblocks.sampling import SamplingParams, choose
+    from kvblocks.trie import KVCacheTrie
+
+    rng = np.random.default_rng(2)
+    vocab = model.config.vocab_size
+    low = min(256, vocab // 2)  # skip the low ids, where tokenizers keep their special tokens
+    system = rng.integers(low, vocab, cached).tolist()
+    asked = rng.integers(low, vocab, question).tolist()
+    earlier = [low + (asked[0] + 1 - low) % (vocab - low), *asked[1:]]
+    prompt = system + asked
+    cache = KVCacheTrie.for_model(model, capacity_tokens=2 * (cached + question))
+    gen = CachedGenerator(model, tokenizer, cache)
+    gen.generate(system + earlier, max_new_tokens=1)  # an earlier request cached the system prompt
+    runner, greedy = gen.runner, SamplingParams()
+    ideal_past = hf.empty_cache(model.config)
+    runner.forward(system, ideal_past)
+
+    def with_kvblocks() -> None:
+        with cache.match(prompt) as hit:
+            assert hit.length == cached, (hit.length, cached)
+            choose(runner.forward(prompt[hit.length :], hit.to_hf_cache())[-1], greedy, None)
+
+    def ideal() -> None:
+        choose(runner.forward(asked, ideal_past)[-1], greedy, None)
+
+    def no_cache() -> None:
+        choose(runner.forward(prompt, hf.empty_cache(model.config))[-1], greedy, None)
+
+    ideal_name, kv_name = "ideal (bare model, prebuilt cache)", "kvblocks (match, to_hf_cache, prefill)"
+    none_name, kv_beside = "no cache (full prefill)", "kvblocks, measured beside no cache"
+    samples = measure(
+        [
+            Variant(ideal_name, ideal, teardown=lambda: hf.crop(ideal_past, cached)),
+            Variant(kv_name, with_kvblocks),
+        ],
+        repeats,
+        opts,
+        "ttft vs ideal",
+    )
+    samples |= measure(
+        [Variant(kv_beside, with_kvblocks), Variant(none_name, no_cache)],
+        nocache_repeats,
+        opts,
+        "ttft vs no cache",
+    )
+    name = getattr(model.config, "name_or_path", "") or model.config.model_type
+    report = Report(
+        "micro-ttft",
+        "Time to first token with a cached system prompt",
+        {
+            "model": name,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "cached_tokens": cached,
+            "question_tokens": question,
+            "clock": opts.clock,
+        },
+        samples,
+        baseline=ideal_name,
+    )
+    report.checks = [
+        Check("kvblocks / ideal", report.ratio(kv_name, ideal_name), "", 1.10),
+        Check("kvblocks / ideal, median of per-round ratios", report.paired_ratio(kv_name, ideal_name)),
+        Check("no cache / kvblocks (speed-up)", report.ratio(none_name, kv_beside)),
+    ]
+    report.notes = [
+        f"random fixed-seed token ids; an earlier request (through `CachedGenerator`) cached the {cached}-token "
+        "system prompt with another question, so every kvblocks run hits exactly the system prompt",
+        "kvblocks = the steps `CachedGenerator` takes before its first token: `match`, `to_hf_cache` (one gather "
+        "per layer), prefill of the question, greedy choice; ideal = the same `ModelRunner.forward` "
+        "(logits_to_keep=1) on a DynamicCache already holding the system prompt, cropped back after each run "
+        "(untimed); no cache = prefill of all tokens",
+        "kvblocks is compared with the ideal in one interleaved run and with no cache in another (fewer runs: "
+        "a full prefill is slow), so the target ratio comes from a process that, like a server full of hits, "
+        "only re-attaches; the gather's cost depends on the allocator (fresh pages fault in), see BENCHMARKS.md",
+    ]
+    return report
+
+
+def _user_error(message: str) -> Exception:
+    from kvblocks.cli import UserError
+
+    return UserError(message)
