@@ -36,7 +36,9 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.layers: list[torch.Tensor | None] = [
-            None if s is None else torch.empty(capacity_tokens, 2, s.heads, s.head_dim, dtype=dtype, device=device)
+            None
+            if s is None
+            else torch.empty(capacity_tokens, 2, s.heads, s.head_dim, dtype=dtype, device=device)
             for s in shapes
         ]
         self._free = np.arange(capacity_tokens - 1, -1, -1, dtype=SLOT_DTYPE)
@@ -69,7 +71,9 @@ class KVPool:
         self._num_free += n
 
     def index(self, slots: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device, non_blocking=True)
+        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(
+            self.device, non_blocking=True
+        )
 
     def gather(self, layer: int, index: torch.Tensor) -> torch.Tensor:
         """KV of `index` slots for one layer as `[n, 2, H, D]`."""

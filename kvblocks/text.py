@@ -19,7 +19,10 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     elif isinstance(prompt, torch.Tensor | np.ndarray):
-        ids = [int(t) for t in np.asarray(prompt.cpu() if isinstance(prompt, torch.Tensor) else prompt).reshape(-1)]
+        ids = [
+            int(t)
+            for t in np.asarray(prompt.cpu() if isinstance(prompt, torch.Tensor) else prompt).reshape(-1)
+        ]
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         for i, m in enumerate(prompt):
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
