@@ -87,6 +87,11 @@ def load(model: str | None = None, dtype: str = "float32", device: str = "cpu"):
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
     path = resolve(model)
+    looks_local = path.startswith((".", "~", "/")) or path.count("/") > 1  # hub ids are "org/name"
+    if looks_local and not Path(path).expanduser().is_dir():
+        raise ModelLoadError(
+            f"no model folder at '{path}' (give a local transformers model folder or a hub id)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
