@@ -65,6 +65,12 @@ def context_length(config) -> int | None:
     return None
 
 
+def vocab_size(config) -> int:
+    """Token ids the model embeds (and logits it returns): `config.vocab_size` of the text model."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
+
+
 def eos_token_ids(model, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
@@ -105,7 +111,7 @@ class CachedGenerator:
         self.runner = ModelRunner(model)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.max_context = context_length(model.config)
-        self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        self.vocab_size = vocab_size(model.config)
 
     def encode(self, prompt: Prompt) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt)

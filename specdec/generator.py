@@ -124,7 +124,7 @@ class SpeculativeGenerator(CachedGenerator):
         self.adaptive = adaptive
         self.max_gamma = max(max_gamma, gamma)
         self.on_round = on_round
-        self.target_vocab = model.get_output_embeddings().weight.shape[0]
+        self.target_vocab = self.vocab_size
 
     def _decode(
         self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None

@@ -162,11 +162,11 @@ def _check_exact(counts: Counter, joint: dict) -> None:
     assert p_value > 1e-3, f"chi-square p-value {p_value:.3g}: not the target's distribution"
 
 
-def _point_mass_as_one_hot(p, drafts, q, greedy, rng):
+def _point_mass_as_one_hot(p, drafts, q, greedy, rng, tail_q=None):
     """Treats a point-mass draft as q = one-hot: keep it with probability p(x)."""
     if q is None and drafts:
         q = torch.nn.functional.one_hot(torch.tensor(drafts), p.shape[-1]).to(p.dtype)
-    return verify(p, drafts, q, greedy, rng)
+    return verify(p, drafts, q, greedy, rng, tail_q=tail_q)
 
 
 @pytest.fixture
