@@ -174,6 +174,7 @@ class CachedGenerator:
             for token in tokens:
                 if not generated:
                     ttft = time.perf_counter() - t0
+                    self._commit_prompt(run)
                 generated.append(token)
                 run.sequence.append(token)
                 if token in self.eos_ids and not ignore_eos:
@@ -215,6 +216,15 @@ class CachedGenerator:
         # Committed before the result is handed over: a consumer that stops at the result piece
         # (without exhausting the stream) holds no lock, and its next turn hits this one.
         yield final
+
+    def _commit_prompt(self, run: DecodeState) -> None:
+        """Store the prompt's KV as soon as it is computed, not only when the request ends.
+
+        Requests interleaved with this one (the server's engine) then hit the shared prefix
+        instead of each prefilling it again; the end-of-request insert adds only the reply.
+        """
+        if self.cache is not None:
+            self.cache.insert(run.sequence[: min(run.computed, len(run.sequence))], run.past, salt=run.salt)
 
     def _decode(
         self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None

@@ -192,3 +192,20 @@ def test_metrics_record_tokens_and_latencies_of_finished_requests(engine):
     assert m.counters["kvblocks_generation_tokens_total"] == 5
     assert m.histograms["kvblocks_time_to_first_token_seconds"].n == 1
     assert m.histograms["kvblocks_inter_token_seconds"].n == 4
+
+
+def test_requests_arriving_together_share_a_prompt_prefilled_by_the_first(engine, cache):
+    """The first request commits its prompt as soon as it is prefilled, so the ones queued with it
+    hit the shared system prompt instead of each prefilling it again."""
+    system = list(range(100, 180))
+    inboxes = [Inbox() for _ in range(4)]
+    for i, inbox in enumerate(inboxes):
+        engine.submit([*system, 200 + i], inbox, max_new_tokens=6)
+    engine.start()
+    for inbox in inboxes:
+        inbox.wait()
+    cached = [inbox.result.cached_tokens for inbox in inboxes]
+    assert cached[0] == 0
+    assert cached[1:] == [len(system)] * 3
+    wait_until(lambda: engine.active == 0)
+    assert cache.stats()["locked_tokens"] == 0

@@ -76,9 +76,10 @@ def expected(target):
 class Invariants:
     """`on_round` observer for one trie-backed generator; `finish` checks a request once it ended.
 
-    Mid-request nothing may be inserted into either trie (the counters and resident tokens stay
-    as they were), so the rounds' rejected drafts are recorded with their residency then; after
-    the request a rejected draft must not have become resident, and no lock may be left.
+    Mid-request only committed tokens may enter a trie (the generator commits the prompt once it
+    is computed, so interleaved requests can share it). Each round's rejected draft is recorded
+    with its residency then; neither during the rest of the request nor after it may a rejected
+    draft become resident, and no lock may outlive the request.
     """
 
     def __init__(self, cache: KVCacheTrie | None, draft_cache: KVCacheTrie | None = None) -> None:
@@ -98,8 +99,9 @@ class Invariants:
         assert r.committed[-1] == r.token and r.committed[-1 - r.accepted : -1] == r.drafts[: r.accepted]
         for trie, before in zip(self.tries, self.before):
             now = trie.stats()
-            assert now["inserted_tokens"] == before["inserted_tokens"], "a trie grew during the request"
-            assert now["resident_tokens"] == before["resident_tokens"]
+            grown = now["inserted_tokens"] - before["inserted_tokens"]
+            assert grown <= len(r.committed) and now["resident_tokens"] - before["resident_tokens"] == grown
+        self._check_rejected_invisible()
         if r.accepted < len(r.drafts):
             rejected = [*r.committed[:-1], r.drafts[r.accepted]]
             for trie in self.tries:
@@ -112,6 +114,9 @@ class Invariants:
         sequence = [*prompt, *generated]
         if self.cache is not None:
             assert self.cache.cached_length(sequence) >= len(sequence) - 1
+        self._check_rejected_invisible()
+
+    def _check_rejected_invisible(self) -> None:
         for trie, rejected, during in self.rejected:
             prefix = len(rejected) - 1
             assert trie.cached_length(rejected) <= max(prefix, during), "a rejected draft reached the trie"
