@@ -197,10 +197,10 @@ def test_metrics_record_tokens_and_latencies_of_finished_requests(engine):
 def test_requests_arriving_together_share_a_prompt_prefilled_by_the_first(engine, cache):
     """The first request commits its prompt as soon as it is prefilled, so the ones queued with it
     hit the shared system prompt instead of each prefilling it again."""
-    system = list(range(100, 180))
+    system = list(range(20, 100))
     inboxes = [Inbox() for _ in range(4)]
     for i, inbox in enumerate(inboxes):
-        engine.submit([*system, 200 + i], inbox, max_new_tokens=6)
+        engine.submit([*system, 100 + i], inbox, max_new_tokens=6)
     engine.start()
     for inbox in inboxes:
         inbox.wait()
