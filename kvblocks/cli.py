@@ -157,7 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get("KVBLOCKS_API_KEY") or None
     model, tokenizer, cache = load_stack(args)
-    gen = make_generator(args, model, tokenizer, cache)
+    gen = make_generator(args, model, tokenizer, None if args.no_cache else cache)
     name = args.served_model_name or (models.DEFAULT_MODEL if args.model is None else args.model.rstrip("/"))
     engine = Engine(gen).start()
     app = create_app(engine, ServerConfig(name, api_key, args.default_max_tokens))
@@ -272,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--default-max-tokens", type=int, default=256, help="max_tokens when a chat request omits it"
     )
     sv.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    sv.add_argument("--no-cache", action="store_true", help="no prefix reuse: prefill every prompt in full")
     sv.set_defaults(func=cmd_serve)
 
     from kvblocks.inspect_cli import add_inspect_parsers

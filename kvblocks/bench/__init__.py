@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvblocks.bench import micro
+from kvblocks.bench import loadtest, micro, specdec, spill, workloads
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -14,6 +14,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
     micro.add_parser(suites)
+    workloads.add_parser(suites)
+    spill.add_parser(suites)
+    specdec.add_parser(suites)
+    loadtest.add_parser(suites)
     p.set_defaults(func=lambda args: _print_help(p))
 
 

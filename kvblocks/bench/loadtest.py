@@ -1,0 +1,381 @@
+"""`kvblocks bench server`: concurrent agents against a real `kvblocks serve`, prefix cache on vs off.
+
+N agents (asyncio tasks, httpx, streaming chat completions) share one long system prompt; each holds
+a conversation of T turns, every turn sending the whole history. Two servers run side by side for
+the whole benchmark, one with the prefix cache and one started with `--no-cache`, and get the same
+load in alternating rounds. Measured per request on the client: time to the first content chunk,
+and the prompt and cached token counts the server reports in `usage`.
+
+The ideal hit for a request is the longest prefix of its prompt that some earlier-submitted request
+computed: its prompt plus (once finished) its reply, capped at all but the last prompt token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvblocks.bench.harness import (
+    BenchOptions,
+    Check,
+    Report,
+    add_harness_args,
+    fmt_seconds,
+    positive_int,
+    publish,
+)
+
+_TOOLS = (
+    "search_orders", "refund_payment", "update_address", "reset_password", "open_ticket", "close_ticket",
+    "escalate_case", "check_inventory", "schedule_callback", "apply_coupon", "cancel_subscription",
+    "change_plan", "verify_identity", "send_invoice", "track_shipment", "report_outage",
+)  # fmt: skip
+_WORDS = (
+    "customer", "account", "order", "invoice", "shipment", "region", "priority", "status", "reason",
+    "amount", "currency", "date", "channel", "language", "notes", "reference", "plan", "device",
+)  # fmt: skip
+
+
+def system_prompt(tokenizer, tokens: int) -> str:
+    """A deterministic agent system prompt (policies and a tool list) of at most `tokens` tokens."""
+    lines = ["You are the support agent of Acme Cloud. Follow the policies and use the tools below."]
+    i = 0
+    while True:
+        tool, a, b, c = (_TOOLS[i % len(_TOOLS)], *(_WORDS[(i * 7 + k) % len(_WORDS)] for k in range(3)))
+        lines.append(
+            f"Tool {i + 1}: {tool}_{i // len(_TOOLS)}({a}, {b}, {c}) looks up the {a} and the {b} of the "
+            f"{c}; call it only after the customer confirmed the {a}, and never reveal internal {b} ids."
+        )
+        text = "\n".join(lines)
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= tokens:
+            break
+        i += 1
+    words = text.split(" ")
+    while len(tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]) > tokens:
+        words.pop()
+    return " ".join(words)
+
+
+def add_parser(suites: argparse._SubParsersAction) -> None:
+    p = suites.add_parser(
+        "server",
+        help="load test of kvblocks serve: concurrent agents sharing a system prompt, cache on vs off",
+        description="Concurrent agents against real `kvblocks serve` processes, prefix cache on vs off.",
+    )
+    add_harness_args(p)
+    p.add_argument("--model", default=None, help="model path or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--agents", type=positive_int, default=16, help="concurrent agents (default 16)")
+    p.add_argument(
+        "--turns", type=positive_int, default=2, help="requests per agent conversation (default 2)"
+    )
+    p.add_argument("--system-tokens", type=positive_int, default=1000, help="shared system prompt (1000)")
+    p.add_argument("--max-tokens", type=positive_int, default=8, help="max_tokens per request (default 8)")
+    p.add_argument("--rounds", type=positive_int, default=1, help="timed rounds per server (default 1)")
+    p.add_argument(
+        "--no-cold",
+        action="store_true",
+        help="skip the cold round (the first wave of agents on the cache-on server before any warm-up)",
+    )
+    p.add_argument("--server-arg", action="append", default=[], help="extra argument for both servers")
+    p.set_defaults(func=run)
+
+
+@dataclass(slots=True)
+class Sent:
+    """One request as the client saw it."""
+
+    agent: int
+    turn: int
+    prompt_ids: list[int]
+    submitted: float
+    first: float = 0.0
+    done: float = 0.0
+    text: str = ""
+    reply_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.submitted
+
+
+@dataclass(slots=True)
+class Load:
+    """One server (its URL and served model id) and what it was sent: every request, the timed
+    rounds' requests and their wall times."""
+
+    url: str
+    model: str = ""
+    sent: list[Sent] = field(default_factory=list)
+    timed: list[Sent] = field(default_factory=list)
+    spans: list[float] = field(default_factory=list)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from kvblocks import models
+    from kvblocks.bench.services import ServiceError, spawn_serve, wait_serve
+    from kvblocks.cli import UserError
+
+    opts = BenchOptions.from_args(args)
+    try:
+        path = models.resolve(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (models.ModelLoadError, OSError) as exc:
+        raise UserError(str(exc)) from exc
+    system = system_prompt(tokenizer, args.system_tokens)
+    common = ["--threads", str(opts.threads), *args.server_arg]
+    if args.model:
+        common += ["--model", args.model]
+    with tempfile.TemporaryDirectory(prefix="kvblocks-bench-server-") as tmp:
+        servers = {}
+        try:
+            servers["on"] = spawn_serve(common, Path(tmp), "cache-on")
+            servers["off"] = spawn_serve([*common, "--no-cache"], Path(tmp), "cache-off")
+            for server in servers.values():
+                wait_serve(server)
+            urls = {key: server.url for key, server in servers.items()}
+            loads, cold = asyncio.run(drive(opts, args, tokenizer, system, urls))
+            stats = _cache_stats(urls["on"])
+        except ServiceError as exc:
+            raise UserError(str(exc)) from exc
+        finally:
+            for server in servers.values():
+                server.stop()
+    report = build_report(args, tokenizer, system, loads, cold, stats)
+    publish([report], opts, "server")
+    return 0
+
+
+async def drive(opts: BenchOptions, args, tokenizer, system: str, urls: dict[str, str]):
+    import httpx
+
+    from kvblocks.bench.harness import progress
+
+    loads = {key: Load(url) for key, url in urls.items()}
+    total = args.rounds * 2 * args.agents * args.turns + (0 if args.no_cold else args.agents)
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(900.0), limits=httpx.Limits(max_connections=256)
+    ) as client:
+        for load in loads.values():
+            load.model = (await client.get(f"{load.url}/v1/models")).json()["data"][0]["id"]
+        with progress(total, "server load", opts.progress) as bar:
+            cold: list[Sent] = []
+            if not args.no_cold:
+                cold = await wave(client, loads["on"], tokenizer, system, args, "cold", 1, bar)
+            for load in loads.values():
+                for w in range(opts.warmup):
+                    await agent(client, load, tokenizer, system, args, f"warm-up {w}", 0, 1)
+            for r in range(args.rounds):
+                order = ["on", "off"] if r % 2 == 0 else ["off", "on"]
+                for key in order:
+                    t0 = time.perf_counter()
+                    done = await wave(
+                        client, loads[key], tokenizer, system, args, f"round {r}", args.turns, bar
+                    )
+                    loads[key].spans.append(time.perf_counter() - t0)
+                    loads[key].timed += done
+    return loads, cold
+
+
+async def wave(client, load: Load, tokenizer, system: str, args, tag: str, turns: int, bar) -> list[Sent]:
+    """All agents at once, each a conversation of `turns` requests; returns the requests sent."""
+    results = await asyncio.gather(
+        *(agent(client, load, tokenizer, system, args, tag, a, turns, bar) for a in range(args.agents))
+    )
+    return [s for convo in results for s in convo]
+
+
+async def agent(
+    client, load: Load, tokenizer, system: str, args, tag: str, index: int, turns: int, bar=None
+) -> list[Sent]:
+    from kvblocks.text import encode_prompt
+
+    messages = [{"role": "system", "content": system}]
+    sent = []
+    for turn in range(turns):
+        messages.append(
+            {
+                "role": "user",
+                "content": f"[{tag}] Customer {index} says: my order {1000 + 37 * index + turn} has not "
+                f"arrived yet (message {turn + 1}). What should I do?",
+            }
+        )
+        s = Sent(index, turn, encode_prompt(tokenizer, messages), time.perf_counter())
+        load.sent.append(s)
+        await chat(client, load, messages, args.max_tokens, s)
+        s.reply_ids = tokenizer(s.text, add_special_tokens=False)["input_ids"]
+        messages.append({"role": "assistant", "content": s.text})
+        sent.append(s)
+        if bar is not None:
+            bar.update()
+    return sent
+
+
+async def chat(client, load: Load, messages: list[dict], max_tokens: int, s: Sent) -> None:
+    """One streaming chat completion; fills in `s` (first content chunk, text, usage)."""
+    url = load.url
+    body = {
+        "model": load.model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    s.submitted = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread()).decode()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                raise RuntimeError(f"{url} streamed an error: {event['error']}")
+            if event.get("usage"):
+                s.prompt_tokens = event["usage"]["prompt_tokens"]
+                s.cached_tokens = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for choice in event["choices"]:
+                content = choice["delta"].get("content")
+                if content:
+                    s.first = s.first or time.perf_counter()
+                    s.text += content
+    s.done = time.perf_counter()
+    s.first = s.first or s.done
+
+
+def ideal_hits(sent: list[Sent], in_flight: bool = True) -> dict[int, int]:
+    """Per request (by id): the longest prompt prefix an earlier-submitted request computed.
+
+    With `in_flight=False` only requests that had finished count: what a cache that stores a
+    request's tokens only when it ends can reach.
+    """
+    sent = sorted(sent, key=lambda s: s.submitted)
+    out: dict[int, int] = {}
+    for i, s in enumerate(sent):
+        p = np.asarray(s.prompt_ids)
+        best = 0
+        for e in sent[:i]:
+            finished = bool(e.done) and e.done <= s.submitted
+            if not (finished or in_flight):
+                continue
+            seq = np.asarray(e.prompt_ids + (e.reply_ids if finished else []))
+            n = min(len(p), len(seq))
+            diff = np.flatnonzero(p[:n] != seq[:n])
+            best = max(best, int(diff[0]) if diff.size else n)
+        out[id(s)] = min(best, len(p) - 1)
+    return out
+
+
+def build_report(
+    args, tokenizer, system: str, loads: dict[str, Load], cold: list[Sent], stats: dict
+) -> Report:
+    on_name, off_name, cold_name = "cache on", "cache off (--no-cache)", "cache on, cold start (first wave)"
+    samples = {on_name: [s.ttft for s in loads["on"].timed], off_name: [s.ttft for s in loads["off"].timed]}
+    if cold:
+        samples[cold_name] = [s.ttft for s in cold]
+    system_ids = len(tokenizer(system, add_special_tokens=False)["input_ids"])
+    report = Report(
+        "server-load",
+        f"kvblocks serve under {args.agents} concurrent agents: prefix cache on vs off",
+        {
+            "agents": args.agents,
+            "turns": args.turns,
+            "rounds": args.rounds,
+            "system_prompt_tokens": system_ids,
+            "max_tokens": args.max_tokens,
+            "clock": "wall (client side, streaming)",
+        },
+        samples,
+        baseline=off_name,
+    )
+    rates: dict[str, tuple[float, float, float, float]] = {}
+    for key, load in loads.items():
+        ideal, at_end = ideal_hits(load.sent), ideal_hits(load.sent, in_flight=False)
+        prompt = sum(s.prompt_tokens for s in load.timed)
+        rates[key] = (
+            len(load.timed) / sum(load.spans),
+            sum(s.cached_tokens for s in load.timed) / prompt,
+            sum(ideal[id(s)] for s in load.timed) / prompt,
+            sum(at_end[id(s)] for s in load.timed) / prompt,
+        )
+        mismatch = [s for s in load.sent if s.prompt_tokens != len(s.prompt_ids)]
+        assert not mismatch, (
+            f"server counted {mismatch[0].prompt_tokens} prompt tokens, client {len(mismatch[0].prompt_ids)}"
+        )
+    on, off = samples[on_name], samples[off_name]
+    report.checks = [
+        Check("requests/s, cache on", rates["on"][0], "req/s"),
+        Check("requests/s, cache off", rates["off"][0], "req/s"),
+        Check("requests/s on / off", rates["on"][0] / rates["off"][0]),
+        Check("p50 TTFT, cache on", float(np.median(on)), "s"),
+        Check("p50 TTFT, cache off", float(np.median(off)), "s"),
+        Check("p99 TTFT, cache on", float(np.percentile(on, 99)), "s"),
+        Check("p99 TTFT, cache off", float(np.percentile(off, 99)), "s"),
+        Check("prompt-token hit rate, cache on", rates["on"][1]),
+        Check("ideal hit rate (same requests)", rates["on"][2]),
+        Check("hit rate / ideal, cache on", rates["on"][1] / rates["on"][2]),
+        Check("ideal if requests share only once finished", rates["on"][3]),
+        Check("hit rate / that ideal, cache on", rates["on"][1] / rates["on"][3]),
+        Check("prompt-token hit rate, cache off", rates["off"][1]),
+    ]
+    notes = [
+        f"{args.agents} asyncio agents (httpx, one connection each) stream /v1/chat/completions at temperature 0; "
+        f"each holds a {args.turns}-turn conversation (every turn sends the {system_ids}-token system prompt, "
+        "the history and a new user message); a round starts all agents at once and ends when the last "
+        "finishes; requests/s = requests / round wall time",
+        "two `kvblocks serve` subprocesses (same model, 1 torch thread each) run for the whole benchmark, "
+        "one with the default 1 GiB prefix cache and one with `--no-cache`; rounds alternate between them and "
+        f"each server first got {max(0, len(loads['off'].sent) - len(loads['off'].timed))} untimed warm-up "
+        "request(s) (the cache-on one caches the system prompt there or in the cold round)",
+        "TTFT = request sent to first content chunk (the role-only first chunk is not a token); hit rate = "
+        "cached prompt tokens / prompt tokens from the server's `usage`; ideal = for each request the "
+        "longest prefix of its prompt that an earlier-submitted request computed (its prompt, plus its reply "
+        "re-tokenised once it finished), capped at all but the last token; the second ideal counts only "
+        "requests that had finished when this one was sent (what a cache that stores a request's tokens only "
+        "when it ends can reach)",
+        f"TTFT p50/p99: cache on {fmt_seconds(float(np.median(on)))} / {fmt_seconds(float(np.percentile(on, 99)))}, "
+        f"cache off {fmt_seconds(float(np.median(off)))} / {fmt_seconds(float(np.percentile(off, 99)))}",
+    ]
+    if cold:
+        ideal, at_end = ideal_hits(loads["on"].sent), ideal_hits(loads["on"].sent, in_flight=False)
+        prompt = sum(s.prompt_tokens for s in cold)
+        hit = sum(s.cached_tokens for s in cold) / prompt
+        best = sum(ideal[id(s)] for s in cold) / prompt
+        report.checks += [
+            Check("cold first wave: hit rate", hit),
+            Check("cold first wave: ideal hit rate", best),
+            Check(
+                "cold first wave: ideal if requests share only once finished",
+                sum(at_end[id(s)] for s in cold) / prompt,
+            ),
+        ]
+        notes.append(
+            f"cold start: the first wave of {len(cold)} single-turn agents on the fresh cache-on server hit "
+            f"{hit:.1%} of prompt tokens against an ideal {best:.1%}; all arrive before the first one finishes, "
+            "so they can share the system prompt only if a request's prompt is cached once it is prefilled"
+        )
+    notes.append(
+        "cache-on server's trie at the end: "
+        + ", ".join(
+            f"{k} {stats.get(k)}" for k in ("queries", "hit_tokens", "inserted_tokens", "resident_tokens")
+        )
+    )
+    report.notes = notes
+    return report
+
+
+def _cache_stats(url: str) -> dict:
+    import httpx
+
+    return httpx.get(f"{url}/v1/cache/stats", timeout=10.0).json()["cache"] or {}

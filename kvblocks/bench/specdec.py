@@ -1,0 +1,623 @@
+"""`kvblocks bench specdec`: speculative decoding against its predicted speed-up and against transformers.
+
+Three workloads on the same target, each with the drafter that fits it:
+
+- self: the target's first K layers (`truncated_model`) on open-ended chat prompts;
+- lookup: n-gram prompt lookup on input-grounded prompts whose answer copies the input;
+- trie: `TrieDrafter` on repeated requests (the trie holds the earlier answer);
+
+plus `sweep`, which measures alpha and the cost ratio c for several K to choose the self-drafter.
+
+Per workload, in one interleaved run: kvblocks' `CachedGenerator` and `SpeculativeGenerator` on the
+same prefix cache (greedy; their outputs must be identical), transformers' plain greedy `generate`
+and its assisted generation with the same drafter. Decode speed = tokens emitted after the first
+emission / time from the first emission to the last, so prefill and the first round are left out
+of every variant alike. A second interleaved run measures the step costs c and v of the predicted
+walltime factor S = (1 - a^(g+1)) / ((1 - a)(g c + v)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvblocks.bench.harness import (
+    BenchOptions,
+    Check,
+    Report,
+    Variant,
+    add_harness_args,
+    measure,
+    positive_int,
+    publish,
+    set_threads,
+)
+
+BENCHMARKS = ("self", "lookup", "trie", "sweep")
+
+_TEXT = (
+    "The lighthouse stood on a rocky point at the edge of the bay. Every night the keeper climbed the "
+    "spiral stairs, trimmed the wick and wound the clockwork that turned the great lens. Ships passing in "
+    "the dark saw the beam sweep across the water every ten seconds and knew where the rocks were."
+)
+_TYPOS = {"lighthouse": "lighthose", "keeper": "keper", "water": "watter", "seconds": "secconds"}
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+OPEN_PROMPTS = [
+    _user("Write a short story about a robot who learns to paint."),
+    _user("Explain how photosynthesis works."),
+    _user("What are the benefits of regular exercise?"),
+]
+GROUNDED_PROMPTS = [
+    _user("Repeat the following text exactly, word for word:\n\n" + _TEXT),
+    _user(
+        "Fix the spelling mistakes in the following text and write out the corrected text:\n\n"
+        + " ".join(_TYPOS.get(w, w) for w in _TEXT.split(" "))
+    ),
+    _user("Summarise the following text in two sentences:\n\n" + _TEXT),
+]
+
+
+def add_parser(suites: argparse._SubParsersAction) -> None:
+    p = suites.add_parser(
+        "specdec",
+        help="speculative decoding: measured vs predicted speed-up, vs transformers' assisted generation",
+        description="Speculative decoding on the target model with three drafters, checked against targets.",
+    )
+    add_harness_args(p)
+    p.add_argument("--only", action="append", choices=BENCHMARKS, help="run only this benchmark (repeatable)")
+    p.add_argument(
+        "--model", default=None, help="target model path or hub id (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="timed runs of each generation variant (3)"
+    )
+    p.add_argument(
+        "--cost-repeats", type=positive_int, default=15, help="timed runs of each step-cost variant (15)"
+    )
+    p.add_argument(
+        "--self-layers",
+        type=positive_int,
+        default=4,
+        help="layers of the self-drafter (default 4, see sweep)",
+    )
+    p.add_argument("--self-gamma", type=positive_int, default=1, help="drafts per round, self (default 1)")
+    p.add_argument(
+        "--lookup-gamma", type=positive_int, default=8, help="drafts per round, lookup (default 8)"
+    )
+    p.add_argument("--trie-gamma", type=positive_int, default=8, help="drafts per round, trie (default 8)")
+    p.add_argument("--self-tokens", type=positive_int, default=48, help="new tokens per prompt, self (48)")
+    p.add_argument(
+        "--lookup-tokens", type=positive_int, default=64, help="new tokens per prompt, lookup (64)"
+    )
+    p.add_argument("--trie-tokens", type=positive_int, default=48, help="new tokens per prompt, trie (48)")
+    p.add_argument(
+        "--prompts", type=positive_int, default=2, help="prompts per run, self workload (default 2)"
+    )
+    p.add_argument(
+        "--sweep-layers",
+        default="2,4,8,16,24,29",
+        help="self-drafter layer counts the sweep measures (default 2,4,8,16,24,29)",
+    )
+    p.add_argument("--sweep-tokens", type=positive_int, default=32, help="new tokens per prompt, sweep (32)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvblocks.bench.micro import _load_model
+
+    opts = BenchOptions.from_args(args)
+    set_threads(opts.threads)
+    selected = args.only or list(BENCHMARKS)
+    workloads = {
+        "self": Workload(
+            "self", OPEN_PROMPTS[: args.prompts], args.self_tokens, args.self_gamma, args.self_layers
+        ),
+        "lookup": Workload("lookup", GROUNDED_PROMPTS, args.lookup_tokens, args.lookup_gamma),
+        "trie": Workload("trie", OPEN_PROMPTS, args.trie_tokens, args.trie_gamma),
+    }
+    for w in workloads.values():
+        if w.kind in selected and w.max_new_tokens < 2 * (w.gamma + 1):
+            raise _user_error(
+                f"--{w.kind}-tokens ({w.max_new_tokens}) must be at least 2 x (gamma + 1) = {2 * (w.gamma + 1)}: "
+                "the first round is left out of the decode rate"
+            )
+    model, tokenizer = _load_model(args.model)
+    layers = model.config.num_hidden_layers
+    sweep = _layer_list(args.sweep_layers, layers)
+    if not 0 < args.self_layers < layers:
+        raise _user_error(f"--self-layers must be in 1..{layers - 1}, got {args.self_layers}")
+    reports: list[Report] = []
+    for name, workload in workloads.items():
+        if name in selected:
+            reports += bench_workload(opts, model, tokenizer, workload, args.repeats, args.cost_repeats)
+    if "sweep" in selected:
+        reports.append(bench_sweep(opts, model, tokenizer, sweep, args.sweep_tokens, args.cost_repeats))
+    publish(reports, opts, "specdec")
+    return 0
+
+
+def _layer_list(text: str, layers: int) -> list[int]:
+    try:
+        ks = sorted({int(k) for k in text.split(",") if k.strip()})
+    except ValueError:
+        ks = []
+    if not ks or not all(0 < k < layers for k in ks):
+        raise _user_error(
+            f"--sweep-layers must be comma-separated layer counts in 1..{layers - 1}, got '{text}'"
+        )
+    return ks
+
+
+@dataclass(slots=True, frozen=True)
+class Workload:
+    kind: str  # "self", "lookup" or "trie": the drafter
+    prompts: list[list[dict]]
+    max_new_tokens: int
+    gamma: int
+    layers: int = 0  # self-drafter only
+
+    @property
+    def drafter_name(self) -> str:
+        return {"self": f"self:{self.layers}", "lookup": "lookup:3", "trie": "trie"}[self.kind]
+
+
+# ---- decode-rate bookkeeping -----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class DecodeLog:
+    """Per timed run: tokens emitted after each request's first emission, and the time they took."""
+
+    runs: list[tuple[int, float]] = field(default_factory=list)
+
+    def begin(self) -> None:
+        self.runs.append((0, 0.0))
+
+    def add(self, tokens: int, seconds: float) -> None:
+        n, s = self.runs[-1]
+        self.runs[-1] = (n + tokens, s + seconds)
+
+    def seconds_per_token(self, skip: int) -> list[float]:
+        assert all(n > 0 for n, _ in self.runs[skip:]), "a run decoded no tokens after its first emission"
+        return [s / n for n, s in self.runs[skip:]]
+
+    def tokens(self, skip: int) -> int:
+        return sum(n for n, _ in self.runs[skip:])
+
+
+@dataclass(slots=True)
+class RoundLog:
+    """`on_round` observer: (drafts, accepted) of each round of the current request."""
+
+    current: list[tuple[int, int]] = field(default_factory=list)
+
+    def __call__(self, rnd) -> None:
+        self.current.append((len(rnd.drafts), rnd.accepted))
+
+
+class EmissionStreamer:
+    """A transformers streamer that timestamps each batch of new tokens (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.prompt_seen = False
+        self.emissions: list[tuple[float, int]] = []
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.emissions.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+    def tokens_and_seconds(self) -> tuple[int, float]:
+        """Tokens after the first emission and the time from the first emission to the last."""
+        (t_first, _), (t_last, _) = self.emissions[0], self.emissions[-1]
+        return sum(n for _, n in self.emissions[1:]), t_last - t_first
+
+
+# ---- one workload ----------------------------------------------------------------------------
+
+
+def bench_workload(
+    opts: BenchOptions, model, tokenizer, w: Workload, repeats: int, cost_repeats: int
+) -> list[Report]:
+    import torch
+
+    from kvblocks.generator import CachedGenerator
+    from kvblocks.specdec import (
+        ModelDrafter,
+        PromptLookupDrafter,
+        SpecStats,
+        SpeculativeGenerator,
+        TrieDrafter,
+        truncated_model,
+    )
+    from kvblocks.trie import KVCacheTrie
+
+    capacity = 16_384
+    cache = KVCacheTrie.for_model(model, capacity_tokens=capacity)
+    base = CachedGenerator(model, tokenizer, cache)
+    draft_model = None
+    if w.kind == "self":
+        draft_model = truncated_model(model, w.layers)
+        drafter = ModelDrafter(draft_model, KVCacheTrie.for_model(draft_model, capacity_tokens=capacity))
+    elif w.kind == "lookup":
+        drafter = PromptLookupDrafter(max_ngram=3)
+    else:
+        drafter = TrieDrafter(cache)
+    rounds = RoundLog()
+    spec = SpeculativeGenerator(model, tokenizer, cache, drafter, gamma=w.gamma, on_round=rounds)
+    prompt_ids = [base.encode(p) for p in w.prompts]
+    # An earlier request per prompt: the prompt is cached (and, for the trie drafter, its answer).
+    reference = [base.generate(ids, max_new_tokens=w.max_new_tokens).token_ids for ids in prompt_ids]
+
+    logs: dict[str, DecodeLog] = {}
+    stats = SpecStats(w.gamma)
+    observed: list[list[tuple[int, int]]] = []
+    hf_same: list[bool] = []
+
+    def kv_baseline(log: DecodeLog) -> Callable[[], None]:
+        def go() -> None:
+            log.begin()
+            for ids, ref in zip(prompt_ids, reference):
+                r = base.generate(ids, max_new_tokens=w.max_new_tokens)
+                assert r.token_ids == ref, "CachedGenerator output changed between runs"
+                log.add(len(r.token_ids) - 1, r.total_s - r.ttft_s)
+
+        return go
+
+    def kv_spec(log: DecodeLog) -> Callable[[], None]:
+        def go() -> None:
+            log.begin()
+            for ids, ref in zip(prompt_ids, reference):
+                rounds.current = []
+                r = spec.generate(ids, max_new_tokens=w.max_new_tokens)
+                assert r.token_ids == ref, "speculative output differs from CachedGenerator's"
+                first = rounds.current[0][1] + 1
+                log.add(len(r.token_ids) - first, r.total_s - r.ttft_s)
+                if len(log.runs) > opts.warmup:
+                    _merge(stats, r.spec)
+                    observed.append(rounds.current[1:])
+
+        return go
+
+    hf_kwargs: dict = {}
+    if w.kind == "self":
+        assistant = truncated_model(model, w.layers)
+        # the assistant reads its settings from its own generation config: give it one of its own
+        assistant.generation_config = copy.deepcopy(model.generation_config)
+        assistant.generation_config.num_assistant_tokens = w.gamma
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        assistant.generation_config.assistant_confidence_threshold = 0.0
+        hf_kwargs = {"assistant_model": assistant}
+    elif w.kind == "lookup":
+        hf_kwargs = {"prompt_lookup_num_tokens": w.gamma, "max_matching_ngram_size": 3}
+
+    def hf_generate(log: DecodeLog, kwargs: dict, check: bool) -> Callable[[], None]:
+        def go() -> None:
+            log.begin()
+            for ids, ref in zip(prompt_ids, reference):
+                streamer = EmissionStreamer()
+                input_ids = torch.tensor([ids])
+                with torch.inference_mode():
+                    out = model.generate(
+                        input_ids,
+                        attention_mask=torch.ones_like(input_ids),
+                        do_sample=False,
+                        max_new_tokens=w.max_new_tokens,
+                        streamer=streamer,
+                        **kwargs,
+                    )
+                log.add(*streamer.tokens_and_seconds())
+                if check:
+                    hf_same.append(out[0, len(ids) :].tolist() == ref)
+
+        return go
+
+    names = {
+        "base": "kvblocks CachedGenerator",
+        "spec": f"kvblocks speculative ({w.drafter_name}, γ={w.gamma})",
+        "hf": "transformers greedy generate",
+        "hf_spec": {
+            "self": f"transformers assisted (self:{w.layers}, γ={w.gamma})",
+            "lookup": f"transformers prompt lookup (γ={w.gamma})",
+        }.get(w.kind),
+    }
+    makers = {
+        "base": kv_baseline,
+        "spec": kv_spec,
+        "hf": lambda log: hf_generate(log, {}, check=True),
+        "hf_spec": lambda log: hf_generate(log, hf_kwargs, check=False),
+    }
+    variants = []
+    for key, name in names.items():
+        if name is not None:
+            logs[key] = DecodeLog()
+            variants.append(Variant(name, makers[key](logs[key])))
+    measure(variants, repeats, opts, f"specdec {w.kind}")
+    samples = {names[k]: log.seconds_per_token(opts.warmup) for k, log in logs.items()}
+
+    costs = measure_costs(opts, model, w, prompt_ids[0] + reference[0], draft_model, drafter, cost_repeats)
+    speed = Report(
+        f"specdec-{w.kind}",
+        f"Speculative decoding, {w.drafter_name} drafter",
+        {
+            "model": getattr(model.config, "name_or_path", "") or model.config.model_type,
+            "drafter": w.drafter_name,
+            "gamma": w.gamma,
+            "prompts": len(prompt_ids),
+            "max_new_tokens": w.max_new_tokens,
+            "decoded_tokens_per_run": logs["base"].tokens(opts.warmup) // repeats,
+        },
+        samples,
+        baseline=names["base"],
+    )
+    a, c, v = stats.alpha, costs.c, costs.v(w.gamma)
+    predicted = predicted_speedup(a, w.gamma, c, v)
+    measured = speed.ratio(names["base"], names["spec"])
+    modelled = costs.observed_speedup(observed, w.gamma)
+    speed.checks = [
+        Check("alpha (MLE)", a),
+        Check("tokens per target call", stats.tokens_per_call),
+        Check("draft efficiency", stats.draft_efficiency),
+        Check("c = drafter cost / target step", c),
+        Check(f"v = {w.gamma + 1}-token verify / 1-token step", v),
+        Check("predicted speed-up S", predicted),
+        Check("measured speed-up (decode tokens/s vs CachedGenerator)", measured),
+        Check("measured / predicted", measured / predicted, target=0.9, higher_is_better=True),
+        Check("speed-up the step costs give for the observed rounds", modelled),
+        Check("measured / observed-rounds model", measured / modelled),
+    ]
+    if names["hf_spec"] is not None:
+        speed.checks.append(
+            Check(
+                f"kvblocks / {names['hf_spec'].split(' (')[0]} decode speed",
+                speed.ratio(names["hf_spec"], names["spec"]),
+                target=1.0,
+                higher_is_better=True,
+            )
+        )
+    speed.checks.append(
+        Check(
+            "transformers greedy / kvblocks CachedGenerator decode speed",
+            speed.ratio(names["base"], names["hf"]),
+        )
+    )
+    empty = sum(1 for run in observed for d, _ in run if d == 0)
+    total = sum(len(run) for run in observed)
+    speed.notes = [
+        "samples are seconds per decoded token of one run over all prompts: tokens emitted after each request's "
+        "first emission / time from the first emission to the last (kvblocks: `total_s - ttft_s` of the result, "
+        "the first round's tokens left out; transformers: a streamer's timestamps), so prefill and the first "
+        "round are out of every variant; rates are compared as ratios of medians",
+        f"greedy; kvblocks' speculative output was asserted identical to CachedGenerator's on every run; "
+        f"transformers' greedy output equal to kvblocks': {_yes_share(hf_same)}",
+        f"alpha = sum(accepted) / (sum(accepted) + rounds with a rejection) over the timed runs "
+        f"({stats.rounds} rounds, {stats.drafted} drafted, {stats.accepted} accepted); "
+        f"{empty} of {total} rounds after the first had no draft",
+        f"predicted S = (1 - a^(g+1)) / ((1 - a)(g c + v)) with g = {w.gamma}; the observed-rounds model "
+        "replaces the i.i.d. acceptance by the rounds that happened: sum(tokens) / sum(drafting cost + "
+        "verify cost of that round's 1 + drafts tokens), each cost measured below",
+        "kvblocks runs with its prefix cache (prompts resident from an earlier request, prefill = 1 token); "
+        "transformers has none and prefills every prompt, which the decode rate leaves out (DESIGN.md: "
+        "assisted generation on a prefilled cache is silently wrong)",
+        *_hf_notes(w),
+    ]
+    return [speed, costs.report]
+
+
+def _merge(total, one) -> None:
+    total.rounds += one.rounds
+    total.drafted += one.drafted
+    total.accepted += one.accepted
+    total.rejected_rounds += one.rejected_rounds
+    total.emitted += one.emitted
+
+
+def _yes_share(flags: list[bool]) -> str:
+    if not flags:
+        return "not checked"
+    return "yes, every prompt" if all(flags) else f"{sum(flags)} of {len(flags)} requests"
+
+
+def _hf_notes(w: Workload) -> list[str]:
+    if w.kind == "self":
+        return [
+            f"transformers assisted generation gets the same drafter (its own `truncated_model(model, {w.layers})`) "
+            f"and the same fixed {w.gamma} drafts per round: `num_assistant_tokens={w.gamma}`, schedule "
+            "'constant', `assistant_confidence_threshold=0` (its default 0.4 would stop drafting early)"
+        ]
+    if w.kind == "lookup":
+        return [
+            f"transformers prompt lookup: `prompt_lookup_num_tokens={w.gamma}`, `max_matching_ngram_size=3` "
+            "(kvblocks: `PromptLookupDrafter(max_ngram=3)`); transformers takes the first earlier match, "
+            "kvblocks the latest"
+        ]
+    return ["transformers has no drafter that reads earlier answers; its plain greedy decode is shown"]
+
+
+def predicted_speedup(a: float, g: int, c: float, v: float) -> float:
+    """Leviathan et al.'s walltime factor; expected tokens per call tends to g + 1 as a -> 1."""
+    tokens = g + 1 if a >= 1.0 else (1 - a ** (g + 1)) / (1 - a)
+    return tokens / (g * c + v)
+
+
+# ---- step costs ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """Median step times from one interleaved run: target forwards of k tokens and the drafter."""
+
+    report: Report
+    target: dict[int, str]  # tokens -> variant name
+    drafter: str
+    per_round: bool  # a point-mass drafter's cost is per proposal, a model drafter's per token
+
+    def t(self, name: str) -> float:
+        return self.report.median(name)
+
+    @property
+    def c(self) -> float:
+        gamma = max(self.target) - 1
+        draft = self.t(self.drafter) / (gamma if self.per_round else 1)
+        return draft / self.t(self.target[1])
+
+    def v(self, gamma: int) -> float:
+        return self.t(self.target[gamma + 1]) / self.t(self.target[1])
+
+    def observed_speedup(self, observed: list[list[tuple[int, int]]], gamma: int) -> float:
+        """Target steps per token of plain decoding over the step-cost sum of the rounds that ran."""
+        tokens = cost = 0.0
+        for run in observed:
+            for drafted, accepted in run:
+                tokens += accepted + 1
+                cost += (gamma if self.per_round else drafted) * self.c + self.v(drafted)
+        return tokens / cost if cost else 0.0
+
+
+def measure_costs(
+    opts: BenchOptions, model, w: Workload, context: list[int], draft_model, drafter, repeats: int
+) -> StepCosts:
+    """Target forwards of 1..gamma+1 tokens and one drafting step on `context`, interleaved."""
+    from kvblocks.adapters import hf
+    from kvblocks.generator import ModelRunner
+    from kvblocks.sampling import SamplingParams
+
+    target = ModelRunner(model)
+    past = hf.empty_cache(model.config)
+    target.forward(context[:-1], past)
+    n = len(context) - 1
+    probe = [int(t) for t in context[-1:] * (w.gamma + 1)]
+
+    def forward(runner, cache, k: int) -> Callable[[], None]:
+        return lambda: runner.forward(probe[:k], cache, keep=k)
+
+    names = {k: f"target forward, {k} token{'s' * (k > 1)}" for k in range(1, w.gamma + 2)}
+    variants = [Variant(names[k], forward(target, past, k), teardown=lambda: hf.crop(past, n)) for k in names]
+    if draft_model is not None:
+        draft = ModelRunner(draft_model)
+        draft_past = hf.empty_cache(draft_model.config)
+        draft.forward(context[:-1], draft_past)
+        drafter_name = f"drafter forward ({w.drafter_name}), 1 token"
+        variants.append(
+            Variant(drafter_name, forward(draft, draft_past, 1), teardown=lambda: hf.crop(draft_past, n))
+        )
+    else:
+        drafter.begin(context, None)
+        drafter_name = f"drafter propose ({w.drafter_name}, γ={w.gamma})"
+        half = context[: len(context) - w.max_new_tokens // 2]
+        variants.append(Variant(drafter_name, lambda: drafter.propose(half, w.gamma, SamplingParams(), None)))
+    samples = measure(variants, repeats, opts, f"step costs {w.kind}")
+    report = Report(
+        f"specdec-{w.kind}-costs",
+        f"Step costs, {w.drafter_name} drafter",
+        {"context_tokens": n, "gamma": w.gamma},
+        samples,
+        baseline=names[1],
+    )
+    costs = StepCosts(report, names, drafter_name, per_round=draft_model is None)
+    report.checks = [
+        Check(f"v({k - 1}) = {k}-token forward / 1-token", costs.v(k - 1)) for k in names if k > 1
+    ]
+    report.checks.append(Check("c = drafter cost per drafted token / 1-token target forward", costs.c))
+    report.notes = [
+        f"target and drafter forwards on a cache of {n} tokens (a prompt and its answer), cropped back after "
+        "each run (untimed); logits of every fed position, as the verify step needs",
+        "a point-mass drafter's c is its proposal time / gamma / target step"
+        if draft_model is None
+        else "the model drafter's step includes its LM head (the tied 49152 x 576 embedding for SmolLM2)",
+    ]
+    return costs
+
+
+# ---- choosing K: the self-drafter sweep ------------------------------------------------------
+
+
+def bench_sweep(
+    opts: BenchOptions, model, tokenizer, layer_counts: list[int], tokens: int, repeats: int
+) -> Report:
+    """alpha and c for each K (gamma = 1, greedy) and the S they predict for gamma = 1, 2, 4."""
+    from kvblocks.adapters import hf
+    from kvblocks.generator import CachedGenerator, ModelRunner
+    from kvblocks.specdec import ModelDrafter, SpeculativeGenerator, truncated_model
+    from kvblocks.trie import KVCacheTrie
+
+    cache = KVCacheTrie.for_model(model, capacity_tokens=8192)
+    base = CachedGenerator(model, tokenizer, cache)
+    prompts = [base.encode(p) for p in OPEN_PROMPTS[:2]]
+    reference = [base.generate(ids, max_new_tokens=tokens).token_ids for ids in prompts]
+    alphas: dict[int, float] = {}
+    drafts = {k: truncated_model(model, k) for k in layer_counts}
+    for k, draft in drafts.items():
+        gen = SpeculativeGenerator(model, tokenizer, cache, ModelDrafter(draft), gamma=1)
+        accepted = rejected = 0
+        for ids, ref in zip(prompts, reference):
+            r = gen.generate(ids, max_new_tokens=tokens)
+            assert r.token_ids == ref, f"self:{k} output differs from CachedGenerator's"
+            accepted += r.spec.accepted
+            rejected += r.spec.rejected_rounds
+        alphas[k] = accepted / (accepted + rejected) if accepted + rejected else 0.0
+
+    context = prompts[0] + reference[0]
+    n = len(context) - 1
+    runners = {0: ModelRunner(model)} | {k: ModelRunner(d) for k, d in drafts.items()}
+    pasts = {k: hf.empty_cache(r.model.config) for k, r in runners.items()}
+    for k, r in runners.items():
+        r.forward(context[:-1], pasts[k])
+
+    def step(k: int, width: int) -> Variant:
+        runner, past = runners[k], pasts[k]
+        label = "target" if k == 0 else f"self:{k}"
+        return Variant(
+            f"{label} forward, {width} token{'s' * (width > 1)}",
+            lambda: runner.forward(context[-1:] * width, past, keep=width),
+            teardown=lambda: hf.crop(past, n),
+        )
+
+    variants = [step(0, width) for width in (1, 2, 3, 5)] + [step(k, 1) for k in layer_counts]
+    samples = measure(variants, repeats, opts, "self-drafter sweep")
+    report = Report(
+        "specdec-sweep",
+        "Self-drafter sweep: alpha, c and predicted S per layer count K",
+        {"prompts": len(prompts), "tokens_per_prompt": tokens, "context_tokens": n, "gamma_for_alpha": 1},
+        samples,
+        baseline=variants[0].name,
+    )
+    t1 = report.median(variants[0].name)
+    v = {g: report.median(variants[i].name) / t1 for i, g in ((1, 1), (2, 2), (3, 4))}
+    for i, k in enumerate(layer_counts):
+        c = report.median(variants[4 + i].name) / t1
+        predicted = {g: predicted_speedup(alphas[k], g, c, v[g]) for g in v}
+        best = max(predicted, key=predicted.get)
+        report.checks += [
+            Check(f"self:{k} alpha", alphas[k]),
+            Check(f"self:{k} c", c),
+            Check(f"self:{k} predicted S at its best γ ({best})", predicted[best]),
+        ]
+        report.notes.append(
+            f"self:{k}: alpha {alphas[k]:.3f}, c {c:.3f}, S(γ=1) {predicted[1]:.3f}, S(γ=2) {predicted[2]:.3f}, "
+            f"S(γ=4) {predicted[4]:.3f}"
+        )
+    report.notes += [
+        f"v(1) {v[1]:.3f}, v(2) {v[2]:.3f}, v(4) {v[4]:.3f} (target forwards of 2, 3, 5 tokens over 1 token)",
+        f"alpha from greedy speculative runs with gamma = 1 ({len(prompts)} open-ended prompts x {tokens} tokens, "
+        "outputs asserted identical to CachedGenerator's); c = K-layer forward / full forward, 1 token",
+    ]
+    return report
+
+
+def _user_error(message: str) -> Exception:
+    from kvblocks.cli import UserError
+
+    return UserError(message)

@@ -1,0 +1,136 @@
+"""Smoke tests of the `kvblocks bench` suites redis, specdec and server on tiny models and sizes.
+
+They check that each suite runs end to end through the CLI (real redis-server, real `kvblocks
+serve` subprocesses) and writes its reports, plus the few formulas the reports rest on. The
+numbers themselves are the benchmarks' business.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from server_proc import smollm2_dir, tiny_model_dir
+
+from kvblocks.bench import loadtest, services, specdec
+from kvblocks.bench.loadtest import Sent
+from kvblocks.cli import main
+
+QUIET = ["--warmup", "0", "--no-progress", "--no-plots"]
+
+
+def run_suite(tmp_path, capsys, *args: str) -> dict:
+    assert main(["bench", *args, "--out", str(tmp_path), *QUIET]) == 0
+    assert "### Summary" in capsys.readouterr().out
+    return json.loads((tmp_path / f"{args[0]}-summary.json").read_text())
+
+
+def checks(summary: dict, report: str) -> dict[str, float]:
+    (found,) = [r for r in summary["reports"] if r["name"] == report]
+    return {c["name"]: c["value"] for c in found["checks"]}
+
+
+# ---- formulas --------------------------------------------------------------------------------
+
+
+def test_predicted_speedup_follows_the_formula_and_its_limit_at_full_acceptance():
+    a, g, c, v = 0.8, 4, 0.1, 1.5
+    assert specdec.predicted_speedup(a, g, c, v) == pytest.approx((1 - a**5) / ((1 - a) * (g * c + v)))
+    assert specdec.predicted_speedup(1.0, g, c, v) == pytest.approx(5 / (g * c + v))
+    assert specdec.predicted_speedup(0.0, 1, 0.0, 1.0) == pytest.approx(1.0)
+
+
+def test_ideal_hit_counts_what_earlier_requests_computed_and_never_the_last_token():
+    first = Sent(0, 0, [1, 2, 3, 4], submitted=0.0, done=1.0, reply_ids=[5, 6])
+    in_flight = Sent(1, 0, [1, 2, 9, 9], submitted=0.5)
+    follow_up = Sent(0, 1, [1, 2, 3, 4, 5, 6, 7], submitted=2.0)
+    repeat = Sent(2, 0, [1, 2, 9, 9], submitted=3.0)
+    ideal = loadtest.ideal_hits([first, in_flight, follow_up, repeat])
+    assert [ideal[id(s)] for s in (first, in_flight, follow_up, repeat)] == [0, 2, 6, 3]
+    at_end = loadtest.ideal_hits([first, in_flight, follow_up, repeat], in_flight=False)
+    assert [at_end[id(s)] for s in (first, in_flight, follow_up, repeat)] == [0, 0, 6, 2]
+
+
+def test_system_prompt_has_at_most_the_requested_tokens_and_is_deterministic():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    text = loadtest.system_prompt(tokenizer, 200)
+    n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert 180 <= n <= 200
+    assert loadtest.system_prompt(tokenizer, 200) == text
+
+
+def test_observed_rounds_model_charges_each_round_its_own_verify_width():
+    from kvblocks.bench.harness import Report
+
+    target = {1: "t1", 2: "t2", 3: "t3"}
+    report = Report("r", "R", {}, {"t1": [1.0], "t2": [1.5], "t3": [2.0], "draft": [0.2]})
+    costs = specdec.StepCosts(report, target, "draft", per_round=False)
+    assert costs.c == pytest.approx(0.2) and costs.v(2) == pytest.approx(2.0)
+    # rounds of (drafted, accepted): 2 drafts both kept (3 tokens), then 1 draft rejected (1 token)
+    assert costs.observed_speedup([[(2, 2), (1, 0)]], 2) == pytest.approx(4 / ((0.4 + 2.0) + (0.2 + 1.5)))
+
+
+# ---- the suites end to end -------------------------------------------------------------------
+
+
+def test_redis_suite_runs_restore_ttft_and_decode_on_a_tiny_model(tmp_path, capsys):
+    try:
+        services.redis_binary()
+    except services.ServiceError as exc:
+        if os.environ.get("KVBLOCKS_CI") == "1":
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    args = ["redis", "--model", str(tiny_model_dir()), "--chunk-tokens", "16"]
+    args += [
+        "--restore-tokens",
+        "64",
+        "--restore-layers",
+        "2",
+        "--restore-heads",
+        "1",
+        "--restore-head-dim",
+        "8",
+    ]
+    args += ["--restore-repeats", "2", "--ttft-prefix", "40", "--ttft-question", "8", "--ttft-repeats", "1"]
+    args += ["--decode-prefix", "40", "--decode-tokens", "5", "--decode-spill", "32", "--decode-repeats", "2"]
+    summary = run_suite(tmp_path, capsys, *args)
+    assert [r["name"] for r in summary["reports"]] == ["redis-restore", "redis-ttft", "redis-decode"]
+    assert checks(summary, "redis-restore")["fetch / raw GET throughput"] > 0
+    assert summary["reports"][1]["params"]["from_redis"] == 32  # two whole 16-token chunks of the 40
+    assert checks(summary, "redis-decode")["spill on / off, per-token latency"] > 0
+
+
+def test_specdec_suite_runs_every_drafter_and_transformers_on_a_tiny_model(tmp_path, capsys):
+    args = ["specdec", "--model", str(tiny_model_dir()), "--repeats", "1", "--cost-repeats", "1"]
+    args += ["--prompts", "1", "--self-layers", "1", "--self-gamma", "2", "--self-tokens", "8"]
+    args += ["--lookup-gamma", "2", "--lookup-tokens", "8", "--trie-gamma", "2", "--trie-tokens", "8"]
+    args += ["--sweep-layers", "1", "--sweep-tokens", "4"]
+    summary = run_suite(tmp_path, capsys, *args)
+    names = [r["name"] for r in summary["reports"]]
+    assert names == [
+        *("specdec-self", "specdec-self-costs", "specdec-lookup", "specdec-lookup-costs"),
+        *("specdec-trie", "specdec-trie-costs", "specdec-sweep"),
+    ]
+    assert (
+        checks(summary, "specdec-trie")["alpha (MLE)"] == 1.0
+    )  # repeated requests: the trie holds the answer
+    assert "kvblocks / transformers assisted decode speed" in checks(summary, "specdec-self")
+
+
+def test_server_suite_runs_cache_on_and_off_servers_on_a_tiny_model(tmp_path, capsys):
+    args = ["server", "--model", str(tiny_model_dir()), "--agents", "2", "--turns", "2"]
+    args += ["--system-tokens", "40", "--max-tokens", "2"]
+    summary = run_suite(tmp_path, capsys, *args)
+    found = checks(summary, "server-load")
+    assert found["prompt-token hit rate, cache off"] == 0
+    assert found["prompt-token hit rate, cache on"] > 0.3
+    assert found["hit rate / ideal, cache on"] <= 1.0
+    assert found["cold first wave: hit rate"] <= found["cold first wave: ideal hit rate"]
+
+
+def test_suites_reject_bad_sizes_with_one_line(capsys):
+    assert main(["bench", "specdec", "--only", "trie", "--trie-gamma", "8", "--trie-tokens", "10"]) == 2
+    assert "at least 2 x (gamma + 1)" in capsys.readouterr().err
