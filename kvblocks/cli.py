@@ -30,9 +30,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-chunk-tokens", type=int, default=64, help="tokens per Redis chunk (default 64)")
 
 
-def add_draft_args(p: argparse.ArgumentParser) -> None:
-    from kvblocks.specdec.factory import DRAFT_HELP
+DRAFT_HELP = "drafter: a model path, self:K (the target's first K layers), lookup[:N] (n-gram prompt lookup) or trie"
 
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help=f"speculative decoding with this {DRAFT_HELP}")
     p.add_argument("--gamma", type=int, default=4, help="drafts per round (default 4)")
     p.add_argument(
@@ -223,7 +224,9 @@ def _summary_line(s: dict) -> str:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The full parser; the benchmark suites (which import torch) load only when `bench` or help is asked for,
+    so the HTTP-only commands (`stats`, `inspect`, `explain`) start in well under a second."""
     parser = argparse.ArgumentParser(
         prog="kvblocks", description="Exact prefix-sharing KV cache for transformers"
     )
@@ -279,15 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_inspect_parsers(sub)
 
-    from kvblocks.bench import add_bench_parser
+    words = sys.argv[1:] if argv is None else argv
+    if not words or words[0] in ("bench", "-h", "--help"):
+        from kvblocks.bench import add_bench_parser
 
-    add_bench_parser(sub)
+        add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -7,9 +7,7 @@ from kvblocks.trie import KVCacheTrie
 
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TrieDrafter, truncated_model
 
-DRAFT_HELP = (
-    "drafter: a model path, self:K (the target's first K layers), lookup[:N] (n-gram prompt lookup) or trie"
-)
+DRAFT_KINDS = "a model path, self:K, lookup[:N] or trie"
 
 
 class DraftSpecError(ValueError):
@@ -40,7 +38,7 @@ def build_drafter(
         try:
             draft, _ = models.load(spec, dtype, device)
         except models.ModelLoadError as exc:
-            raise DraftSpecError(f"{exc} (--draft takes {DRAFT_HELP})") from exc
+            raise DraftSpecError(f"{exc} (--draft takes {DRAFT_KINDS})") from exc
         if draft.config.get_text_config().vocab_size < model.config.get_text_config().vocab_size // 2:
             raise DraftSpecError("the draft model's vocabulary does not match the target's tokenizer")
     return ModelDrafter(draft, KVCacheTrie.for_model(draft, **capacity))
