@@ -30,7 +30,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-chunk-tokens", type=int, default=64, help="tokens per Redis chunk (default 64)")
 
 
-DRAFT_HELP = "drafter: a model path, self:K (the target's first K layers), lookup[:N] (n-gram prompt lookup) or trie"
+DRAFT_HELP = (
+    "drafter: a model path, self:K (the target's first K layers), lookup[:N] (n-gram prompt lookup) or trie"
+)
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
