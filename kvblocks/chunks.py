@@ -8,6 +8,7 @@ exact prefix, and any process computing the same prefix with the same model find
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -107,7 +108,9 @@ def decode_record(
         raise VerificationError("payload length mismatch")
     if rec.get("sum") != xxhash.xxh3_64_intdigest(payload):
         raise VerificationError("checksum mismatch")
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(layout.dtype)
+    with warnings.catch_warnings():  # a read-only view of the reply: no copy; it is only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(payload, dtype=torch.uint8).view(layout.dtype)
     out: list[torch.Tensor | None] = []
     offset = 0
     for heads, dim in layout.layers:
