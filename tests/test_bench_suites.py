@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 from server_proc import smollm2_dir, tiny_model_dir
 
@@ -63,14 +64,12 @@ def test_system_prompt_has_at_most_the_requested_tokens_and_is_deterministic():
 
 
 def test_observed_rounds_model_charges_each_round_its_own_verify_width():
-    from kvblocks.bench.harness import Report
-
-    target = {1: "t1", 2: "t2", 3: "t3"}
-    report = Report("r", "R", {}, {"t1": [1.0], "t2": [1.5], "t3": [2.0], "draft": [0.2]})
-    costs = specdec.StepCosts(report, target, "draft", per_round=False)
+    costs = specdec.StepCosts({1: 1.0, 2: 1.5, 3: 2.0}, 0.2, gamma=2, per_round=False)
     assert costs.c == pytest.approx(0.2) and costs.v(2) == pytest.approx(2.0)
     # rounds of (drafted, accepted): 2 drafts both kept (3 tokens), then 1 draft rejected (1 token)
-    assert costs.observed_speedup([[(2, 2), (1, 0)]], 2) == pytest.approx(4 / ((0.4 + 2.0) + (0.2 + 1.5)))
+    assert costs.observed_speedup([[(2, 2), (1, 0)]]) == pytest.approx(4 / ((0.4 + 2.0) + (0.2 + 1.5)))
+    lookup = specdec.StepCosts({1: 1.0, 3: 2.0}, 0.2, gamma=2, per_round=True)
+    assert lookup.c == pytest.approx(0.1) and np.isnan(lookup.v(1))
 
 
 # ---- the suites end to end -------------------------------------------------------------------

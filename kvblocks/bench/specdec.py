@@ -12,8 +12,8 @@ Per workload, in one interleaved run: kvblocks' `CachedGenerator` and `Speculati
 same prefix cache (greedy; their outputs must be identical), transformers' plain greedy `generate`
 and its assisted generation with the same drafter. Decode speed = tokens emitted after the first
 emission / time from the first emission to the last, so prefill and the first round are left out
-of every variant alike. A second interleaved run measures the step costs c and v of the predicted
-walltime factor S = (1 - a^(g+1)) / ((1 - a)(g c + v)).
+of every variant alike. The step costs c and v of the predicted walltime factor
+S = (1 - a^(g+1)) / ((1 - a)(g c + v)) are the medians of the forwards those same runs made.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvblocks.bench.harness import (
     BenchOptions,
@@ -80,7 +82,10 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         "--repeats", type=positive_int, default=3, help="timed runs of each generation variant (3)"
     )
     p.add_argument(
-        "--cost-repeats", type=positive_int, default=15, help="timed runs of each step-cost variant (15)"
+        "--cost-repeats",
+        type=positive_int,
+        default=15,
+        help="timed runs of a point-mass drafter's proposal and of each forward in the sweep (15)",
     )
     p.add_argument(
         "--self-layers",
@@ -203,6 +208,28 @@ class RoundLog:
         self.current.append((len(rnd.drafts), rnd.accepted))
 
 
+class ForwardTimes:
+    """Times the forwards a `ModelRunner` makes while `on`: seconds by the number of tokens fed.
+
+    The step costs c and v come from the forwards of the timed runs themselves, so the load that
+    a shared machine puts on the measured speed-up is in the predicted one too.
+    """
+
+    def __init__(self, runner) -> None:
+        self.on = False
+        self.by_width: dict[int, list[float]] = {}
+        inner = runner.forward
+
+        def forward(token_ids, past, keep: int = 1):
+            t0 = time.perf_counter()
+            out = inner(token_ids, past, keep)
+            if self.on:
+                self.by_width.setdefault(len(token_ids), []).append(time.perf_counter() - t0)
+            return out
+
+        runner.forward = forward
+
+
 class EmissionStreamer:
     """A transformers streamer that timestamps each batch of new tokens (the first put is the prompt)."""
 
@@ -261,6 +288,8 @@ def bench_workload(
     # An earlier request per prompt: the prompt is cached (and, for the trie drafter, its answer).
     reference = [base.generate(ids, max_new_tokens=w.max_new_tokens).token_ids for ids in prompt_ids]
 
+    base_times, spec_times = ForwardTimes(base.runner), ForwardTimes(spec.runner)
+    draft_times = ForwardTimes(drafter.runner) if draft_model is not None else None
     logs: dict[str, DecodeLog] = {}
     stats = SpecStats(w.gamma)
     observed: list[list[tuple[int, int]]] = []
@@ -269,6 +298,7 @@ def bench_workload(
     def kv_baseline(log: DecodeLog) -> Callable[[], None]:
         def go() -> None:
             log.begin()
+            base_times.on = len(log.runs) > opts.warmup
             for ids, ref in zip(prompt_ids, reference):
                 r = base.generate(ids, max_new_tokens=w.max_new_tokens)
                 assert r.token_ids == ref, "CachedGenerator output changed between runs"
@@ -279,6 +309,9 @@ def bench_workload(
     def kv_spec(log: DecodeLog) -> Callable[[], None]:
         def go() -> None:
             log.begin()
+            spec_times.on = len(log.runs) > opts.warmup
+            if draft_times is not None:
+                draft_times.on = spec_times.on
             for ids, ref in zip(prompt_ids, reference):
                 rounds.current = []
                 r = spec.generate(ids, max_new_tokens=w.max_new_tokens)
@@ -347,7 +380,18 @@ def bench_workload(
     measure(variants, repeats, opts, f"specdec {w.kind}")
     samples = {names[k]: log.seconds_per_token(opts.warmup) for k, log in logs.items()}
 
-    costs = measure_costs(opts, model, w, prompt_ids[0] + reference[0], draft_model, drafter, cost_repeats)
+    base_times.on = spec_times.on = False
+    if draft_times is not None:
+        draft_times.on = False
+        draft_cost = float(np.median(draft_times.by_width[1]))
+        draft_samples = {f"drafter forward ({w.drafter_name}), 1 token": draft_times.by_width[1]}
+    else:
+        draft_samples = propose_times(opts, w, drafter, prompt_ids[0] + reference[0], cost_repeats)
+        draft_cost = float(np.median(next(iter(draft_samples.values()))))
+    target = {1: base_times.by_width[1]} | {k: t for k, t in spec_times.by_width.items() if k > 1}
+    costs = StepCosts(
+        {k: float(np.median(t)) for k, t in target.items()}, draft_cost, w.gamma, draft_model is None
+    )
     speed = Report(
         f"specdec-{w.kind}",
         f"Speculative decoding, {w.drafter_name} drafter",
@@ -365,7 +409,7 @@ def bench_workload(
     a, c, v = stats.alpha, costs.c, costs.v(w.gamma)
     predicted = predicted_speedup(a, w.gamma, c, v)
     measured = speed.ratio(names["base"], names["spec"])
-    modelled = costs.observed_speedup(observed, w.gamma)
+    modelled = costs.observed_speedup(observed)
     speed.checks = [
         Check("alpha (MLE)", a),
         Check("tokens per target call", stats.tokens_per_call),
@@ -407,13 +451,15 @@ def bench_workload(
         f"{empty} of {total} rounds after the first had no draft",
         f"predicted S = (1 - a^(g+1)) / ((1 - a)(g c + v)) with g = {w.gamma}; the observed-rounds model "
         "replaces the i.i.d. acceptance by the rounds that happened: sum(tokens) / sum(drafting cost + "
-        "verify cost of that round's 1 + drafts tokens), each cost measured below",
+        "verify cost of that round's 1 + drafts tokens); the step costs are the medians of the forwards the "
+        "timed runs made (1 token: CachedGenerator's decode steps; k tokens: the speculative verify steps), "
+        "listed in the costs report",
         "kvblocks runs with its prefix cache (prompts resident from an earlier request, prefill = 1 token); "
         "transformers has none and prefills every prompt, which the decode rate leaves out (DESIGN.md: "
         "assisted generation on a prefilled cache is silently wrong)",
         *_hf_notes(w),
     ]
-    return [speed, costs.report]
+    return [speed, cost_report(w, costs, target, draft_samples)]
 
 
 def _merge(total, one) -> None:
@@ -457,88 +503,71 @@ def predicted_speedup(a: float, g: int, c: float, v: float) -> float:
 
 @dataclass(slots=True)
 class StepCosts:
-    """Median step times from one interleaved run: target forwards of k tokens and the drafter."""
+    """Median seconds of target forwards by tokens fed, and of drafting: per drafted token for a
+    model drafter, per proposal for a point-mass one (`per_round`)."""
 
-    report: Report
-    target: dict[int, str]  # tokens -> variant name
-    drafter: str
-    per_round: bool  # a point-mass drafter's cost is per proposal, a model drafter's per token
-
-    def t(self, name: str) -> float:
-        return self.report.median(name)
+    target: dict[int, float]
+    draft: float
+    gamma: int
+    per_round: bool
 
     @property
     def c(self) -> float:
-        gamma = max(self.target) - 1
-        draft = self.t(self.drafter) / (gamma if self.per_round else 1)
-        return draft / self.t(self.target[1])
+        return self.draft / (self.gamma if self.per_round else 1) / self.target[1]
 
-    def v(self, gamma: int) -> float:
-        return self.t(self.target[gamma + 1]) / self.t(self.target[1])
+    def v(self, drafts: int) -> float:
+        """A verify of `drafts` drafts (drafts + 1 tokens) over a 1-token step; NaN if none ran."""
+        return self.target.get(drafts + 1, float("nan")) / self.target[1]
 
-    def observed_speedup(self, observed: list[list[tuple[int, int]]], gamma: int) -> float:
+    def observed_speedup(self, observed: list[list[tuple[int, int]]]) -> float:
         """Target steps per token of plain decoding over the step-cost sum of the rounds that ran."""
         tokens = cost = 0.0
         for run in observed:
             for drafted, accepted in run:
                 tokens += accepted + 1
-                cost += (gamma if self.per_round else drafted) * self.c + self.v(drafted)
+                cost += (self.gamma if self.per_round else drafted) * self.c + self.v(drafted)
         return tokens / cost if cost else 0.0
 
 
-def measure_costs(
-    opts: BenchOptions, model, w: Workload, context: list[int], draft_model, drafter, repeats: int
-) -> StepCosts:
-    """Target forwards of 1..gamma+1 tokens and one drafting step on `context`, interleaved."""
-    from kvblocks.adapters import hf
-    from kvblocks.generator import ModelRunner
+def propose_times(opts: BenchOptions, w: Workload, drafter, context: list[int], repeats: int) -> dict:
+    """A point-mass drafter's proposal time on a prompt and half its answer (microseconds, no model)."""
     from kvblocks.sampling import SamplingParams
 
-    target = ModelRunner(model)
-    past = hf.empty_cache(model.config)
-    target.forward(context[:-1], past)
-    n = len(context) - 1
-    probe = [int(t) for t in context[-1:] * (w.gamma + 1)]
+    drafter.begin(context, None)
+    half = context[: len(context) - w.max_new_tokens // 2]
+    name = f"drafter propose ({w.drafter_name}, γ={w.gamma})"
+    variant = Variant(name, lambda: drafter.propose(half, w.gamma, SamplingParams(), None))
+    return measure([variant], repeats, opts, f"propose {w.kind}")
 
-    def forward(runner, cache, k: int) -> Callable[[], None]:
-        return lambda: runner.forward(probe[:k], cache, keep=k)
 
-    names = {k: f"target forward, {k} token{'s' * (k > 1)}" for k in range(1, w.gamma + 2)}
-    variants = [Variant(names[k], forward(target, past, k), teardown=lambda: hf.crop(past, n)) for k in names]
-    if draft_model is not None:
-        draft = ModelRunner(draft_model)
-        draft_past = hf.empty_cache(draft_model.config)
-        draft.forward(context[:-1], draft_past)
-        drafter_name = f"drafter forward ({w.drafter_name}), 1 token"
-        variants.append(
-            Variant(drafter_name, forward(draft, draft_past, 1), teardown=lambda: hf.crop(draft_past, n))
-        )
-    else:
-        drafter.begin(context, None)
-        drafter_name = f"drafter propose ({w.drafter_name}, γ={w.gamma})"
-        half = context[: len(context) - w.max_new_tokens // 2]
-        variants.append(Variant(drafter_name, lambda: drafter.propose(half, w.gamma, SamplingParams(), None)))
-    samples = measure(variants, repeats, opts, f"step costs {w.kind}")
+def cost_report(w: Workload, costs: StepCosts, target: dict[int, list[float]], draft: dict) -> Report:
+    names = {
+        k: f"target forward, {k} token{'s' * (k > 1)}"
+        + (" (CachedGenerator decode)" if k == 1 else " (verify)")
+        for k in sorted(target)
+    }
     report = Report(
         f"specdec-{w.kind}-costs",
         f"Step costs, {w.drafter_name} drafter",
-        {"context_tokens": n, "gamma": w.gamma},
-        samples,
+        {"gamma": w.gamma},
+        {names[k]: target[k] for k in names} | draft,
         baseline=names[1],
     )
-    costs = StepCosts(report, names, drafter_name, per_round=draft_model is None)
     report.checks = [
         Check(f"v({k - 1}) = {k}-token forward / 1-token", costs.v(k - 1)) for k in names if k > 1
     ]
     report.checks.append(Check("c = drafter cost per drafted token / 1-token target forward", costs.c))
     report.notes = [
-        f"target and drafter forwards on a cache of {n} tokens (a prompt and its answer), cropped back after "
-        "each run (untimed); logits of every fed position, as the verify step needs",
-        "a point-mass drafter's c is its proposal time / gamma / target step"
-        if draft_model is None
-        else "the model drafter's step includes its LM head (the tied 49152 x 576 embedding for SmolLM2)",
+        "every target forward of the timed runs, by tokens fed: 1 token = CachedGenerator's decode steps, "
+        "k > 1 = the speculative verify steps (1 + drafts tokens, logits of every position); the context is "
+        "each request's prompt and answer so far",
+        "a point-mass drafter's c is its proposal time (measured apart, on a prompt and half its answer) / "
+        "gamma / target step"
+        if costs.per_round
+        else "the model drafter's 1-token forwards during the timed speculative runs (its LM head included: "
+        "the tied 49152 x 576 embedding for SmolLM2)",
     ]
-    return costs
+    return report
 
 
 # ---- choosing K: the self-drafter sweep ------------------------------------------------------

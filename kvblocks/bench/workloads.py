@@ -432,8 +432,23 @@ class Setup:
     skip: frozenset[str]
 
 
-def run_workload(model, tokenizer, w: Workload, setup: Setup, opts: BenchOptions) -> tuple[dict, dict]:
-    """Interleaved run of every server; returns (lanes by name, results of CB all at once or {})."""
+@dataclass(slots=True)
+class AllAtOnce:
+    """Continuous batching given every request of a turn wave together: per-request results
+    (TTFT includes queueing) and the time of the whole run."""
+
+    outputs: list[list[int]]
+    hits: list[int]
+    ttft_s: list[float]
+    prompt_tokens: list[int]
+    elapsed_s: float
+    cache_bytes: int
+
+
+def run_workload(
+    model, tokenizer, w: Workload, setup: Setup, opts: BenchOptions
+) -> tuple[dict[str, Lane], AllAtOnce | None]:
+    """Interleaved run of every server; returns the lanes by name and CB's all-at-once run."""
     clock = CLOCKS[opts.clock]
     kv = Kvblocks(model, tokenizer, setup.capacity_tokens)
     servers: list[Server] = [Ideal(model), kv]
@@ -454,13 +469,11 @@ def run_workload(model, tokenizer, w: Workload, setup: Setup, opts: BenchOptions
             s.close()
     for name, lane in lanes.items():
         lane.latency = latency[name]
-    batch: dict = {}
-    if "cb-batch" not in setup.skip:
-        batch = run_all_at_once(model, w, setup.cb, lanes["ideal"].outputs, clock)
+    batch = None if "cb-batch" in setup.skip else run_all_at_once(model, w, setup.cb, clock)
     return lanes, batch
 
 
-def run_all_at_once(model, w: Workload, config: BatchingConfig, reference: list[list[int]], clock) -> dict:
+def run_all_at_once(model, w: Workload, config: BatchingConfig, clock: Callable[[], float]) -> AllAtOnce:
     """Every request of a turn wave handed to continuous batching together, timed as a whole.
 
     Prompts of later waves carry CB's own replies, as a batch user's would.
@@ -482,15 +495,7 @@ def run_all_at_once(model, w: Workload, config: BatchingConfig, reference: list[
         elapsed = clock() - t0
     finally:
         batching.close()
-    return {
-        "outputs": outputs,
-        "hits": hits,
-        "ttft": ttft,
-        "prompt_tokens": prompt_tokens,
-        "elapsed": elapsed,
-        "bytes": batching.cache_bytes,
-        "reference": reference,
-    }
+    return AllAtOnce(outputs, hits, ttft, prompt_tokens, elapsed, batching.cache_bytes)
 
 
 # ---- reporting ---------------------------------------------------------------------------------
@@ -583,7 +588,7 @@ def plot_overview(report: WorkloadReport, path: Path) -> None:
 def build_report(
     w: Workload,
     lanes: dict[str, Lane],
-    batch: dict,
+    batch: AllAtOnce | None,
     ideals: dict[str, float],
     params: dict[str, object],
     bounded: bool,
@@ -606,16 +611,16 @@ def build_report(
         for name, lane in lanes.items()
     ]
     rows = [rows[1], rows[0], *rows[2:]]  # kvblocks first, then the ideal, then the baselines
-    if batch:
+    if batch is not None:
         rows.append(
             row_for(
                 CB_BATCH,
-                batch["ttft"],
-                batch["elapsed"],
-                batch["hits"],
-                batch["prompt_tokens"],
-                batch["outputs"],
-                batch["bytes"],
+                batch.ttft_s,
+                batch.elapsed_s,
+                batch.hits,
+                batch.prompt_tokens,
+                batch.outputs,
+                batch.cache_bytes,
                 ideal_rate,
                 reference,
             )
@@ -672,7 +677,7 @@ def checks(rows: list[Row], lanes: dict[str, Lane], ideals: dict[str, float], bo
 
 
 def common_notes(
-    opts: BenchOptions, setup: Setup, w: Workload, lanes: dict[str, Lane], batch: dict
+    opts: BenchOptions, setup: Setup, w: Workload, lanes: dict[str, Lane], batch: AllAtOnce | None
 ) -> list[str]:
     kv = lanes["kvblocks"].server
     stats = kv.trie.stats() if isinstance(kv, Kvblocks) and kv.trie is not None else {}
@@ -684,7 +689,8 @@ def common_notes(
         "token; end-to-end = sum of the request latencies (closed loop, one request in flight)",
         "ideal = the bare model (`ModelRunner.forward`) prefilling only the tokens an oracle knows are already "
         "computed, on a ready `DynamicCache` handed over untimed; kvblocks = `CachedGenerator.stream` on a "
-        "`KVCacheTrie` (match, re-attach, prefill, decode with text assembly, insert), all timed",
+        "`KVCacheTrie` (match, re-attach, prefill, decode with text assembly, insert), all timed; its TTFT is "
+        "the time to its first streamed piece, which `CachedGenerator` yields after storing the prompt's KV",
         "deepcopy recipe = prefill each system prompt once by ids (timed, in the first request that needs it), "
         "`copy.deepcopy` it per request, prefill the rest, decode, with the same forward loop as the ideal",
         f"transformers CB = `model.init_continuous_batching` (transformers' `ContinuousBatchingManager`, paged "
@@ -698,7 +704,7 @@ def common_notes(
         f"kvblocks trie at the end: {stats.get('resident_tokens', 0):,} resident tokens, "
         f"{stats.get('evicted_tokens', 0):,} evicted, {stats.get('insert_dropped_tokens', 0):,} dropped at insert",
     ]
-    if batch:
+    if batch is not None:
         notes.append(
             f"{CB_BATCH} = every request of a turn wave submitted together (`add_requests`, as "
             "`model.generate_batch` does, which also sorts the prompts so that equal prefixes run back to back: "
