@@ -68,7 +68,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
     r.add_argument("--restore-heads", type=positive_int, default=3, help="KV heads (default 3, SmolLM2)")
     r.add_argument("--restore-head-dim", type=positive_int, default=64, help="head dim (default 64, SmolLM2)")
     r.add_argument(
-        "--restore-repeats", type=positive_int, default=30, help="timed runs per variant (default 30)"
+        "--restore-repeats", type=positive_int, default=60, help="timed runs per variant (default 60)"
     )
     t = p.add_argument_group("ttft (process B restoring a shared prefix from Redis)")
     t.add_argument(
