@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import IdTokenizer, tiny_llama
-from redis_server import RedisServer, RedisUnavailable
+from redis_server import RedisServer, RedisUnavailable, unavailable
 
 from kvblocks import CachedGenerator, KVCacheTrie
 from kvblocks.adapters.lmcache import (
@@ -223,7 +223,7 @@ def redis_url(tmp_path):
     try:
         server = RedisServer(tmp_path / "redis").start()
     except RedisUnavailable as exc:
-        pytest.skip(f"no Redis server: {exc}")
+        unavailable(str(exc))
     yield server.url
     server.stop()
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import IdTokenizer, tiny_llama
-from redis_server import LocalCluster, RedisServer, RedisUnavailable, free_port
+from redis_server import LocalCluster, RedisServer, RedisUnavailable, free_port, unavailable
 
 import kvblocks
 from kvblocks import CachedGenerator, KVCacheTrie
@@ -38,13 +38,6 @@ TOKENIZER = IdTokenizer()
 
 
 # ---- servers ---------------------------------------------------------------------------------
-
-
-def unavailable(reason: str):
-    """Redis tests may skip on a developer's machine, never in CI."""
-    if os.environ.get("KVBLOCKS_CI") == "1":
-        pytest.fail(f"Redis server needed in CI (KVBLOCKS_CI=1) could not start: {reason}", pytrace=False)
-    pytest.skip(f"no Redis server: {reason}")
 
 
 def started(server: RedisServer | LocalCluster):
