@@ -107,6 +107,8 @@ class LMCacheCodec:
 
     # Other programs read these keys, possibly with another layout: never delete what we reject.
     delete_invalid: ClassVar[bool] = False
+    # LMCache values are raw tensors with no tag: whoever can write to Redis can forge them.
+    authenticated: ClassVar[bool] = False
 
     def __init__(self, model_name: str, *, object_group_id: int = 0) -> None:
         if not model_name or "@" in model_name:
@@ -139,7 +141,12 @@ class LMCacheCodec:
         )
 
     def encode(
-        self, namespace_key: str, tokens: np.ndarray, layout: ChunkLayout, kv: list[torch.Tensor | None]
+        self,
+        key: str,
+        namespace_key: str,
+        tokens: np.ndarray,
+        layout: ChunkLayout,
+        kv: list[torch.Tensor | None],
     ) -> bytes:
         uniform_shape(layout)
         blob = to_lmcache([t.detach().to("cpu", layout.dtype) for t in kv])
@@ -148,6 +155,7 @@ class LMCacheCodec:
     def decode(
         self,
         raw: bytes,
+        key: str,
         namespace_key: str,
         tokens: np.ndarray,
         layout: ChunkLayout,
@@ -168,9 +176,26 @@ class LMCacheCodec:
 
 class LMCacheRedisTier(RedisTier):
     """A RedisTier that reads and writes LMCache's format for `model_name` (LMCache's model name,
-    i.e. what vLLM serves as `--model`). `chunk_tokens` must equal the fleet's `--chunk-size`."""
+    i.e. what vLLM serves as `--model`). `chunk_tokens` must equal the fleet's `--chunk-size`.
+
+    LMCache's values carry no authentication tag, so anyone who can write to this Redis can
+    change outputs and anyone who can read it sees the KV. The tier therefore refuses to start
+    unless `redis_is_trusted=True` says the Redis is reachable only by trusted programs.
+    """
 
     def __init__(
-        self, url: str = "redis://127.0.0.1:6379/0", *, model_name: str, chunk_tokens: int = 256, **kwargs
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        model_name: str,
+        chunk_tokens: int = 256,
+        redis_is_trusted: bool = False,
+        **kwargs,
     ) -> None:
+        if not redis_is_trusted:
+            raise ValueError(
+                "the LMCache format cannot be authenticated (its values carry no tag): pass "
+                "redis_is_trusted=True only if nothing untrusted can write to this Redis "
+                "(see docs/LMCACHE.md and docs/SECURITY.md)"
+            )
         super().__init__(url, chunk_tokens=chunk_tokens, codec=LMCacheCodec(model_name), **kwargs)

@@ -3,13 +3,20 @@
 A chunk is `chunk_tokens` consecutive tokens counted from the start of the sequence. Its key is
 the namespace plus a chained hash of every token id up to the chunk's end, so one key names one
 exact prefix, and any process computing the same prefix with the same model finds it.
+
+Two record forms, both msgpack maps with `"v": 2`:
+- plain (no secret: Redis is trusted): namespace, Redis key, token ids, dtype, shape, xxh3 of the
+  payload, raw KV. It catches damage and misplaced values, not a writer who recomputes the checksum.
+- sealed (a deployment secret): dtype, shape, nonce and an AES-256-GCM ciphertext of token ids +
+  raw KV, authenticated together with the Redis key and the namespace. Keys are keyed hashes.
+Either way restored KV must be finite; anything else is a VerificationError, which is a miss.
 """
 
 from __future__ import annotations
 
 import hashlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import msgpack
@@ -17,22 +24,26 @@ import numpy as np
 import torch
 import xxhash
 
-FORMAT_VERSION = 1
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+from kvblocks.sealing import Sealer, SealError
+
+FORMAT_VERSION = 2
 
 
-def chain_hashes(namespace_key: str, ids: np.ndarray, chunk_tokens: int) -> list[str]:
-    """Hex hash of each complete chunk of `ids`; hash i covers ids[: (i + 1) * chunk_tokens]."""
-    h = hashlib.blake2b(namespace_key.encode(), digest_size=16).digest()
+def chain_hashes(
+    namespace_key: str, ids: np.ndarray, chunk_tokens: int, sealer: Sealer | None = None
+) -> list[str]:
+    """Hex hash of each complete chunk of `ids`; hash i covers ids[: (i + 1) * chunk_tokens].
+
+    With a sealer the hash is keyed, so nobody without the secret can compute the key of a prompt.
+    """
+    digest = (
+        (lambda data: hashlib.blake2b(data, digest_size=16).digest()) if sealer is None else sealer.digest
+    )
+    h = digest(namespace_key.encode())
     out = []
     data = np.ascontiguousarray(ids, dtype="<i4")
     for end in range(chunk_tokens, len(data) + 1, chunk_tokens):
-        h = hashlib.blake2b(h + data[end - chunk_tokens : end].tobytes(), digest_size=16).digest()
+        h = digest(h + data[end - chunk_tokens : end].tobytes())
         out.append(h.hex())
     return out
 
@@ -52,38 +63,62 @@ class ChunkLayout:
         elem = torch.empty(0, dtype=self.dtype).element_size()
         return sum(2 * h * d * elem for h, d in self.layers)
 
+    def shape(self, n: int) -> list:
+        return [n, [list(x) for x in self.layers]]
+
 
 class VerificationError(ValueError):
-    """A stored value is not a valid record for the expected namespace, tokens and layout."""
+    """A stored value is not a valid record for the expected key, namespace, tokens and layout."""
 
 
-def encode_record(
-    namespace_key: str, tokens: np.ndarray, layout: ChunkLayout, kv: list[torch.Tensor | None]
-) -> bytes:
-    """`kv[l]` is `[n, 2, H, D]` on any device; stored as raw little-endian bytes, layer after layer."""
-    parts = [t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in kv if t is not None]
-    payload = b"".join(parts)
-    return msgpack.packb(
-        {
-            "v": FORMAT_VERSION,
-            "ns": namespace_key,
-            "tokens": np.ascontiguousarray(tokens, dtype="<i4").tobytes(),
-            "dtype": layout.dtype_name,
-            "shape": [len(tokens), [list(x) for x in layout.layers]],
-            "sum": xxhash.xxh3_64_intdigest(payload),
-            "kv": payload,
-        },
-        use_bin_type=True,
+def _payload(kv: list[torch.Tensor | None]) -> bytes:
+    return b"".join(
+        t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in kv if t is not None
     )
 
 
+def encode_record(
+    namespace_key: str,
+    tokens: np.ndarray,
+    layout: ChunkLayout,
+    kv: list[torch.Tensor | None],
+    *,
+    key: str = "",
+    sealer: Sealer | None = None,
+) -> bytes:
+    """`kv[l]` is `[n, 2, H, D]` on any device; stored as raw little-endian bytes, layer after layer."""
+    token_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+    header = {"v": FORMAT_VERSION, "dtype": layout.dtype_name, "shape": layout.shape(len(tokens))}
+    if sealer is not None:
+        nonce, sealed = sealer.seal(token_bytes + _payload(kv), _bound_to(key, namespace_key, header))
+        return msgpack.packb(
+            header | {"alg": sealer.algorithm, "nonce": nonce, "ct": sealed}, use_bin_type=True
+        )
+    payload = _payload(kv)
+    fields = {
+        "ns": namespace_key,
+        "key": key,
+        "tokens": token_bytes,
+        "sum": xxhash.xxh3_64_intdigest(payload),
+    }
+    return msgpack.packb(header | fields | {"kv": payload}, use_bin_type=True)
+
+
 def decode_record(
-    raw: bytes, namespace_key: str, tokens: np.ndarray, layout: ChunkLayout, device: torch.device | str
+    raw: bytes,
+    namespace_key: str,
+    tokens: np.ndarray,
+    layout: ChunkLayout,
+    device: torch.device | str,
+    *,
+    key: str = "",
+    sealer: Sealer | None = None,
 ) -> list[torch.Tensor | None]:
     """Verify and unpack a record into per-layer `[n, 2, H, D]` tensors on `device`.
 
-    Anything that does not match exactly (version, namespace, token ids, dtype, shape, length,
-    checksum) raises VerificationError: the caller treats it as a miss, never as data.
+    Anything that does not match exactly (version, form, key, namespace, token ids, dtype, shape,
+    length, checksum or seal) or holds a non-finite number raises VerificationError: the caller
+    treats it as a miss, never as data.
     """
     try:
         rec = msgpack.unpackb(raw, raw=False)
@@ -91,26 +126,41 @@ def decode_record(
         raise VerificationError(f"not a msgpack record: {exc}") from exc
     if not isinstance(rec, dict):
         raise VerificationError("record is not a map")
-    expected_tokens = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     n = len(tokens)
-    checks = (
-        ("version", rec.get("v") == FORMAT_VERSION),
-        ("namespace", rec.get("ns") == namespace_key),
-        ("tokens", rec.get("tokens") == expected_tokens),
-        ("dtype", rec.get("dtype") == layout.dtype_name),
-        ("shape", rec.get("shape") == [n, [list(x) for x in layout.layers]]),
-    )
-    for what, ok in checks:
-        if not ok:
-            raise VerificationError(f"{what} mismatch")
-    payload = rec.get("kv")
-    if not isinstance(payload, bytes) or len(payload) != n * layout.token_bytes():
+    expected_tokens = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+    header = {"v": FORMAT_VERSION, "dtype": layout.dtype_name, "shape": layout.shape(n)}
+    _check(("version", rec.get("v") == header["v"]))
+    _check(("form", ("ct" in rec) == (sealer is not None)))
+    _check(("dtype", rec.get("dtype") == header["dtype"]), ("shape", rec.get("shape") == header["shape"]))
+    if sealer is not None:
+        _check(("algorithm", rec.get("alg") == sealer.algorithm))
+        nonce, sealed = rec.get("nonce"), rec.get("ct")
+        if not isinstance(nonce, bytes) or not isinstance(sealed, bytes):
+            raise VerificationError("sealed record is malformed")
+        try:
+            plain = sealer.open_into(nonce, sealed, _bound_to(key, namespace_key, header))
+        except SealError as exc:
+            raise VerificationError(str(exc)) from exc
+        _check(("tokens", plain[: 4 * n] == expected_tokens))
+        payload: bytes | bytearray = memoryview(plain)[4 * n :]
+    else:
+        _check(
+            ("namespace", rec.get("ns") == namespace_key),
+            ("key", rec.get("key") == key),
+            ("tokens", rec.get("tokens") == expected_tokens),
+        )
+        payload = rec.get("kv")
+        if not isinstance(payload, bytes) or len(payload) != n * layout.token_bytes():
+            raise VerificationError("payload length mismatch")
+        if rec.get("sum") != xxhash.xxh3_64_intdigest(payload):
+            raise VerificationError("checksum mismatch")
+    if len(payload) != n * layout.token_bytes():
         raise VerificationError("payload length mismatch")
-    if rec.get("sum") != xxhash.xxh3_64_intdigest(payload):
-        raise VerificationError("checksum mismatch")
     with warnings.catch_warnings():  # a read-only view of the reply: no copy; it is only ever read
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(payload, dtype=torch.uint8).view(layout.dtype)
+    if not torch.isfinite(flat).all():  # a checksum or a seal says who wrote it, not that it is sane
+        raise VerificationError("payload holds non-finite numbers")
     out: list[torch.Tensor | None] = []
     offset = 0
     for heads, dim in layout.layers:
@@ -123,16 +173,30 @@ def decode_record(
     return out
 
 
+def _check(*checks: tuple[str, bool]) -> None:
+    for what, ok in checks:
+        if not ok:
+            raise VerificationError(f"{what} mismatch")
+
+
+def _bound_to(key: str, namespace_key: str, header: dict) -> bytes:
+    """What a sealed value is authenticated against besides its content: where it lives and what for."""
+    return msgpack.packb([key, namespace_key, header["v"], header["dtype"], header["shape"]])
+
+
 class ChunkCodec(Protocol):
     """How a spill tier names, frames and verifies chunks in Redis.
 
     `NativeCodec` is kvblocks' own format; `kvblocks.adapters.lmcache.LMCacheCodec` reads and
-    writes LMCache's. `decode` raises VerificationError for anything it cannot vouch for.
+    writes LMCache's. `decode` raises VerificationError for anything it cannot vouch for; `key`
+    is the Redis key the value was read from (or is written to).
     """
 
     # Whether a value that fails verification may be deleted: only when the format's keys belong
     # to kvblocks, never when other programs may read the same key with other expectations.
     delete_invalid: bool
+    # Whether values are authenticated (a Redis writer cannot forge them).
+    authenticated: bool
 
     def bind(self, layout: ChunkLayout, namespace_key: str) -> None: ...
 
@@ -141,12 +205,18 @@ class ChunkCodec(Protocol):
     def key(self, namespace_key: str, chunk_hash: str) -> str: ...
 
     def encode(
-        self, namespace_key: str, tokens: np.ndarray, layout: ChunkLayout, kv: list[torch.Tensor | None]
+        self,
+        key: str,
+        namespace_key: str,
+        tokens: np.ndarray,
+        layout: ChunkLayout,
+        kv: list[torch.Tensor | None],
     ) -> bytes: ...
 
     def decode(
         self,
         raw: bytes,
+        key: str,
         namespace_key: str,
         tokens: np.ndarray,
         layout: ChunkLayout,
@@ -156,31 +226,47 @@ class ChunkCodec(Protocol):
 
 @dataclass(slots=True, frozen=True)
 class NativeCodec:
-    """kvblocks' own format: `prefix:vN:namespace:chain-hash` keys, verified msgpack records."""
+    """kvblocks' own format: `prefix:v2:namespace:chain-hash` keys and verified msgpack records;
+    with a secret, `prefix:v2s:tag:keyed-chain-hash` keys and sealed records (see the module doc)."""
 
     key_prefix: str = "kvblocks"
+    sealer: Sealer | None = field(default=None, repr=False)
     delete_invalid: ClassVar[bool] = True
+
+    @property
+    def authenticated(self) -> bool:
+        return self.sealer is not None
 
     def bind(self, layout: ChunkLayout, namespace_key: str) -> None:
         """Every layout is supported."""
 
     def chunk_hashes(self, namespace_key: str, ids: np.ndarray, chunk_tokens: int) -> list[str]:
-        return chain_hashes(namespace_key, ids, chunk_tokens)
+        return chain_hashes(namespace_key, ids, chunk_tokens, self.sealer)
 
     def key(self, namespace_key: str, chunk_hash: str) -> str:
-        return f"{self.key_prefix}:v{FORMAT_VERSION}:{namespace_key}:{chunk_hash}"
+        if self.sealer is None:
+            return f"{self.key_prefix}:v{FORMAT_VERSION}:{namespace_key}:{chunk_hash}"
+        # The namespace appears only as a keyed tag: a salt cannot be guessed offline from it.
+        tag = self.sealer.digest(b"namespace\0" + namespace_key.encode(), size=8).hex()
+        return f"{self.key_prefix}:v{FORMAT_VERSION}s:{tag}:{chunk_hash}"
 
     def encode(
-        self, namespace_key: str, tokens: np.ndarray, layout: ChunkLayout, kv: list[torch.Tensor | None]
+        self,
+        key: str,
+        namespace_key: str,
+        tokens: np.ndarray,
+        layout: ChunkLayout,
+        kv: list[torch.Tensor | None],
     ) -> bytes:
-        return encode_record(namespace_key, tokens, layout, kv)
+        return encode_record(namespace_key, tokens, layout, kv, key=key, sealer=self.sealer)
 
     def decode(
         self,
         raw: bytes,
+        key: str,
         namespace_key: str,
         tokens: np.ndarray,
         layout: ChunkLayout,
         device: torch.device | str,
     ) -> list[torch.Tensor | None]:
-        return decode_record(raw, namespace_key, tokens, layout, device)
+        return decode_record(raw, namespace_key, tokens, layout, device, key=key, sealer=self.sealer)

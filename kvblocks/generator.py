@@ -14,7 +14,7 @@ import torch
 from kvblocks.adapters import hf
 from kvblocks.sampling import SamplingParams, choose, make_generator
 from kvblocks.text import Prompt, PromptError, StopTextAssembler, encode_prompt
-from kvblocks.trie import KVCacheTrie
+from kvblocks.trie import KVCacheTrie, Salt
 
 
 class PromptTooLongError(PromptError):
@@ -42,7 +42,7 @@ class DecodeState:
     sequence: list[int]
     computed: int
     logits: list[torch.Tensor] | None
-    salt: str | None
+    salt: Salt
     past: Any = None
     spec: Any = None
 
@@ -142,7 +142,7 @@ class CachedGenerator:
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         *,
-        salt: str | None = None,
+        salt: Salt = None,
         ignore_eos: bool = False,
         output_logits: bool = False,
     ) -> Iterator[Piece]:

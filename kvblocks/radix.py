@@ -8,7 +8,7 @@ when no live match and no pin passes through it. Not thread-safe: `KVCacheTrie` 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -138,8 +138,10 @@ class RadixTree:
             offset = 0
         return np.concatenate(out) if out else _EMPTY
 
-    def iter_nodes(self) -> Iterator[Node]:
-        stack = [r for r in self.roots.values()]
+    def iter_nodes(self, namespaces: Iterable[Hashable] | None = None) -> Iterator[Node]:
+        """Every non-root node, or those under the given namespaces' roots."""
+        keys = self.roots if namespaces is None else namespaces
+        stack = [self.roots[k] for k in keys if k in self.roots]
         while stack:
             node = stack.pop()
             if not node.is_root:

@@ -9,6 +9,7 @@ error; after a failure the tier stays quiet for `retry_interval_s`, then reconne
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -22,6 +23,18 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvblocks.chunks import ChunkCodec, ChunkLayout, NativeCodec, VerificationError
+from kvblocks.sealing import Sealer
+
+log = logging.getLogger("kvblocks.redis")
+
+# A record lives a day (a prefix still in use is written again once it expired), so a Redis without
+# maxmemory does not grow without bound.
+DEFAULT_TTL_S = 24 * 3600.0
+TRUSTED_REDIS_WARNING = (
+    "kvblocks: the Redis tier has no secret, so Redis is trusted: anyone who can write to it can "
+    "change outputs and anyone who can read it sees prompt token ids (set --redis-secret-file or "
+    "KVBLOCKS_REDIS_SECRET; see docs/SECURITY.md)"
+)
 
 # What an unreachable or failing Redis raises. RedisClusterException is not a RedisError: a
 # RedisCluster client raises it when no startup node answers.
@@ -66,7 +79,10 @@ class RedisTier:
 
     `write_mode="through"` (default) writes every completed chunk as soon as it is cached on the
     device, so other processes can hit at once; `"back"` writes chunks only when the device pool
-    evicts them. `codec` picks the key and value format (default: kvblocks' own `NativeCodec`).
+    evicts them. `secret` (at least 16 bytes, shared by every process of one deployment) makes
+    keys keyed hashes and seals values with AES-256-GCM; without it Redis is trusted and a warning
+    is logged. `ttl_s` bounds how long a record lives (None: forever). `codec` picks another key
+    and value format (the LMCache one); it excludes `secret`.
     """
 
     def __init__(
@@ -75,7 +91,8 @@ class RedisTier:
         *,
         chunk_tokens: int = 64,
         key_prefix: str = "kvblocks",
-        ttl_s: float | None = None,
+        secret: bytes | str | None = None,
+        ttl_s: float | None = DEFAULT_TTL_S,
         timeout_s: float = 0.5,
         connect_timeout_s: float = 0.5,
         retry_interval_s: float = 1.0,
@@ -91,7 +108,15 @@ class RedisTier:
         self.url = url
         self.chunk_tokens = chunk_tokens
         self.key_prefix = key_prefix
-        self.codec = codec if codec is not None else NativeCodec(key_prefix)
+        if codec is not None and secret is not None:
+            raise ValueError("a secret seals kvblocks' own records; it cannot apply to another codec")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
+        self.codec = (
+            codec if codec is not None else NativeCodec(key_prefix, None if secret is None else Sealer(secret))
+        )
+        if not self.codec.authenticated:
+            log.warning(TRUSTED_REDIS_WARNING)
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.retry_interval_s = retry_interval_s
         self.write_mode = write_mode
@@ -168,7 +193,9 @@ class RedisTier:
             pos = (first + i) * c
             try:
                 chunks.append(
-                    self.codec.decode(raw, namespace_key, ids[pos : pos + c], self._layout, self._device)
+                    self.codec.decode(
+                        raw, keys[i], namespace_key, ids[pos : pos + c], self._layout, self._device
+                    )
                 )
             except VerificationError:
                 # The key fixes format version, namespace and tokens, so this value is useless to
@@ -223,6 +250,21 @@ class RedisTier:
             time.sleep(0.005)
         return self._queue.unfinished_tasks == 0
 
+    def server_warnings(self) -> list[str]:
+        """Deployment problems worth a line at start: today, a Redis that can grow without bound."""
+        try:
+            config = self._connection().config_get("maxmemory")
+        except REDIS_FAILURES:  # unreachable, or CONFIG is disabled (managed Redis): nothing to say
+            return []
+        values = config.values() if isinstance(config, dict) else ()
+        if any(str(v) == "0" for v in values):
+            ttl = "records never expire" if self.ttl_ms is None else f"records expire after {self.ttl_ms / 1000:g} s"
+            return [
+                f"kvblocks: Redis at {self.url} has no maxmemory, so it grows until the host runs out of "
+                f"memory ({ttl}); set maxmemory and maxmemory-policy allkeys-lru"
+            ]
+        return []
+
     def stats(self) -> dict[str, int]:
         with self._count_lock:
             return {f"redis_{k}": v for k, v in asdict(self.counters).items()} | {
@@ -264,6 +306,9 @@ class RedisTier:
             except REDIS_FAILURES:
                 self._count(write_errors=1)
                 self._mark_down()
+            except Exception:  # a bug must not end the writer: later writes would all be dropped
+                self._count(write_errors=1)
+                log.exception("kvblocks: a Redis write job failed; the writer goes on")
             finally:
                 self._queue.task_done()
 
@@ -294,7 +339,7 @@ class RedisTier:
         pipe = self._connection().pipeline(transaction=False)
         total = 0
         for key, namespace_key, tokens, kv in records:
-            value = self.codec.encode(namespace_key, tokens, self._layout, kv)
+            value = self.codec.encode(key, namespace_key, tokens, self._layout, kv)
             total += len(value)
             pipe.set(key, value, px=self.ttl_ms)
         pipe.execute()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
 import threading
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -13,16 +15,18 @@ import torch
 from kvblocks.adapters import hf
 from kvblocks.chunks import ChunkLayout
 from kvblocks.explain import EvictionLedger
-from kvblocks.namespace import Namespace, namespace_for
+from kvblocks.namespace import Namespace, Scope, namespace_for
 from kvblocks.pool import KVPool, LayerShape
 from kvblocks.radix import TOKEN_DTYPE, Match, Node, RadixTree
 
 if TYPE_CHECKING:
-    from kvblocks.redis_tier import RedisTier
+    from kvblocks.redis_tier import Fetched, RedisTier
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+# A request's place inside the model's namespace: a plain cache salt, or a tenant and its salt.
+Salt = str | Scope | None
 # (start, end) -> per-layer [end - start, 2, H, D] KV, None for layers that cache nothing
 KVSource = Callable[[int, int], list[torch.Tensor | None]]
 
@@ -52,6 +56,7 @@ class Counters:
     insert_dropped_tokens: int = 0
     evicted_tokens: int = 0
     spill_hit_tokens: int = 0
+    spill_lost_tokens: int = 0
 
 
 class Hit:
@@ -93,7 +98,11 @@ class KVCacheTrie:
     """Token-prefix cache of KV tensors, shared by all requests to one model.
 
     Thread-safe: tree and pool bookkeeping run under one lock; gathers for a hit run outside it
-    because the hit's lock keeps its slots from being reused.
+    because the hit's lock keeps its slots from being reused. Redis reads also run outside it;
+    what they return is promoted only if the device still holds the prefix it continues.
+
+    Every lookup and mutation takes a `salt`: a cache salt, or a `Scope` (tenant + salt). Counters
+    are kept per tenant too, and the inspection methods take `tenant=` to show one tenant only.
     """
 
     def __init__(
@@ -116,6 +125,8 @@ class KVCacheTrie:
         self._tree = RadixTree()
         self._lock = threading.RLock()
         self._counters = Counters()
+        self._tenant_counters: defaultdict[str, Counters] = defaultdict(Counters)
+        self._namespaces: dict[str, Namespace] = {}
         self._ledger = EvictionLedger()
         self.max_pinned_tokens = capacity_tokens // 2 if max_pinned_tokens is None else max_pinned_tokens
         self.spill = spill
@@ -160,7 +171,7 @@ class KVCacheTrie:
 
     # ---- lookups ---------------------------------------------------------------------------
 
-    def match(self, token_ids: TokenIds, *, salt: str | None = None) -> Hit:
+    def match(self, token_ids: TokenIds, *, salt: Salt = None) -> Hit:
         """Lock the longest cached prefix of `token_ids`, leaving at least the last token uncached.
 
         At least one token is always recomputed so the model produces logits for the next one. On
@@ -170,32 +181,46 @@ class KVCacheTrie:
         ids = as_token_array(token_ids)
         ns = self.namespace.with_salt(salt)
         limit = max(len(ids) - 1, 0)
+        fetched = None
         if self.spill is not None:
             with self._lock:
                 device = self._tree.match(ns.key, ids[:limit], touch=False).length
-            fetched = self.spill.fetch(ns.key, ids, device, limit) if device < limit else None
-            if fetched is not None:
-                with self._lock:
-                    before = self._tree.match(ns.key, ids[:limit], touch=False).length
-                    end = fetched.start + fetched.length
-                    self._store(ns, ids[:end], self._slicer(fetched.start, fetched.kv))
-                    after = self._tree.match(ns.key, ids[:limit], touch=False).length
-                    self._counters.spill_hit_tokens += max(0, after - before)
+            if device < limit:  # the Redis round trip runs unlocked: other threads go on meanwhile
+                fetched = self.spill.fetch(ns.key, ids, device, limit)
         with self._lock:
+            if fetched is not None:
+                self._promote(ns, ids[:limit], fetched)
             m = self._tree.match(ns.key, ids[:limit])
-            c = self._counters
-            c.queries += 1
-            c.queried_tokens += len(ids)
-            c.hit_tokens += m.length
+            for c in self._counters, self._tenant_counters[ns.tenant]:
+                c.queries += 1
+                c.queried_tokens += len(ids)
+                c.hit_tokens += m.length
             return Hit(self, ns, m, m.length)
 
-    def cached_length(self, token_ids: TokenIds, *, salt: str | None = None) -> int:
+    def _promote(self, ns: Namespace, ids: np.ndarray, fetched: Fetched) -> None:
+        """Store KV fetched from the spill tier, if the device still holds the prefix it continues.
+
+        Another thread may have evicted part of that prefix while Redis answered: the fetched
+        run then no longer starts where the resident prefix ends, and storing it would put its KV
+        at the wrong positions. It is dropped instead (counted as lost; the request prefills).
+        """
+        before = self._tree.match(ns.key, ids, touch=False).length
+        end = fetched.start + fetched.length
+        if before < fetched.start:
+            for c in self._counters, self._tenant_counters[ns.tenant]:
+                c.spill_lost_tokens += fetched.length
+            return
+        _, stored = self._store(ns, ids[:end], self._slicer(fetched.start, fetched.kv))
+        for c in self._counters, self._tenant_counters[ns.tenant]:
+            c.spill_hit_tokens += stored
+
+    def cached_length(self, token_ids: TokenIds, *, salt: Salt = None) -> int:
         """Resident prefix length of `token_ids`, without locking, counting or refreshing LRU."""
         ids = as_token_array(token_ids)
         with self._lock:
             return self._tree.match(self.namespace.with_salt(salt).key, ids, touch=False).length
 
-    def continuation(self, token_ids: TokenIds, max_tokens: int, *, salt: str | None = None) -> list[int]:
+    def continuation(self, token_ids: TokenIds, max_tokens: int, *, salt: Salt = None) -> list[int]:
         """Tokens the trie holds right after all of `token_ids` (empty unless all are resident)."""
         ids = as_token_array(token_ids)
         with self._lock:
@@ -204,26 +229,40 @@ class KVCacheTrie:
                 return []
             return self._tree.continuation(m, max_tokens).tolist()
 
-    def evicted_length(self, token_ids: TokenIds, after: int, *, salt: str | None = None) -> int:
+    def evicted_length(self, token_ids: TokenIds, after: int, *, salt: Salt = None) -> int:
         """Longest prefix of `token_ids` beyond `after` tokens that was cached once and evicted."""
         ids = as_token_array(token_ids)
         with self._lock:
             return self._ledger.longest_evicted(self.namespace.with_salt(salt).key, ids, after)
 
-    def other_namespace_lengths(self, token_ids: TokenIds, *, salt: str | None = None) -> dict[str, int]:
-        """Resident prefix length of `token_ids` in every other namespace of this trie."""
+    def other_namespace_lengths(
+        self, token_ids: TokenIds, *, salt: Salt = None, all_tenants: bool = False
+    ) -> dict[str, int]:
+        """Resident prefix length of `token_ids` in every other namespace of the request's tenant
+        (of every tenant with `all_tenants`): other tenants' caches are not even an oracle."""
         ids = as_token_array(token_ids)
-        own = self.namespace.with_salt(salt).key
+        ns = self.namespace.with_salt(salt)
         with self._lock:
-            keys = [k for k in self._tree.roots if k != own]
+            keys = [k for k in self._namespace_keys(None if all_tenants else ns.tenant) if k != ns.key]
             return {k: self._tree.match(k, ids, touch=False).length for k in keys}
 
-    def top_prefixes(self, limit: int = 10) -> list[dict]:
-        """The most-hit cached prefixes: ids from the start, length, hit count, namespace key."""
+    def namespaces(self, tenant: str | None = None) -> list[Namespace]:
+        """Namespaces that have held KV here: all, or one tenant's."""
         with self._lock:
-            nodes = sorted(self._tree.iter_nodes(), key=lambda n: (n.hits, n.last_access), reverse=True)[
-                :limit
-            ]
+            return [self._namespaces[k] for k in self._namespace_keys(tenant)]
+
+    def _namespace_keys(self, tenant: str | None) -> list[str]:
+        return [k for k, ns in self._namespaces.items() if tenant is None or ns.tenant == tenant]
+
+    def top_prefixes(self, limit: int = 10, *, tenant: str | None = None) -> list[dict]:
+        """The most-hit cached prefixes (all, or one tenant's): ids from the start, length, hits,
+        namespace key. One pass over the nodes keeps `limit` of them (no sort of the whole trie)."""
+        with self._lock:
+            nodes = heapq.nlargest(
+                limit,
+                self._tree.iter_nodes(self._namespace_keys(tenant)),
+                key=lambda n: (n.hits, n.last_access),
+            )
             out = []
             for node in nodes:
                 ids, _ = self._tree.path(node)
@@ -238,11 +277,13 @@ class KVCacheTrie:
                 )
             return out
 
-    def tree(self, max_nodes: int = 200) -> list[dict]:
-        """The trie's shape, breadth-first: each node's parent, run length, prefix length, hits."""
+    def tree(self, max_nodes: int = 200, *, tenant: str | None = None) -> list[dict]:
+        """The trie's shape (all, or one tenant's), breadth-first: each node's parent, run length,
+        prefix length, hits."""
         with self._lock:
             out: list[dict] = []
-            queue = [(key, None, root, 0) for key, root in self._tree.roots.items()]
+            roots = self._tree.roots
+            queue = [(key, None, roots[key], 0) for key in self._namespace_keys(tenant) if key in roots]
             index = {}
             while queue and len(out) < max_nodes:
                 key, parent, node, depth = queue.pop(0)
@@ -269,7 +310,7 @@ class KVCacheTrie:
 
     # ---- mutations -------------------------------------------------------------------------
 
-    def insert(self, token_ids: TokenIds, past, *, salt: str | None = None) -> int:
+    def insert(self, token_ids: TokenIds, past, *, salt: Salt = None) -> int:
         """Store the KV of the tokens of `token_ids` not cached yet; returns how many were stored.
 
         `past` is a transformers cache whose first positions are `token_ids`; tokens beyond its
@@ -298,12 +339,15 @@ class KVCacheTrie:
         need = len(ids) - m.length
         if need <= 0:
             return m.length, 0
+        self._namespaces.setdefault(ns.key, ns)
+        tenant = self._tenant_counters[ns.tenant]
         self._tree.lock(m.node, +1)
         try:
             if need > self._pool.num_free:
                 self._evict(need - self._pool.num_free)
             k = min(need, self._pool.num_free)
-            self._counters.insert_dropped_tokens += need - k
+            for c in self._counters, tenant:
+                c.insert_dropped_tokens += need - k
             if k == 0:
                 return m.length, 0
             start = m.length
@@ -318,14 +362,19 @@ class KVCacheTrie:
                 self._pool.release(slots)
                 raise
             self._tree.extend(m, ids[start : start + k], slots)
-            self._counters.inserted_tokens += k
+            for c in self._counters, tenant:
+                c.inserted_tokens += k
             return start, k
         finally:
             self._tree.lock(m.node, -1)
 
     @staticmethod
     def _slicer(base: int, kv: list[torch.Tensor | None]) -> KVSource:
-        return lambda start, end: [None if t is None else t[start - base : end - base] for t in kv]
+        def source(start: int, end: int) -> list[torch.Tensor | None]:
+            assert start >= base, f"KV from position {base} cannot fill position {start}"
+            return [None if t is None else t[start - base : end - base] for t in kv]
+
+        return source
 
     def evict(self, num_tokens: int) -> int:
         """Free up to `num_tokens` least-recently-used unlocked, unpinned tokens."""
@@ -343,10 +392,13 @@ class KVCacheTrie:
         ns_key = self._tree.namespace_of(node)
         ids, slots = self._tree.path(node)
         self._ledger.record(ns_key, ids, len(ids) - count)
+        ns = self._namespaces.get(ns_key)
+        if ns is not None:
+            self._tenant_counters[ns.tenant].evicted_tokens += count
         if self.spill is not None and self.spill.write_mode == "back":
             self.spill.on_evict(ns_key, ids, len(ids) - count, lambda a, b: self._gather(slots[a:b]))
 
-    def pin(self, token_ids: TokenIds, *, salt: str | None = None) -> int:
+    def pin(self, token_ids: TokenIds, *, salt: Salt = None) -> int:
         """Exempt the resident prefix of `token_ids` from eviction; returns the pinned length L.
 
         Release it with `unpin` of exactly those L tokens (`token_ids[:L]`).
@@ -369,7 +421,7 @@ class KVCacheTrie:
             self._tree.pin(node, +1)
             return m.length
 
-    def unpin(self, token_ids: TokenIds, *, salt: str | None = None) -> int:
+    def unpin(self, token_ids: TokenIds, *, salt: Salt = None) -> int:
         """Undo one `pin` of exactly this prefix; returns the unpinned length (0 if it was not pinned)."""
         ids = as_token_array(token_ids)
         key = self.namespace.with_salt(salt).key
@@ -386,28 +438,45 @@ class KVCacheTrie:
 
     # ---- reporting -------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
-        """Counters since creation plus current occupancy; rates are for the reader to compute."""
+    def stats(self, *, tenant: str | None = None) -> dict[str, int]:
+        """Counters since creation plus current occupancy; rates are for the reader to compute.
+
+        With `tenant`, that tenant's own counters and tokens only (capacity is the server's);
+        without, the whole trie plus the spill tier's counters.
+        """
         with self._lock:
-            c = self._counters
+            if tenant is None:
+                c, nodes = self._counters, self._tree.iter_nodes()
+            else:
+                c = self._tenant_counters.get(tenant) or Counters()
+                nodes = self._tree.iter_nodes(self._namespace_keys(tenant))
+            resident = locked = pinned = count = 0
+            for n in nodes:
+                count += 1
+                resident += len(n.tokens)
+                locked += len(n.tokens) * (n.lock_ref > 0)
+                pinned += len(n.tokens) * (n.pin_ref > 0)
             token_bytes = self._pool.token_bytes
-            locked = sum(len(n.tokens) for n in self._tree.iter_nodes() if n.lock_ref > 0)
-            return {
+            out = {
                 "queries": c.queries,
                 "queried_tokens": c.queried_tokens,
                 "hit_tokens": c.hit_tokens,
                 "inserted_tokens": c.inserted_tokens,
                 "insert_dropped_tokens": c.insert_dropped_tokens,
                 "evicted_tokens": c.evicted_tokens,
-                "resident_tokens": self._tree.resident_tokens,
-                "resident_bytes": self._tree.resident_tokens * token_bytes,
+                "resident_tokens": resident,
+                "resident_bytes": resident * token_bytes,
                 "capacity_tokens": self._pool.capacity,
                 "capacity_bytes": self._pool.capacity * token_bytes,
-                "pinned_tokens": self._tree.pinned_tokens,
+                "pinned_tokens": pinned,
                 "locked_tokens": locked,
-                "nodes": self._tree.num_nodes,
+                "nodes": count,
                 "spill_hit_tokens": c.spill_hit_tokens,
-            } | (self.spill.stats() if self.spill is not None else {})
+                "spill_lost_tokens": c.spill_lost_tokens,
+            }
+        if tenant is None and self.spill is not None:
+            out |= self.spill.stats()
+        return out
 
     def close(self) -> None:
         """Flush and close the spill tier (queued writes finish first)."""

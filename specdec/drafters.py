@@ -14,7 +14,7 @@ import torch
 from kvblocks.adapters import hf
 from kvblocks.generator import ModelRunner, context_length
 from kvblocks.sampling import SamplingParams, distribution
-from kvblocks.trie import Hit, KVCacheTrie
+from kvblocks.trie import Hit, KVCacheTrie, Salt
 
 
 @dataclass(slots=True)
@@ -30,7 +30,7 @@ class Drafter:
     `begin`, never mutated in place on shared objects.
     """
 
-    def begin(self, prompt_ids: list[int], salt: str | None) -> None:
+    def begin(self, prompt_ids: list[int], salt: Salt) -> None:
         return None
 
     def propose(
@@ -57,9 +57,9 @@ class ModelDrafter(Drafter):
         self._hit: Hit | None = None
         self._past = None
         self._length = 0
-        self._salt: str | None = None
+        self._salt: Salt = None
 
-    def begin(self, prompt_ids: list[int], salt: str | None) -> None:
+    def begin(self, prompt_ids: list[int], salt: Salt) -> None:
         self._salt = salt
         if self.cache is not None:
             self._hit = self.cache.match(prompt_ids, salt=salt)
@@ -170,9 +170,9 @@ class TrieDrafter(Drafter):
 
     def __init__(self, cache: KVCacheTrie) -> None:
         self.cache = cache
-        self._salt: str | None = None
+        self._salt: Salt = None
 
-    def begin(self, prompt_ids: list[int], salt: str | None) -> None:
+    def begin(self, prompt_ids: list[int], salt: Salt) -> None:
         self._salt = salt
 
     def propose(

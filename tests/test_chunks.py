@@ -26,6 +26,7 @@ from kvblocks.chunks import (
     decode_record,
     encode_record,
 )
+from kvblocks.sealing import Sealer
 
 NS = "ns-a"
 TOKENS = np.arange(100, 108, dtype=np.int32)
@@ -247,3 +248,93 @@ def test_chain_hashes_ignore_the_integer_type_of_the_ids():
     ids = [5, 70000, 3, 9, 11, 0, 1, 2]
     hashes = {tuple(chain_hashes(NS, x, 4)) for x in (ids, np.array(ids, np.int32), np.array(ids, np.int64))}
     assert len(hashes) == 1
+
+
+# ---- sealed records --------------------------------------------------------------------------
+
+SEALER = Sealer(b"chunk-test-secret-0123456789")
+KEY = "kvblocks:v2s:tag:hash"
+
+
+def sealed(kv=None, *, key: str = KEY, namespace: str = NS, tokens: np.ndarray = TOKENS, sealer=SEALER):
+    kv = random_kv(LAYOUT, len(tokens)) if kv is None else kv
+    return encode_record(namespace, tokens, LAYOUT, kv, key=key, sealer=sealer)
+
+
+def open_sealed(
+    raw: bytes, *, key: str = KEY, namespace: str = NS, tokens: np.ndarray = TOKENS, sealer=SEALER
+):
+    return decode_record(raw, namespace, tokens, LAYOUT, "cpu", key=key, sealer=sealer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_sealed_record_round_trip_is_bit_exact(dtype):
+    layout = ChunkLayout(dtype, LAYOUT.layers)
+    kv = random_kv(layout, len(TOKENS))
+    raw = encode_record(NS, TOKENS, layout, kv, key=KEY, sealer=SEALER)
+    out = decode_record(raw, NS, TOKENS, layout, "cpu", key=KEY, sealer=SEALER)
+    for got, want in zip(out, kv, strict=True):
+        assert (got is None and want is None) or torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (dict(key=KEY + "x"), "authentication"),
+        (dict(namespace="ns-b"), "authentication"),
+        (dict(tokens=TOKENS + 1), "tokens"),
+        (dict(sealer=Sealer(b"another-secret-0123456789")), "authentication"),
+        (dict(sealer=None), "form"),
+    ],
+    ids=["other-key", "other-namespace", "other-tokens", "other-secret", "read-as-plain"],
+)
+def test_sealed_record_opens_only_for_its_key_namespace_tokens_and_secret(change, reason):
+    with pytest.raises(VerificationError, match=reason):
+        open_sealed(sealed(), **change)
+
+
+def test_plain_record_with_a_valid_checksum_is_refused_where_a_seal_is_expected():
+    raw = encode_record(NS, TOKENS, LAYOUT, random_kv(LAYOUT, len(TOKENS)), key=KEY)
+    with pytest.raises(VerificationError, match="form"):
+        open_sealed(raw)
+
+
+def test_sealed_record_holds_no_token_ids_or_namespace_in_the_clear():
+    raw = sealed(namespace="tenant-namespace-key")
+    assert TOKENS.astype("<i4").tobytes() not in raw
+    assert b"tenant-namespace-key" not in raw
+
+
+def test_flipped_bit_anywhere_in_a_sealed_record_fails():
+    raw = sealed()
+    for i in range(0, len(raw), 7):
+        damaged = bytearray(raw)
+        damaged[i] ^= 0x04
+        with pytest.raises(VerificationError):
+            open_sealed(bytes(damaged))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("sealer", [None, SEALER], ids=["plain", "sealed"])
+def test_non_finite_kv_fails_verification_even_with_a_valid_checksum_or_seal(value, sealer):
+    kv = random_kv(LAYOUT, len(TOKENS))
+    kv[2][3, 1, 0, 5] = value
+    raw = encode_record(NS, TOKENS, LAYOUT, kv, key=KEY, sealer=sealer)
+    with pytest.raises(VerificationError, match="non-finite"):
+        decode_record(raw, NS, TOKENS, LAYOUT, "cpu", key=KEY, sealer=sealer)
+
+
+def test_plain_record_is_bound_to_its_redis_key():
+    raw = encode_record(NS, TOKENS, LAYOUT, random_kv(LAYOUT, len(TOKENS)), key="k1")
+    decode_record(raw, NS, TOKENS, LAYOUT, "cpu", key="k1")
+    with pytest.raises(VerificationError, match="key"):
+        decode_record(raw, NS, TOKENS, LAYOUT, "cpu", key="k2")
+
+
+def test_keyed_chain_hashes_differ_from_plain_ones_and_between_secrets():
+    ids = np.arange(40)
+    plain = chain_hashes(NS, ids, 8)
+    keyed = chain_hashes(NS, ids, 8, SEALER)
+    other = chain_hashes(NS, ids, 8, Sealer(b"another-secret-0123456789"))
+    assert len(plain) == len(keyed) == len(other) == 5
+    assert not (set(plain) & set(keyed)) and not (set(keyed) & set(other))

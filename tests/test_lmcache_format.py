@@ -163,7 +163,7 @@ def test_encoded_values_are_the_bytes_lmcache_stored(ids, dtype, recorded):
     kv = formula_kv(len(ids), dtype)
     for k, (length, sha, head) in enumerate(recorded):
         part = slice(k * CHUNK, (k + 1) * CHUNK)
-        raw = codec.encode("home", np.array(ids[part]), layout, list(kv[:, part]))
+        raw = codec.encode("", "home", np.array(ids[part]), layout, list(kv[:, part]))
         assert (len(raw), hashlib.sha256(raw).hexdigest(), raw[:16].hex()) == (length, sha, head)
 
 
@@ -173,7 +173,7 @@ def test_decode_inverts_encode_bit_exact(dtype):
     codec = bound_codec(MODEL_1, dtype)
     kv = list(torch.randn(LAYERS, CHUNK, 2, HEADS, DIM).to(dtype))
     out = codec.decode(
-        codec.encode("home", np.array(IDS_1[:CHUNK]), layout, kv), "home", IDS_1[:CHUNK], layout, "cpu"
+        codec.encode("", "home", np.array(IDS_1[:CHUNK]), layout, kv), "", "home", IDS_1[:CHUNK], layout, "cpu"
     )
     for got, want in zip(out, kv, strict=True):
         assert got.shape == (CHUNK, 2, HEADS, DIM)
@@ -200,7 +200,7 @@ def test_layout_conversion_puts_k_then_v_then_layers_then_tokens():
 )
 def test_values_that_cannot_be_this_chunk_are_verification_errors(raw, why):
     with pytest.raises(VerificationError, match=why):
-        bound_codec(MODEL_1).decode(raw, "home", IDS_1[:CHUNK], LAYOUT32, "cpu")
+        bound_codec(MODEL_1).decode(raw, "", "home", IDS_1[:CHUNK], LAYOUT32, "cpu")
 
 
 @pytest.mark.parametrize(
@@ -241,11 +241,11 @@ def test_lmcache_tier_shares_chunks_under_lmcache_keys_and_output_matches_no_cac
     model = tiny_llama()
     ids = np.random.default_rng(0).integers(0, 128, 70).tolist()
     plain = CachedGenerator(model, IdTokenizer(), None).generate(ids, max_new_tokens=8)
-    writer, _ = generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK), ids)
+    writer, _ = generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids)
     keys = {k.decode() for k in redis.Redis.from_url(redis_url).keys("*")}
     assert keys >= {f"tiny@01000100@0@{h.hex()}" for h in chunk_hashes(ids, CHUNK)}
 
-    reader, cache = generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK), ids)
+    reader, cache = generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids)
     assert cache.stats()["spill_hit_tokens"] == len(ids) // CHUNK * CHUNK
     assert writer.token_ids == reader.token_ids == plain.token_ids
 
@@ -256,13 +256,13 @@ def test_lmcache_tier_treats_a_damaged_value_as_a_miss_and_leaves_it(redis_url):
     model = tiny_llama()
     ids = np.random.default_rng(1).integers(0, 128, 40).tolist()
     plain = CachedGenerator(model, IdTokenizer(), None).generate(ids, max_new_tokens=8)
-    generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK), ids)
+    generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids)
     client = redis.Redis.from_url(redis_url)
     second = f"tiny@01000100@0@{chunk_hashes(ids, CHUNK)[1].hex()}"
     damaged = client.get(second)[:-4]
     client.set(second, damaged)
 
-    result, cache = generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK), ids)
+    result, cache = generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids)
     stats = cache.stats()
     assert (stats["spill_hit_tokens"], stats["redis_verify_failures"]) == (CHUNK, 1)
     assert result.token_ids == plain.token_ids

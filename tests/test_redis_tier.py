@@ -22,8 +22,9 @@ from redis_server import LocalCluster, RedisServer, RedisUnavailable, free_port,
 
 import kvblocks
 from kvblocks import CachedGenerator, KVCacheTrie
-from kvblocks.chunks import ChunkLayout, chain_hashes, encode_record
-from kvblocks.redis_tier import RedisTier
+from kvblocks.chunks import ChunkLayout, NativeCodec, chain_hashes, encode_record
+from kvblocks.redis_tier import DEFAULT_TTL_S, RedisTier
+from kvblocks.sealing import Sealer
 
 SEED = 0
 CHUNK = 8
@@ -117,7 +118,8 @@ def prefill(model, text: str):
 
 
 def chunk_key(tier: RedisTier, cache: KVCacheTrie, text: str, k: int) -> str:
-    return tier.key(cache.namespace.key, chain_hashes(cache.namespace.key, np.array(ids_of(text)), CHUNK)[k])
+    ns = cache.namespace.key
+    return tier.key(ns, tier.codec.chunk_hashes(ns, np.array(ids_of(text)), CHUNK)[k])
 
 
 def redis_stats(cache: KVCacheTrie) -> dict[str, int]:
@@ -265,7 +267,7 @@ def test_unreachable_cluster_is_a_miss_not_an_error(model, tiers):
     assert redis_stats(cache)["redis_errors"] >= 1
 
 
-def test_ttl_s_puts_an_expiry_on_every_written_key(model, tmp_path, tiers):
+def test_ttl_s_puts_an_expiry_on_every_written_key_and_defaults_to_a_day(model, tmp_path, tiers):
     srv = started(RedisServer(tmp_path / "redis", unix_socket=True))
     try:
         client = srv.client()
@@ -277,7 +279,13 @@ def test_ttl_s_puts_an_expiry_on_every_written_key(model, tmp_path, tiers):
         assert all(0 < client.pttl(k) <= 30_000 for k in keys)
 
         client.flushall()
-        without = trie(model, tiers(srv.url))
+        default = trie(model, tiers(srv.url))
+        generate_exact(model, default, prompt(6))
+        assert default.spill.flush()
+        assert all(0 < client.pttl(k) <= DEFAULT_TTL_S * 1000 for k in client.keys("*"))
+
+        client.flushall()
+        without = trie(model, tiers(srv.url, ttl_s=None))
         generate_exact(model, without, prompt(6))
         assert without.spill.flush()
         assert [client.pttl(k) for k in client.keys("*")] == [-1] * redis_stats(without)[
@@ -478,14 +486,23 @@ DAMAGED_CHUNK = 3
 LAYOUT = ChunkLayout(torch.float32, ((2, 16), (2, 16)))  # tiny_llama: 2 layers, 2 KV heads of 16
 
 
-def foreign_record(namespace: str, tokens: list[int], dtype: torch.dtype = torch.float32) -> bytes:
-    """A well-formed record with random KV: harmless only if verification refuses it."""
+def foreign_record(
+    namespace: str, tokens: list[int], dtype: torch.dtype = torch.float32, *, key: str, secret: bytes | None
+) -> bytes:
+    """A well-formed record with random KV, sealed with `secret` if given: harmless only if
+    verification refuses it."""
     layout = ChunkLayout(dtype, LAYOUT.layers)
     kv = [torch.randn(len(tokens), 2, h, d).to(dtype) for h, d in layout.layers]
-    return encode_record(namespace, np.array(tokens), layout, kv)
+    return encode_record(namespace, np.array(tokens), layout, kv, key=key, sealer=sealer_of(secret))
 
 
-def damage(kind: str, value: bytes, later_value: bytes, namespace: str, tokens: list[int]) -> bytes:
+def sealer_of(secret: bytes | None) -> Sealer | None:
+    return None if secret is None else Sealer(secret)
+
+
+def damage(
+    kind: str, value: bytes, later_value: bytes, namespace: str, tokens: list[int], key: str, secret
+) -> bytes:
     if kind == "truncated":
         return value[: len(value) // 2]
     if kind == "flipped-payload-byte":
@@ -499,11 +516,13 @@ def damage(kind: str, value: bytes, later_value: bytes, namespace: str, tokens: 
     if kind == "record-of-the-next-chunk":
         return later_value
     if kind == "record-of-another-namespace":
-        return foreign_record("another-namespace", tokens)
+        return foreign_record("another-namespace", tokens, key=key, secret=secret)
     if kind == "record-of-other-tokens":
-        return foreign_record(namespace, [(t + 1) % 128 for t in tokens])
+        return foreign_record(namespace, [(t + 1) % 128 for t in tokens], key=key, secret=secret)
     if kind == "record-of-another-dtype":
-        return foreign_record(namespace, tokens, torch.float64)
+        return foreign_record(namespace, tokens, torch.float64, key=key, secret=secret)
+    if kind == "record-for-another-key":
+        return foreign_record(namespace, tokens, key=key + "-elsewhere", secret=secret)
     raise AssertionError(kind)
 
 
@@ -517,22 +536,27 @@ DAMAGE = [
     "record-of-another-namespace",
     "record-of-other-tokens",
     "record-of-another-dtype",
+    "record-for-another-key",
 ]
+SECRET = b"test-deployment-secret-0123456789"
+OTHER_SECRET = b"another-deployment-secret-987654"
+SECRETS = [pytest.param(None, id="plain"), pytest.param(SECRET, id="sealed")]
 
 
+@pytest.mark.parametrize("secret", SECRETS)
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_damaged_or_foreign_value_is_a_miss_not_an_error(model, server, tiers, kind):
+def test_damaged_or_foreign_value_is_a_miss_not_an_error(model, server, tiers, kind, secret):
     client = server.client()
     text = prompt(60)
-    a = trie(model, tiers(server.url))
+    a = trie(model, tiers(server.url, secret=secret))
     generate_exact(model, a, text)
     assert a.spill.flush()
     key = chunk_key(a.spill, a, text, DAMAGED_CHUNK)
     later = client.get(chunk_key(a.spill, a, text, DAMAGED_CHUNK + 1))
     tokens = ids_of(text)[DAMAGED_CHUNK * CHUNK : (DAMAGED_CHUNK + 1) * CHUNK]
-    client.set(key, damage(kind, client.get(key), later, a.namespace.key, tokens))
+    client.set(key, damage(kind, client.get(key), later, a.namespace.key, tokens, key, secret))
 
-    b = trie(model, tiers(server.url))
+    b = trie(model, tiers(server.url, secret=secret))
     assert generate_exact(model, b, text).cached_tokens == DAMAGED_CHUNK * CHUNK
     stats = redis_stats(b)
     assert stats["redis_verify_failures"] == 1
@@ -555,3 +579,140 @@ def test_damaged_value_is_rewritten_by_the_next_trie_that_computes_it(model, ser
     c = trie(model, tiers(server.url))
     assert generate_exact(model, c, text).cached_tokens == FULL_HIT
     assert redis_stats(c)["redis_verify_failures"] == 0
+
+
+# ---- trust: authenticated, confidential records ------------------------------------------------
+
+
+def attacker_record(model, victim_text: str, attacker_text: str, k: int, namespace: str, key: str) -> bytes:
+    """The attack of issue 10: the real KV of the attacker's prompt, framed as a plain record of
+    the victim's chunk k (victim's ids, namespace and key, a correct xxh3 checksum)."""
+    past = prefill(model, attacker_text)
+    part = slice(k * CHUNK, (k + 1) * CHUNK)
+    kv = [  # [1, H, T, D] keys and values -> [T, 2, H, D]
+        torch.stack((layer.keys[0], layer.values[0]), dim=0).permute(2, 0, 1, 3)[part].contiguous()
+        for layer in past.layers
+    ]
+    tokens = np.array(ids_of(victim_text)[k * CHUNK : (k + 1) * CHUNK])
+    return encode_record(namespace, tokens, LAYOUT, kv, key=key)
+
+
+def test_without_a_secret_a_redis_writer_is_trusted(model, server, tiers):
+    """The limit SECURITY.md states: a plain tier believes any well-formed record."""
+    client = server.client()
+    victim, attacker = prompt(70), prompt(71)
+    a = trie(model, tiers(server.url))
+    generate_exact(model, a, victim)
+    assert a.spill.flush()
+    for k in range(FULL_HIT // CHUNK):
+        key = chunk_key(a.spill, a, victim, k)
+        client.set(key, attacker_record(model, victim, attacker, k, a.namespace.key, key))
+    b = trie(model, tiers(server.url))
+    result = CachedGenerator(model, TOKENIZER, b).generate(victim, max_new_tokens=NEW_TOKENS)
+    assert result.cached_tokens == FULL_HIT
+    assert redis_stats(b)["redis_verify_failures"] == 0
+
+
+def test_forged_record_with_a_valid_checksum_under_the_victims_key_is_a_miss_with_a_secret(
+    model, server, tiers
+):
+    client = server.client()
+    victim, attacker = prompt(70), prompt(71)
+    a = trie(model, tiers(server.url, secret=SECRET))
+    generate_exact(model, a, victim)
+    generate_exact(model, a, attacker)
+    assert a.spill.flush()
+    # The attacker writes to Redis and even knows the victim's keys: a plain record with the
+    # attacker's real KV and a valid checksum, and a swap of the attacker's own sealed records.
+    for k in range(FULL_HIT // CHUNK):
+        key = chunk_key(a.spill, a, victim, k)
+        forged = attacker_record(model, victim, attacker, k, a.namespace.key, key)
+        client.set(key, forged if k % 2 == 0 else client.get(chunk_key(a.spill, a, attacker, k)))
+    b = trie(model, tiers(server.url, secret=SECRET))
+    assert generate_exact(model, b, victim).cached_tokens == 0
+    stats = redis_stats(b)
+    assert stats["redis_verify_failures"] == 1
+    assert stats["redis_errors"] == stats["redis_hit_chunks"] == 0
+    assert b.spill.flush()
+    assert redis_stats(b)["redis_deleted_invalid"] == 1
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("secret", SECRETS)
+def test_non_finite_record_is_a_miss_never_an_error(model, server, tiers, secret, value):
+    client = server.client()
+    text = prompt(72)
+    a = trie(model, tiers(server.url, secret=secret))
+    generate_exact(model, a, text)
+    assert a.spill.flush()
+    key = chunk_key(a.spill, a, text, 0)
+    kv = [torch.full((CHUNK, 2, h, d), value) for h, d in LAYOUT.layers]
+    poisoned = encode_record(
+        a.namespace.key, np.array(ids_of(text)[:CHUNK]), LAYOUT, kv, key=key, sealer=sealer_of(secret)
+    )
+    client.set(key, poisoned)
+    b = trie(model, tiers(server.url, secret=secret))
+    assert generate_exact(model, b, text).cached_tokens == 0
+    assert redis_stats(b)["redis_verify_failures"] == 1
+    assert b.spill.flush()
+
+    client.set(key, poisoned)  # sampling must not fail either ("probability tensor contains nan")
+    c = trie(model, tiers(server.url, secret=secret))
+    sampled = CachedGenerator(model, TOKENIZER, c).generate(
+        text, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=3
+    )
+    assert sampled.cached_tokens == 0
+    assert len(sampled.token_ids) == NEW_TOKENS
+    assert redis_stats(c)["redis_verify_failures"] == 1
+
+
+def test_sealed_tier_keeps_token_ids_and_namespaces_out_of_redis(model, server, tiers):
+    client = server.client()
+    text = prompt(73)
+    a = trie(model, tiers(server.url, secret=SECRET))
+    generate_exact(model, a, text)
+    assert a.spill.flush()
+    ids = np.array(ids_of(text), dtype="<i4")
+    ns = a.namespace.key
+    keys = client.keys("*")
+    assert len(keys) == redis_stats(a)["redis_written_chunks"] > 0
+    for key in keys:
+        value = client.get(key)
+        assert ns.encode() not in key and ns.encode() not in value
+        for k in range(len(ids) // CHUNK):
+            assert ids[k * CHUNK : (k + 1) * CHUNK].tobytes() not in value
+    # Nobody without the secret can name a prompt's record: the unkeyed key of every chunk, or
+    # the key under another secret, is absent.
+    for codec in (NativeCodec(), NativeCodec(sealer=Sealer(OTHER_SECRET))):
+        names = [codec.key(ns, h) for h in codec.chunk_hashes(ns, ids, CHUNK)]
+        assert client.exists(*names) == 0
+    assert all(h not in str(keys) for h in chain_hashes(ns, ids, CHUNK))
+
+
+def test_same_secret_shares_and_a_different_or_no_secret_never_does(model, server, tiers):
+    text = prompt(74)
+    a = trie(model, tiers(server.url, secret=SECRET))
+    generate_exact(model, a, text)
+    assert a.spill.flush()
+    same = trie(model, tiers(server.url, secret=SECRET))
+    assert generate_exact(model, same, text).cached_tokens == FULL_HIT
+    for secret in (OTHER_SECRET, None):
+        other = trie(model, tiers(server.url, secret=secret))
+        assert generate_exact(model, other, text).cached_tokens == 0
+        stats = redis_stats(other)
+        assert stats["redis_hit_chunks"] == stats["redis_verify_failures"] == 0
+
+
+def test_a_secret_cannot_be_combined_with_another_codec_or_be_short():
+    with pytest.raises(ValueError, match="another codec"):
+        RedisTier("redis://127.0.0.1:1/0", secret=SECRET, codec=NativeCodec())
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        RedisTier("redis://127.0.0.1:1/0", secret=b"short")
+
+
+def test_no_maxmemory_is_reported_as_a_deployment_warning(server, tiers):
+    tier = tiers(server.url)
+    server.client().config_set("maxmemory", 0)
+    assert any("no maxmemory" in w for w in tier.server_warnings())
+    server.client().config_set("maxmemory", 64 << 20)
+    assert tier.server_warnings() == []
