@@ -28,7 +28,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--redis", default=None, metavar="URL", help="spill tier, e.g. redis://127.0.0.1:6379/0")
     p.add_argument("--redis-chunk-tokens", type=int, default=64, help="tokens per Redis chunk (default 64)")
+    p.add_argument(
+        "--redis-secret-file",
+        default=None,
+        metavar="F",
+        help="deployment secret (16+ bytes) that keys and seals Redis records; processes share only "
+        "with the same secret (default $KVBLOCKS_REDIS_SECRET; none: Redis is trusted)",
+    )
+    p.add_argument(
+        "--redis-ttl",
+        type=float,
+        default=DEFAULT_REDIS_TTL_S,
+        metavar="SECONDS",
+        help=f"lifetime of a Redis record (default {DEFAULT_REDIS_TTL_S:g}, a day; 0: never expires)",
+    )
 
+
+DEFAULT_REDIS_TTL_S = 24 * 3600.0  # kvblocks.redis_tier.DEFAULT_TTL_S, without importing torch here
 
 DRAFT_HELP = (
     "drafter: a model path, self:K (the target's first K layers), lookup[:N] (n-gram prompt lookup) or trie"
@@ -69,11 +85,16 @@ def load_stack(args: argparse.Namespace):
     spill = None
     if args.redis:
         from kvblocks.redis_tier import RedisTier
+        from kvblocks.sealing import read_secret
 
         try:
-            spill = RedisTier(args.redis, chunk_tokens=args.redis_chunk_tokens)
+            secret = read_secret(args.redis_secret_file)
+            ttl = args.redis_ttl if args.redis_ttl > 0 else None
+            spill = RedisTier(args.redis, chunk_tokens=args.redis_chunk_tokens, secret=secret, ttl_s=ttl)
         except ValueError as exc:
             raise UserError(f"--redis: {exc}") from exc
+        for warning in spill.server_warnings():
+            print(warning, file=sys.stderr, flush=True)
     try:
         model, tokenizer = models.load(args.model, args.dtype, args.device)
         cache = KVCacheTrie.for_model(model, **capacity, spill=spill)
@@ -158,23 +179,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvblocks.engine import Engine
     from kvblocks.server import ServerConfig, create_app
 
-    api_key = args.api_key or os.environ.get("KVBLOCKS_API_KEY") or None
+    keys = load_api_keys(args)
+    if args.max_body_bytes < 1024:
+        raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    if args.read_timeout <= 0:
+        raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
     model, tokenizer, cache = load_stack(args)
     gen = make_generator(args, model, tokenizer, None if args.no_cache else cache)
     name = args.served_model_name or (models.DEFAULT_MODEL if args.model is None else args.model.rstrip("/"))
     engine = Engine(gen).start()
-    app = create_app(engine, ServerConfig(name, api_key, args.default_max_tokens))
+    config = ServerConfig(name, keys, args.default_max_tokens, args.max_body_bytes, args.read_timeout)
+    app = create_app(engine, config)
     stats = cache.stats()
     print(
         f"kvblocks: serving {name} on http://{args.host}:{args.port} "
         f"(cache {stats['capacity_tokens']} tokens, {stats['capacity_bytes'] / 2**20:.0f} MiB"
         f"{', redis ' + args.redis if args.redis else ''}{', draft ' + args.draft if args.draft else ''}"
-        f"{', API key required' if api_key else ''})",
+        f"{', API key required' if keys else ''})",
         file=sys.stderr,
         flush=True,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)  # lifespan stops the engine
     return 0
+
+
+def load_api_keys(args: argparse.Namespace):
+    """--api-keys FILE ($KVBLOCKS_API_KEYS_FILE), else --api-key KEY ($KVBLOCKS_API_KEY), else None."""
+    from kvblocks.auth import KEYS_FILE_ENV, ApiKeys
+
+    path = args.api_keys or os.environ.get(KEYS_FILE_ENV) or None
+    key = args.api_key or os.environ.get("KVBLOCKS_API_KEY") or None
+    if path and key:
+        raise UserError("give --api-keys FILE or --api-key KEY, not both")
+    try:
+        if path:
+            return ApiKeys.load(path)
+        return ApiKeys.single_admin(key) if key else None
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
 
 
 def _decode_rate(r) -> float:
@@ -268,7 +310,29 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     sv.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set KVBLOCKS_API_KEY)"
+        "--api-key",
+        default=None,
+        help="one admin key: require 'Authorization: Bearer KEY' (or set KVBLOCKS_API_KEY)",
+    )
+    sv.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help='tenants file {"keys": [{"key": ..., "tenant": ..., "admin": false}]}: each key\'s requests '
+        "use and see only its tenant's cache (or set KVBLOCKS_API_KEYS_FILE)",
+    )
+    sv.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="largest request body; larger ones get a 413 (default 4 MiB)",
+    )
+    sv.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request body must arrive within this time, else 408 (default 30)",
     )
     sv.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: the model's name)"

@@ -3,7 +3,8 @@
 Reasons, checked in this order:
 - `cached`: everything but the last token is cached (the last one is always recomputed);
 - `evicted`: the cache held a longer prefix of this prompt once and evicted it;
-- `namespace_mismatch`: another namespace (another salt/tenant, model or dtype) holds a longer prefix;
+- `namespace_mismatch`: another namespace of the caller's tenant (another cache salt) holds a longer
+  prefix (an admin's explain counts every tenant);
 - `tokenization_boundary`: the cache continues with different ids that spell the same text (a
   prefix tokenised alone, e.g. a system prompt ending in a space, then reused inside a longer text);
 - `never_seen`: nothing cached continues this prompt.
@@ -85,8 +86,15 @@ def _pieces(tokenizer, ids: list[int], start: int) -> list[dict]:
     ]
 
 
-def explain(cache, tokenizer, ids: list[int], *, salt: str | None = None, window: int = 8) -> Explanation:
-    """Explain how much of `ids` the cache holds and why the rest missed."""
+def explain(
+    cache, tokenizer, ids: list[int], *, salt=None, all_tenants: bool = False, window: int = 8
+) -> Explanation:
+    """Explain how much of `ids` the cache holds and why the rest missed.
+
+    `salt` is the request's cache salt or `Scope`. Only namespaces of the request's own tenant
+    count as "another namespace" unless `all_tenants` (an admin asks): for a tenant the answer
+    is the same whether or not other tenants hold the prompt.
+    """
     arr = np.asarray(ids, dtype=np.int32)
     n = len(arr)
     matched = cache.cached_length(arr, salt=salt)
@@ -100,14 +108,14 @@ def explain(cache, tokenizer, ids: list[int], *, salt: str | None = None, window
     cached_next = cache.continuation(arr[:matched], window, salt=salt)
     cached_side = _pieces(tokenizer, cached_next, matched)
     evicted = cache.evicted_length(arr, matched, salt=salt)
-    others = cache.other_namespace_lengths(arr, salt=salt)
+    others = cache.other_namespace_lengths(arr, salt=salt, all_tenants=all_tenants)
     best_other = max(others.values(), default=0)
     if evicted > matched:
         reason, detail = "evicted", f"the first {evicted} tokens were cached before and evicted"
     elif best_other > matched:
         reason, detail = (
             "namespace_mismatch",
-            f"another namespace (salt, model or dtype) holds {best_other} tokens of this prompt",
+            f"another namespace (another cache_salt) holds {best_other} tokens of this prompt",
         )
     elif cached_next and _same_text(tokenizer, ids[matched:], cached_next):
         reason, detail = (

@@ -7,7 +7,6 @@ with a 4xx before they queue), hands token ids to the engine and relays pieces a
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -23,9 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvblocks.auth import ApiKeys, Principal
 from kvblocks.engine import Engine
 from kvblocks.explain import explain
 from kvblocks.generator import CachedGenerator, Piece
+from kvblocks.guard import GuardConfig, RequestGuard, error_response, principal_of
+from kvblocks.namespace import Scope
 from kvblocks.text import PromptError
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -41,8 +43,7 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return error_response(self.status, self.message, self.type, self.param, self.code)
 
 
 # ---- request schemas -------------------------------------------------------------------------
@@ -115,9 +116,22 @@ class ExplainRequest(_Strict):
 
 @dataclass(slots=True)
 class ServerConfig:
+    """`keys` None: an open server (every caller is an admin of the default tenant)."""
+
     model_name: str
-    api_key: str | None = None
+    keys: ApiKeys | None = None
     default_max_tokens: int = 256
+    max_body_bytes: int = 4 << 20
+    read_timeout_s: float = 30.0
+
+
+def scope_of(request: Request, cache_salt: str | None) -> Scope:
+    """The request's place in the cache: its key's tenant, refined by its own cache_salt."""
+    return Scope(principal_of(request.scope).tenant, cache_salt or "")
+
+
+def caller(request: Request) -> Principal:
+    return principal_of(request.scope)
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
@@ -159,13 +173,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def _http(_: Request, exc: StarletteHTTPException):
         return APIError(exc.status_code, str(exc.detail), code=None).response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path != "/health":
-            header = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(header, f"Bearer {config.api_key}".encode()):  # constant time
-                return APIError(401, "invalid or missing API key", code="invalid_api_key").response()
-        return await call_next(request)
+    app.add_middleware(
+        RequestGuard, config=GuardConfig(config.keys, config.max_body_bytes, config.read_timeout_s)
+    )
 
     def check_model(name: str) -> None:
         if name != config.model_name:
@@ -222,7 +232,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             top_k=body.top_k,
             stop=body.stop,
             seed=body.seed,
-            salt=body.cache_salt,
+            salt=scope_of(request, body.cache_salt),
         )
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         events = submit(ids, options, watch=None if body.stream else request)
@@ -260,20 +270,26 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     def submit(ids: list[int], options: dict, watch: Request | None = None) -> AsyncIterator[Piece]:
         """Queue a request; its pieces as an async iterator. With `watch`, a client that goes away
-        cancels the request (streams are cancelled by Starlette itself when their writes fail)."""
+        cancels the request at the engine's next step (streams are cancelled by Starlette itself
+        when their writes fail)."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         handle = engine.submit(ids, lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item), **options)
 
+        async def watch_disconnect(request: Request) -> None:
+            # The body was read already: the next message this request receives is its disconnect.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            handle.cancelled.set()
+            inbox.put_nowait(None)
+
         async def events() -> AsyncIterator[Piece]:
+            watcher = None if watch is None else asyncio.create_task(watch_disconnect(watch))
             try:
                 while True:
-                    try:
-                        item = await asyncio.wait_for(inbox.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
-                        if watch is not None and await watch.is_disconnected():
-                            return
-                        continue
+                    item = await inbox.get()
+                    if item is None:  # the client went away
+                        return
                     if isinstance(item, BaseException):
                         raise APIError(500, f"generation failed: {item}", type_="server_error")
                     yield item
@@ -281,6 +297,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                         return
             finally:
                 handle.cancelled.set()  # a no-op once finished; frees the slot and its locks otherwise
+                if watcher is not None:
+                    watcher.cancel()
 
         return events()
 
@@ -333,38 +351,37 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     # ---- cache inspection ------------------------------------------------------------------
 
     @app.get("/v1/cache/stats")
-    async def cache_stats():
+    async def cache_stats(request: Request):
+        who = caller(request)
+        if not who.admin:  # a tenant sees its own counters only, nothing of the others' traffic
+            own = None if cache is None else await run_in_threadpool(lambda: cache.stats(tenant=who.tenant))
+            return {"model": config.model_name, "tenant": who.tenant, "cache": own}
+        stats = None if cache is None else await run_in_threadpool(cache.stats)
         return {
             "model": config.model_name,
             "uptime_s": time.time() - started,
             "engine": {"active": engine.active, "queued": engine.queued},
-            "cache": cache.stats() if cache is not None else None,
+            "cache": stats,
             "counters": dict(engine.metrics.counters),
         }
 
     @app.get("/v1/cache/prefixes")
     async def cache_prefixes(
-        limit: Annotated[int, Query(ge=1, le=1000)] = 10, tree: bool = False, max_nodes: int = 200
+        request: Request,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 10,
+        tree: bool = False,
+        max_nodes: Annotated[int, Query(ge=1, le=5000)] = 200,
     ):
         if cache is None:
             return {"prefixes": [], "tree": []}
-        decode = gen.tokenizer.decode
-        top = []
-        for p in cache.top_prefixes(limit):
-            ids = p.pop("token_ids")
-            p["preview"] = preview(
-                decode(ids[:48], skip_special_tokens=False),
-                decode(ids[-48:], skip_special_tokens=False),
-                len(ids) > 96,
-            )
-            top.append(p)
-        nodes = cache.tree(min(max(max_nodes, 1), 5000)) if tree else []
-        for node in nodes:
-            node["preview"] = decode(node.pop("run_ids"), skip_special_tokens=False)
-        return {"prefixes": top, "tree": nodes}
+        who = caller(request)
+        # Off the event loop: on a large trie this takes a while, and /health must not wait.
+        return await run_in_threadpool(
+            inspect_prefixes, gen, None if who.admin else who.tenant, limit, tree, max_nodes
+        )
 
     @app.post("/v1/cache/explain")
-    async def cache_explain(body: ExplainRequest):
+    async def cache_explain(body: ExplainRequest, request: Request):
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         prompt = (
@@ -375,7 +392,15 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         ids = await encode(prompt)
         if cache is None:
             raise APIError(400, "this server runs without a prefix cache")
-        result = await run_in_threadpool(explain, cache, gen.tokenizer, ids, salt=body.cache_salt)
+        result = await run_in_threadpool(
+            lambda: explain(
+                cache,
+                gen.tokenizer,
+                ids,
+                salt=scope_of(request, body.cache_salt),
+                all_tenants=caller(request).admin,
+            )
+        )
         return result.as_dict()
 
     @app.get("/metrics")
@@ -389,6 +414,27 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
 def preview(head: str, tail: str, elided: bool) -> str:
     return f"{head} … {tail}" if elided else head
+
+
+def inspect_prefixes(
+    gen: CachedGenerator, tenant: str | None, limit: int, tree: bool, max_nodes: int
+) -> dict:
+    """The most-hit prefixes and the trie's shape with text previews: all of them (tenant None,
+    an admin) or one tenant's, which then sees neither the text nor the namespace keys of others."""
+    decode = gen.tokenizer.decode
+    top = []
+    for p in gen.cache.top_prefixes(limit, tenant=tenant):
+        ids = p.pop("token_ids")
+        p["preview"] = preview(
+            decode(ids[:48], skip_special_tokens=False),
+            decode(ids[-48:], skip_special_tokens=False),
+            len(ids) > 96,
+        )
+        top.append(p)
+    nodes = gen.cache.tree(max_nodes, tenant=tenant) if tree else []
+    for node in nodes:
+        node["preview"] = decode(node.pop("run_ids"), skip_special_tokens=False)
+    return {"prefixes": top, "tree": nodes}
 
 
 def cache_metrics(cache) -> dict[str, tuple[str, dict[str, str], float]]:

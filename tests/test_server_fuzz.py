@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from server_proc import TINY_CONTEXT, start_server, stop_cleanly, tiny_model_dir, wait_idle
 
 MODEL = "tiny"
-API_KEY = "sk-fuzz"
+API_KEY = "sk-fuzz-key"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EXPLAIN = "/v1/cache/explain"

@@ -1,0 +1,152 @@
+"""Tenants bound to API keys, over real HTTP with the real openai client (tiny model).
+
+Two tenants and an admin share one server. A tenant never gets another tenant's KV, and no
+endpoint gives it another tenant's text, token ids or namespace keys; `explain` answers a tenant
+exactly as if the other tenants did not exist. The admin sees everything.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from server_proc import cli_env, kvblocks_command, scrape, start_server, stop_cleanly, tiny_model_dir
+
+MODEL = "tiny"
+KEYS = {"acme": "sk-acme-0001", "globex": "sk-globex-0002", "ops": "sk-ops-admin-0003"}
+SECRET_PROMPT = (
+    "You are the ACME payroll bot. The launch code for project Nightjar is 7-4-1-9. "
+    "Never reveal salaries of the board. "
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    entries = [
+        {"key": KEYS["acme"], "tenant": "acme"},
+        {"key": KEYS["globex"], "tenant": "globex"},
+        {"key": KEYS["ops"], "tenant": "ops", "admin": True},
+    ]
+    path.write_text(json.dumps({"keys": entries}))
+    server = start_server(
+        "--model", str(tiny_model_dir()), "--served-model-name", MODEL, "--capacity", "4096",
+        "--api-keys", str(path),
+    )  # fmt: skip
+    yield server
+    stop_cleanly(server)
+
+
+def http(server, tenant: str) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEYS[tenant]}"}, timeout=60)
+
+
+def complete(server, tenant: str, prompt: str, **extra) -> openai.types.Completion:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS[tenant], max_retries=0) as client:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, **extra)
+
+
+def cached(response) -> int:
+    return response.usage.prompt_tokens_details.cached_tokens
+
+
+def explain(server, tenant: str, prompt: str, salt: str | None = None) -> dict:
+    with http(server, tenant) as c:
+        response = c.post("/v1/cache/explain", json={"prompt": prompt, "cache_salt": salt})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_tenant_never_gets_another_tenants_kv_not_even_through_cache_salt(server):
+    prompt = SECRET_PROMPT + "Q: payday?"
+    assert cached(complete(server, "acme", prompt)) == 0
+    assert cached(complete(server, "acme", prompt)) > 0
+    assert cached(complete(server, "globex", prompt)) == 0
+    for salt in ("acme", "tenant:acme", "\"acme\", \"\""):  # one salt names another namespace per tenant
+        salted = f"{SECRET_PROMPT} Q: {salt}?"
+        complete(server, "acme", salted, extra_body={"cache_salt": salt})
+        assert cached(complete(server, "globex", salted, extra_body={"cache_salt": salt})) == 0
+
+
+def test_explain_answers_a_tenant_as_if_other_tenants_did_not_exist(server):
+    secret = "You are the ACME vault bot. The vault PIN is 5-5-0-2 and the backup PIN is 9-9-3-1. "
+    guess, wrong = secret[:50], secret[:40] + "PIN is 1-2"
+    before = [explain(server, "globex", p) for p in (guess, wrong)]
+    complete(server, "acme", secret + "Q: bonus?")
+    after = [explain(server, "globex", p) for p in (guess, wrong)]
+    assert after == before
+    assert {e["reason"] for e in after} == {"never_seen"}
+    # Inside its own tenant the oracle still works as designed: another cache_salt is named.
+    assert explain(server, "acme", SECRET_PROMPT + "Q: x", salt="other")["reason"] == "namespace_mismatch"
+    # The admin sees across tenants.
+    assert explain(server, "ops", SECRET_PROMPT + "Q: y")["reason"] == "namespace_mismatch"
+
+
+def test_inspection_shows_a_tenant_nothing_of_another_tenant(server):
+    secret = "You are the ACME merger bot. Project Kestrel buys Initech on March 3. "
+    complete(server, "acme", secret + "Q: holidays?", extra_body={"cache_salt": "team-1"})
+    with http(server, "acme") as c:
+        acme_keys = {
+            p["namespace"] for p in c.get("/v1/cache/prefixes", params={"limit": 1000}).json()["prefixes"]
+        }
+    assert acme_keys
+    with http(server, "globex") as c:
+        complete(server, "globex", "Globex logistics: where is container 42?")
+        listing = c.get("/v1/cache/prefixes", params={"limit": 1000, "tree": True, "max_nodes": 5000}).text
+        stats = c.get("/v1/cache/stats").json()
+    assert "Kestrel" not in listing
+    assert "Initech" not in listing
+    assert "Globex" in listing
+    assert not any(key in listing for key in acme_keys)
+    assert stats["tenant"] == "globex"
+    assert "engine" not in stats and "counters" not in stats
+    assert not any(key in json.dumps(stats) for key in acme_keys)
+    assert stats["cache"]["queries"] <= 20  # its own requests only, not acme's
+    with http(server, "ops") as c:
+        everything = c.get("/v1/cache/prefixes", params={"limit": 1000}).text
+        admin_stats = c.get("/v1/cache/stats").json()
+    assert "Kestrel" in everything and "Globex" in everything
+    assert admin_stats["cache"]["queries"] > stats["cache"]["queries"]
+
+
+def test_metrics_need_a_key_and_show_totals_only(server):
+    assert httpx.get(f"{server.url}/metrics").status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    with http(server, "globex") as c:
+        samples = scrape(c)
+    assert samples["kvblocks_prefix_cache_queries_total"] > 0
+    assert not any("tenant" in name or "namespace" in name for name in samples)
+
+
+def test_a_wrong_key_is_refused_on_every_endpoint_but_health(server):
+    for path in ("/v1/models", "/v1/cache/stats", "/v1/cache/prefixes", "/metrics"):
+        response = httpx.get(f"{server.url}{path}", headers={"Authorization": "Bearer sk-nobody-000"})
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{", "not valid JSON"),
+        ('{"keys": []}', "non-empty"),
+        ('{"keys": [{"key": "short", "tenant": "a"}]}', "at least 8 characters"),
+        ('{"keys": [{"key": "long-enough-key", "tenant": ""}]}', "tenant"),
+        ('{"keys": [{"key": "long-enough-key", "tenant": "a", "admin": "yes"}]}', "admin"),
+        ('{"keys": [{"key": "long-enough-key", "tenant": "a", "role": "x"}]}', "must be an object"),
+    ],
+)
+def test_a_bad_keys_file_is_one_clear_line_and_exit_2(tmp_path, content, message):
+    import subprocess
+
+    path = tmp_path / "keys.json"
+    path.write_text(content)
+    proc = subprocess.run(
+        [*kvblocks_command(), "serve", "--model", str(tiny_model_dir()), "--api-keys", str(path)],
+        capture_output=True, text=True, env=cli_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert message in proc.stderr.strip().splitlines()[-1]
