@@ -110,7 +110,13 @@ class LMCacheCodec:
     # LMCache values are raw tensors with no tag: whoever can write to Redis can forge them.
     authenticated: ClassVar[bool] = False
 
-    def __init__(self, model_name: str, *, object_group_id: int = 0) -> None:
+    def __init__(self, model_name: str, *, object_group_id: int = 0, redis_is_trusted: bool = False) -> None:
+        if not redis_is_trusted:
+            raise ValueError(
+                "the LMCache format cannot be authenticated (its values carry no tag): pass "
+                "redis_is_trusted=True only if nothing untrusted can write to this Redis "
+                "(see docs/LMCACHE.md and docs/SECURITY.md)"
+            )
         if not model_name or "@" in model_name:
             raise ValueError(f"model_name must be non-empty and contain no '@', got {model_name!r}")
         self.model_name = model_name
@@ -179,7 +185,7 @@ class LMCacheRedisTier(RedisTier):
     i.e. what vLLM serves as `--model`). `chunk_tokens` must equal the fleet's `--chunk-size`.
 
     LMCache's values carry no authentication tag, so anyone who can write to this Redis can
-    change outputs and anyone who can read it sees the KV. The tier therefore refuses to start
+    change outputs and anyone who can read it sees the KV. The codec therefore refuses to start
     unless `redis_is_trusted=True` says the Redis is reachable only by trusted programs.
     """
 
@@ -192,10 +198,9 @@ class LMCacheRedisTier(RedisTier):
         redis_is_trusted: bool = False,
         **kwargs,
     ) -> None:
-        if not redis_is_trusted:
-            raise ValueError(
-                "the LMCache format cannot be authenticated (its values carry no tag): pass "
-                "redis_is_trusted=True only if nothing untrusted can write to this Redis "
-                "(see docs/LMCACHE.md and docs/SECURITY.md)"
-            )
-        super().__init__(url, chunk_tokens=chunk_tokens, codec=LMCacheCodec(model_name), **kwargs)
+        super().__init__(
+            url,
+            chunk_tokens=chunk_tokens,
+            codec=LMCacheCodec(model_name, redis_is_trusted=redis_is_trusted),
+            **kwargs,
+        )

@@ -177,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvblocks import models
     from kvblocks.engine import Engine
-    from kvblocks.server import ServerConfig, create_app
+    from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
 
     keys = load_api_keys(args)
     if args.max_body_bytes < 1024:
@@ -199,6 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    freeze_startup_objects()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)  # lifespan stops the engine
     return 0
 

@@ -91,7 +91,7 @@ def formula_kv(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def bound_codec(model: str, dtype: torch.dtype = torch.float32, home: str = "home") -> LMCacheCodec:
-    codec = LMCacheCodec(model)
+    codec = LMCacheCodec(model, redis_is_trusted=True)
     codec.bind(ChunkLayout(dtype, LAYOUT32.layers), home)
     return codec
 
@@ -148,7 +148,7 @@ def test_other_namespaces_get_their_own_cache_salt():
 
 def test_model_name_with_lmcache_separator_is_refused():
     with pytest.raises(ValueError, match="'@'"):
-        LMCacheCodec("org/model@v2")
+        LMCacheCodec("org/model@v2", redis_is_trusted=True)
 
 
 # ---- values ----------------------------------------------------------------------------------
@@ -173,7 +173,12 @@ def test_decode_inverts_encode_bit_exact(dtype):
     codec = bound_codec(MODEL_1, dtype)
     kv = list(torch.randn(LAYERS, CHUNK, 2, HEADS, DIM).to(dtype))
     out = codec.decode(
-        codec.encode("", "home", np.array(IDS_1[:CHUNK]), layout, kv), "", "home", IDS_1[:CHUNK], layout, "cpu"
+        codec.encode("", "home", np.array(IDS_1[:CHUNK]), layout, kv),
+        "",
+        "home",
+        IDS_1[:CHUNK],
+        layout,
+        "cpu",
     )
     for got, want in zip(out, kv, strict=True):
         assert got.shape == (CHUNK, 2, HEADS, DIM)
@@ -208,7 +213,7 @@ def test_values_that_cannot_be_this_chunk_are_verification_errors(raw, why):
 )
 def test_layouts_lmcache_cannot_hold_are_refused_at_bind(layers):
     with pytest.raises(ValueError, match="same heads and head_dim"):
-        LMCacheCodec(MODEL_1).bind(ChunkLayout(torch.float32, layers), "home")
+        LMCacheCodec(MODEL_1, redis_is_trusted=True).bind(ChunkLayout(torch.float32, layers), "home")
 
 
 def test_rejected_values_are_never_deleted_they_may_belong_to_the_fleet():
@@ -241,11 +246,15 @@ def test_lmcache_tier_shares_chunks_under_lmcache_keys_and_output_matches_no_cac
     model = tiny_llama()
     ids = np.random.default_rng(0).integers(0, 128, 70).tolist()
     plain = CachedGenerator(model, IdTokenizer(), None).generate(ids, max_new_tokens=8)
-    writer, _ = generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids)
+    writer, _ = generate(
+        model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids
+    )
     keys = {k.decode() for k in redis.Redis.from_url(redis_url).keys("*")}
     assert keys >= {f"tiny@01000100@0@{h.hex()}" for h in chunk_hashes(ids, CHUNK)}
 
-    reader, cache = generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids)
+    reader, cache = generate(
+        model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids
+    )
     assert cache.stats()["spill_hit_tokens"] == len(ids) // CHUNK * CHUNK
     assert writer.token_ids == reader.token_ids == plain.token_ids
 
@@ -256,14 +265,25 @@ def test_lmcache_tier_treats_a_damaged_value_as_a_miss_and_leaves_it(redis_url):
     model = tiny_llama()
     ids = np.random.default_rng(1).integers(0, 128, 40).tolist()
     plain = CachedGenerator(model, IdTokenizer(), None).generate(ids, max_new_tokens=8)
-    generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids)
+    generate(
+        model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids
+    )
     client = redis.Redis.from_url(redis_url)
     second = f"tiny@01000100@0@{chunk_hashes(ids, CHUNK)[1].hex()}"
     damaged = client.get(second)[:-4]
     client.set(second, damaged)
 
-    result, cache = generate(model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids)
+    result, cache = generate(
+        model, LMCacheRedisTier(redis_url, model_name="tiny", chunk_tokens=CHUNK, redis_is_trusted=True), ids
+    )
     stats = cache.stats()
     assert (stats["spill_hit_tokens"], stats["redis_verify_failures"]) == (CHUNK, 1)
     assert result.token_ids == plain.token_ids
     assert client.get(second) == damaged
+
+
+def test_the_unauthenticated_format_needs_an_explicit_trust_opt_in():
+    with pytest.raises(ValueError, match="redis_is_trusted=True"):
+        LMCacheCodec(MODEL_1)
+    with pytest.raises(ValueError, match="redis_is_trusted=True"):
+        LMCacheRedisTier("redis://127.0.0.1:1/0", model_name="tiny")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvblocks.bench import loadtest, micro, specdec, spill, workloads
+from kvblocks.bench import inspection, loadtest, micro, specdec, spill, workloads
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,6 +18,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     spill.add_parser(suites)
     specdec.add_parser(suites)
     loadtest.add_parser(suites)
+    inspection.add_parser(suites)
     p.set_defaults(func=lambda args: _print_help(p))
 
 
