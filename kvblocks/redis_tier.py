@@ -113,7 +113,9 @@ class RedisTier:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
         self.codec = (
-            codec if codec is not None else NativeCodec(key_prefix, None if secret is None else Sealer(secret))
+            codec
+            if codec is not None
+            else NativeCodec(key_prefix, None if secret is None else Sealer(secret))
         )
         if not self.codec.authenticated:
             log.warning(TRUSTED_REDIS_WARNING)
@@ -258,7 +260,11 @@ class RedisTier:
             return []
         values = config.values() if isinstance(config, dict) else ()
         if any(str(v) == "0" for v in values):
-            ttl = "records never expire" if self.ttl_ms is None else f"records expire after {self.ttl_ms / 1000:g} s"
+            ttl = (
+                "records never expire"
+                if self.ttl_ms is None
+                else f"records expire after {self.ttl_ms / 1000:g} s"
+            )
             return [
                 f"kvblocks: Redis at {self.url} has no maxmemory, so it grows until the host runs out of "
                 f"memory ({ttl}); set maxmemory and maxmemory-policy allkeys-lru"

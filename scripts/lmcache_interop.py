@@ -161,7 +161,9 @@ def lmcache_to_kvblocks(model, tok, args, server, redis_server, work: Path) -> N
         stored["stored_tokens"] == full, f"A: LMCache stored {stored['stored_tokens']} of {len(ids)} tokens"
     )
 
-    tier = LMCacheRedisTier(redis_server.url, model_name=args.model_name, chunk_tokens=c, redis_is_trusted=True)
+    tier = LMCacheRedisTier(
+        redis_server.url, model_name=args.model_name, chunk_tokens=c, redis_is_trusted=True
+    )
     cache = KVCacheTrie.for_model(model, capacity_tokens=4 * len(ids), spill=tier)
     ns = cache.namespace.key
     expected = {tier.key(ns, h) for h in tier.codec.chunk_hashes(ns, np.array(ids), c)}
@@ -177,7 +179,9 @@ def lmcache_to_kvblocks(model, tok, args, server, redis_server, work: Path) -> N
     cache.close()
 
     plain = CachedGenerator(model, tok, None).generate(ids, max_new_tokens=NEW_TOKENS)
-    tier = LMCacheRedisTier(redis_server.url, model_name=args.model_name, chunk_tokens=c, redis_is_trusted=True)
+    tier = LMCacheRedisTier(
+        redis_server.url, model_name=args.model_name, chunk_tokens=c, redis_is_trusted=True
+    )
     cache = KVCacheTrie.for_model(model, capacity_tokens=4 * len(ids), spill=tier)
     cached = CachedGenerator(model, tok, cache).generate(ids, max_new_tokens=NEW_TOKENS)
     stats = cache.stats()
@@ -192,7 +196,9 @@ def kvblocks_to_lmcache(model, tok, args, server, redis_server, work: Path) -> N
     c = args.chunk_tokens
     ids = prompt_ids(model, 2, 2 * c + c // 2 + 5)
     full = len(ids) // c * c
-    tier = LMCacheRedisTier(redis_server.url, model_name=args.model_name, chunk_tokens=c, redis_is_trusted=True)
+    tier = LMCacheRedisTier(
+        redis_server.url, model_name=args.model_name, chunk_tokens=c, redis_is_trusted=True
+    )
     cache = KVCacheTrie.for_model(model, capacity_tokens=4 * len(ids), spill=tier)
     CachedGenerator(model, tok, cache).generate(ids, max_new_tokens=NEW_TOKENS)
     check(tier.flush(60.0), "B: kvblocks' background writes finished")
