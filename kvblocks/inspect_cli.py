@@ -137,8 +137,11 @@ def _stats_table(now: dict, r: dict, title: str):
     t.add_row("evicted tokens", f"{r['evicted_tokens']:,}")
     if r["redis_errors"] is not None:
         t.add_row("redis errors / verify failures", f"{r['redis_errors']:,} / {r['redis_verify_failures']:,}")
-    engine = now.get("engine", {})
-    t.add_row("engine active / queued", f"{engine.get('active', 0)} / {engine.get('queued', 0)}")
+    if "tenant" in now:  # a tenant's key: its own counters, no server-wide engine figures
+        t.add_row("tenant", now["tenant"] or "(default)")
+    else:
+        engine = now.get("engine", {})
+        t.add_row("engine active / queued", f"{engine.get('active', 0)} / {engine.get('queued', 0)}")
     return t
 
 

@@ -7,6 +7,7 @@ tests skip, except in CI (KVBLOCKS_CI=1), where they fail.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -716,3 +717,17 @@ def test_no_maxmemory_is_reported_as_a_deployment_warning(server, tiers):
     assert any("no maxmemory" in w for w in tier.server_warnings())
     server.client().config_set("maxmemory", 64 << 20)
     assert tier.server_warnings() == []
+
+
+def test_a_fine_tune_that_changed_one_weight_never_reuses_the_base_models_records(model, server, tiers):
+    text = prompt(75)
+    base = trie(model, tiers(server.url))
+    generate_exact(model, base, text)
+    assert base.spill.flush()
+    tuned = copy.deepcopy(model)
+    with torch.no_grad():  # where the old 4,096-element weight sample never looked
+        tuned.model.layers[1].self_attn.v_proj.weight.view(-1)[-1] += 0.5
+    cache = trie(tuned, tiers(server.url))
+    assert cache.namespace.key != base.namespace.key
+    assert generate_exact(tuned, cache, text).cached_tokens == 0
+    assert redis_stats(cache)["redis_hit_chunks"] == 0

@@ -150,3 +150,21 @@ def test_a_bad_keys_file_is_one_clear_line_and_exit_2(tmp_path, content, message
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert message in proc.stderr.strip().splitlines()[-1]
+
+
+def test_the_cli_shows_a_tenant_its_own_cache(server):
+    import subprocess
+
+    def cli(*args: str) -> str:
+        proc = subprocess.run(
+            [*kvblocks_command(), *args, "--url", server.url, "--api-key", KEYS["globex"]],
+            capture_output=True, text=True, env=cli_env(COLUMNS="200"), timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    complete(server, "acme", "ACME only: the Osprey budget is 12 million. Q: ok?")
+    complete(server, "globex", "Globex only: the Pelican route. Q: ok?")
+    assert "globex" in cli("stats")
+    listing = cli("inspect", "--tree")
+    assert "Pelican" in listing and "Osprey" not in listing
