@@ -20,6 +20,10 @@ _EXPORTS = {
     "KVCacheTrie": "kvblocks.trie",
     "PinLimitError": "kvblocks.trie",
     "Namespace": "kvblocks.namespace",
+    "Scope": "kvblocks.namespace",
+    "GenerationParams": "kvblocks.params",
+    "ParamError": "kvblocks.params",
+    "TokenLogprob": "kvblocks.sampling",
     "RedisTier": "kvblocks.redis_tier",
     "SamplingParams": "kvblocks.sampling",
     "PromptError": "kvblocks.text",
@@ -28,16 +32,20 @@ _EXPORTS = {
 
 __all__ = [
     "CachedGenerator",
+    "GenerationParams",
     "GenerationResult",
     "Hit",
     "KVCacheTrie",
     "Namespace",
+    "ParamError",
     "Piece",
     "PinLimitError",
     "PromptError",
     "PromptTooLongError",
     "RedisTier",
     "SamplingParams",
+    "Scope",
+    "TokenLogprob",
     "UnsupportedModelError",
 ]
 
@@ -54,8 +62,9 @@ def __getattr__(name: str):
 if TYPE_CHECKING:
     from kvblocks.adapters.hf import UnsupportedModelError
     from kvblocks.generator import CachedGenerator, GenerationResult, Piece, PromptTooLongError
-    from kvblocks.namespace import Namespace
+    from kvblocks.namespace import Namespace, Scope
+    from kvblocks.params import GenerationParams, ParamError
     from kvblocks.redis_tier import RedisTier
-    from kvblocks.sampling import SamplingParams
+    from kvblocks.sampling import SamplingParams, TokenLogprob
     from kvblocks.text import PromptError
     from kvblocks.trie import Hit, KVCacheTrie, PinLimitError

@@ -44,6 +44,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # kvblocks.tools.PARSERS, without importing it here
 DEFAULT_REDIS_TTL_S = 24 * 3600.0  # kvblocks.redis_tier.DEFAULT_TTL_S, without importing torch here
 
 DRAFT_HELP = (
@@ -188,7 +189,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gen = make_generator(args, model, tokenizer, None if args.no_cache else cache)
     name = args.served_model_name or (models.DEFAULT_MODEL if args.model is None else args.model.rstrip("/"))
     engine = Engine(gen).start()
-    config = ServerConfig(name, keys, args.default_max_tokens, args.max_body_bytes, args.read_timeout)
+    config = ServerConfig(
+        name,
+        keys,
+        args.default_max_tokens,
+        args.max_body_bytes,
+        args.read_timeout,
+        lenient=args.lenient,
+        tool_parser=args.tool_parser,
+    )
     app = create_app(engine, config)
     stats = cache.stats()
     print(
@@ -340,6 +349,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--default-max-tokens", type=int, default=256, help="max_tokens when a chat request omits it"
+    )
+    sv.add_argument(
+        "--lenient",
+        action="store_true",
+        help="ignore unknown request arguments with a logged warning instead of refusing them with a 400",
+    )
+    sv.add_argument(
+        "--tool-parser",
+        default=None,
+        choices=TOOL_PARSERS,
+        help="how tool calls are written by the model (default: detected from its chat template)",
     )
     sv.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     sv.add_argument("--no-cache", action="store_true", help="no prefix reuse: prefill every prompt in full")

@@ -1,6 +1,7 @@
 """Why did a prompt miss? The longest cached match, where it diverges, and the reason.
 
 Reasons, checked in this order:
+- `prompt_logprobs`: the request asks for prompt log-probabilities, so its prompt is recomputed;
 - `cached`: everything but the last token is cached (the last one is always recomputed);
 - `evicted`: the cache held a longer prefix of this prompt once and evicted it;
 - `namespace_mismatch`: another namespace of the caller's tenant (another cache salt) holds a longer
@@ -87,19 +88,33 @@ def _pieces(tokenizer, ids: list[int], start: int) -> list[dict]:
 
 
 def explain(
-    cache, tokenizer, ids: list[int], *, salt=None, all_tenants: bool = False, window: int = 8
+    cache,
+    tokenizer,
+    ids: list[int],
+    *,
+    salt=None,
+    all_tenants: bool = False,
+    prompt_logprobs: bool = False,
+    window: int = 8,
 ) -> Explanation:
     """Explain how much of `ids` the cache holds and why the rest missed.
 
     `salt` is the request's cache salt or `Scope`. Only namespaces of the request's own tenant
     count as "another namespace" unless `all_tenants` (an admin asks): for a tenant the answer
-    is the same whether or not other tenants hold the prompt.
+    is the same whether or not other tenants hold the prompt. With `prompt_logprobs` (the request
+    asks for prompt log-probabilities, e.g. completions with echo and logprobs) nothing is reused.
     """
     arr = np.asarray(ids, dtype=np.int32)
     n = len(arr)
     matched = cache.cached_length(arr, salt=salt)
     usable = min(matched, max(n - 1, 0))
     before = _pieces(tokenizer, ids[max(0, matched - window) : matched], max(0, matched - window))
+    if prompt_logprobs:
+        detail = (
+            "the request asks for prompt logprobs, which need logits at every prompt position: its "
+            f"prompt is computed in full ({matched} tokens were cached) and stored for later requests"
+        )
+        return Explanation("prompt_logprobs", n, 0, None, detail, [], [], before)
     if matched >= n - 1:
         return Explanation(
             "cached", n, usable, None, "every prompt token but the last is cached", [], [], before

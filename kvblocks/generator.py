@@ -1,4 +1,9 @@
-"""CachedGenerator: generation that re-attaches the cached prefix and prefills only the suffix."""
+"""CachedGenerator: generation that re-attaches the cached prefix and prefills only the suffix.
+
+`stream` drives one request: it prepares the cache, lets a decode strategy (`_decode`, one token
+per forward here, draft/verify in `specdec`) yield tokens, and turns them into text pieces, stop
+conditions, log-probabilities and, when the request ends, cache inserts.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,15 @@ from typing import Any
 import torch
 
 from kvblocks.adapters import hf
-from kvblocks.sampling import SamplingParams, choose, make_generator
+from kvblocks.params import GenerationParams, ParamError
+from kvblocks.sampling import (
+    LogitsProcessor,
+    SamplingParams,
+    TokenLogprob,
+    choose,
+    make_generator,
+    token_logprobs,
+)
 from kvblocks.text import Prompt, PromptError, StopTextAssembler, encode_prompt
 from kvblocks.trie import KVCacheTrie, Salt
 
@@ -33,11 +46,18 @@ class GenerationResult:
     prompt_ids: list[int] = field(repr=False, default_factory=list)
     logits: list[torch.Tensor] | None = field(repr=False, default=None)
     spec: Any = None
+    logprobs: list[TokenLogprob] | None = field(repr=False, default=None)
+    prompt_logprobs: list[TokenLogprob | None] | None = field(repr=False, default=None)
+    cache_bypass: str | None = None  # why the prefix cache was not matched ("prompt_logprobs")
 
 
 @dataclass(slots=True)
 class DecodeState:
-    """One request's decoding state, shared between the stream driver and a decode strategy."""
+    """One request's decoding state, shared between the stream driver and a decode strategy.
+
+    A decode strategy appends the raw logits row of each token to `logits` (when not None) just
+    before it yields the token; the driver reads log-probabilities from it.
+    """
 
     sequence: list[int]
     computed: int
@@ -45,6 +65,7 @@ class DecodeState:
     salt: Salt
     past: Any = None
     spec: Any = None
+    processor: LogitsProcessor | None = None
 
 
 @dataclass(slots=True)
@@ -54,6 +75,7 @@ class Piece:
     text: str
     token_ids: list[int]
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids` when asked for
 
 
 def context_length(config) -> int | None:
@@ -124,69 +146,89 @@ class CachedGenerator:
             )
         return ids
 
-    def generate(self, prompt: Prompt, **kwargs) -> GenerationResult:
+    def generate(self, prompt: Prompt, params: GenerationParams | None = None, **kwargs) -> GenerationResult:
         """Run to completion; same arguments as `stream`."""
         result = None
-        for piece in self.stream(prompt, **kwargs):
+        for piece in self.stream(prompt, params, **kwargs):
             result = piece.result
         assert result is not None
         return result
 
+    def check_params(self, params: GenerationParams) -> None:
+        """Raise `ParamError` for options this generator cannot honour with this model.
+
+        `stream` calls it first; a server calls it before queueing so a bad request fails early.
+        """
+        bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ParamError(
+                "logit_bias", f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+
     def stream(
         self,
         prompt: Prompt,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
+        params: GenerationParams | None = None,
         *,
         salt: Salt = None,
-        ignore_eos: bool = False,
         output_logits: bool = False,
+        **options,
     ) -> Iterator[Piece]:
         """Yield text as it is generated; the last piece carries the `GenerationResult`.
 
-        Prompt and generated ids are committed to the cache by id when the request ends, also
-        when the consumer stops early, so the next turn hits the whole history.
+        Options come as `params` or as `GenerationParams` fields given by keyword
+        (`max_new_tokens=16, temperature=0.7`), not both. Prompt and generated ids are committed to
+        the cache by id when the request ends, also when the consumer stops early, so the next turn
+        hits the whole history.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        params = SamplingParams(temperature, top_p, top_k)
-        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        params = _params_of(params, options)
+        self.check_params(params)
+        sampling = params.sampling
         t0 = time.perf_counter()
         ids = self.encode(prompt)
+        max_new_tokens = params.max_new_tokens
         if self.max_context is not None:
             max_new_tokens = min(max_new_tokens, self.max_context - len(ids))
-        rng = None if params.greedy else make_generator(self.runner.device, seed)
-        text = StopTextAssembler(self.tokenizer, stops)
-        hit = self.cache.match(ids, salt=salt) if self.cache is not None else None
-        run = DecodeState(
-            list(ids), hit.length if hit is not None else 0, [] if output_logits else None, salt
-        )
+        rng = None if sampling.greedy else make_generator(self.runner.device, params.seed)
+        text = StopTextAssembler(self.tokenizer, params.stop)
+        processor = None
+        if params.processes_logits:
+            eos = () if params.ignore_eos else self.eos_ids
+            processor = LogitsProcessor(params, ids, eos, self.vocab_size, self.runner.device)
+        # Prompt log-probabilities need logits at every prompt position: no prefix reuse.
+        bypass = "prompt_logprobs" if params.prompt_logprobs is not None and self.cache is not None else None
+        hit = self.cache.match(ids, salt=salt) if self.cache is not None and bypass is None else None
+        rows: list[torch.Tensor] | None = [] if output_logits or params.logprobs is not None else None
+        run = DecodeState(list(ids), hit.length if hit is not None else 0, rows, salt, processor=processor)
         tokens = None
         try:
             run.past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
-            tokens = self._decode(ids, run, params, rng)
+            prompt_logprobs = None
+            if params.prompt_logprobs is not None:
+                prompt_logprobs = self._prompt_logprobs(ids, run, params.prompt_logprobs)
+            tokens = self._decode(ids, run, sampling, rng)
             ttft, finish, pending = 0.0, "length", ""
             generated: list[int] = []
+            logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
             for token in tokens:
                 if not generated:
                     ttft = time.perf_counter() - t0
                     self._commit_prompt(run)
                 generated.append(token)
                 run.sequence.append(token)
-                if token in self.eos_ids and not ignore_eos:
+                if logprobs is not None:
+                    row = run.logits[-1] if output_logits else run.logits.pop()
+                    logprobs.extend(token_logprobs(row[None], [token], params.logprobs))
+                if token in self.eos_ids and not params.ignore_eos:
                     finish = "stop"
                     break
-                pending = text.push(token)
-                if text.stopped:
+                pending = text.push(token, may_stop=len(generated) > params.min_tokens)  # as vLLM
+                if text.stopped or (processor is not None and processor.done):
                     finish = "stop"
                     break
                 if len(generated) >= max_new_tokens:
                     break
-                yield Piece(pending, [token])
+                yield Piece(pending, [token], logprobs=None if logprobs is None else logprobs[-1:])
                 pending = ""
             tokens.close()
             result = GenerationResult(
@@ -198,10 +240,14 @@ class CachedGenerator:
                 total_s=time.perf_counter() - t0,
                 finish_reason=finish,
                 prompt_ids=ids,
-                logits=run.logits,
+                logits=run.logits if output_logits else None,
                 spec=run.spec,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                cache_bypass=bypass,
             )
-            final = Piece(pending + text.flush(), [generated[-1]], result)
+            last = None if logprobs is None else logprobs[-1:]
+            final = Piece(pending + text.flush(), [generated[-1]], result, logprobs=last)
         finally:
             try:
                 if tokens is not None:
@@ -216,6 +262,19 @@ class CachedGenerator:
         # Committed before the result is handed over: a consumer that stops at the result piece
         # (without exhausting the stream) holds no lock, and its next turn hits this one.
         yield final
+
+    def _prompt_logprobs(self, ids: list[int], run: DecodeState, k: int) -> list[TokenLogprob | None]:
+        """Score each prompt token after the first by the positions before it.
+
+        Computes all but the last prompt token; the decode strategy then feeds the last one, as it
+        does after a full cache hit, so the tokens generated next are those of any other request.
+        """
+        assert run.computed == 0
+        if len(ids) == 1:
+            return [None]
+        rows = self.runner.forward(ids[:-1], run.past, keep=len(ids) - 1)
+        run.computed = len(ids) - 1
+        return [None, *token_logprobs(rows, ids[1:], k)]
 
     def _commit_prompt(self, run: DecodeState) -> None:
         """Store the prompt's KV as soon as it is computed, not only when the request ends.
@@ -236,6 +295,22 @@ class CachedGenerator:
         while True:
             if run.logits is not None:
                 run.logits.append(logits.detach().clone())
-            yield choose(logits, params, rng)
+            if run.processor is None:
+                token = choose(logits, params, rng)
+            else:
+                token = choose(run.processor(logits), params, rng)
+                run.processor.accept(token)
+            yield token
             logits = self.runner.forward(run.sequence[-1:], run.past)[-1]
             run.computed += 1
+
+
+def _params_of(params: GenerationParams | None, options: dict[str, Any]) -> GenerationParams:
+    """`params`, or one built from `GenerationParams` fields given as keywords (the older call shape)."""
+    if params is None:
+        return GenerationParams(**options)
+    if not isinstance(params, GenerationParams):
+        raise TypeError(f"params must be a GenerationParams, got {type(params).__name__}")
+    if options:
+        raise TypeError(f"give either params or keyword options ({', '.join(sorted(options))}), not both")
+    return params

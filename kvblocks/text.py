@@ -54,20 +54,29 @@ class StopTextAssembler:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.exempt = 0  # a stop string ending in the first `exempt` characters does not count
 
-    def push(self, token_id: int) -> str:
-        """Add one token; returns the text now safe to show. Sets `stopped` on a stop string."""
+    def push(self, token_id: int, may_stop: bool = True) -> str:
+        """Add one token; returns the text now safe to show. Sets `stopped` on a stop string.
+
+        With `may_stop=False` (before `min_tokens`, as in vLLM) a stop string this token completes
+        does not count; text that may begin one is still held back, so one completed later is cut
+        from text not yet shown.
+        """
         self.ids.append(token_id)
         full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if self.stop:
+        if self.stop and may_stop:
             window = max(0, self.emitted - max(len(s) for s in self.stop))
-            hits = [i for i in (full.find(s, window) for s in self.stop) if i >= 0]
+            starts = (max(window, self.exempt - len(s) + 1) for s in self.stop)
+            hits = [i for i in (full.find(s, start) for s, start in zip(self.stop, starts)) if i >= 0]
             if hits:
                 self.stopped = True
                 self.text = full[: min(hits)]
                 return self._take(len(self.text))
         self.text = full
         safe = len(full.rstrip("\ufffd"))
+        if not may_stop:
+            self.exempt = safe
         hold = 0
         for s in self.stop:
             for k in range(min(len(s) - 1, safe), 0, -1):

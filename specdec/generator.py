@@ -17,6 +17,7 @@ import torch
 
 from kvblocks.adapters import hf
 from kvblocks.generator import CachedGenerator, DecodeState
+from kvblocks.params import GenerationParams, ParamError
 from kvblocks.sampling import SamplingParams, distribution
 from kvblocks.trie import KVCacheTrie
 
@@ -125,6 +126,17 @@ class SpeculativeGenerator(CachedGenerator):
         self.max_gamma = max(max_gamma, gamma)
         self.on_round = on_round
         self.target_vocab = self.vocab_size
+
+    def check_params(self, params: GenerationParams) -> None:
+        """Logits processing is refused: a round verifies up to gamma positions at once against
+        distributions that the processors would rewrite token by token."""
+        super().check_params(params)
+        if params.logit_processors:
+            raise ParamError(
+                params.logit_processors[0],
+                f"speculative decoding does not support {', '.join(params.logit_processors)}; "
+                "use a plain CachedGenerator for this request",
+            )
 
     def _decode(
         self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None

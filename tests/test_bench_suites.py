@@ -97,9 +97,21 @@ def test_redis_suite_runs_restore_ttft_and_decode_on_a_tiny_model(tmp_path, caps
     args += ["--decode-prefix", "40", "--decode-tokens", "5", "--decode-spill", "32", "--decode-repeats", "2"]
     summary = run_suite(tmp_path, capsys, *args)
     assert [r["name"] for r in summary["reports"]] == ["redis-restore", "redis-ttft", "redis-decode"]
-    assert checks(summary, "redis-restore")["fetch / raw GET throughput"] > 0
+    restore = checks(summary, "redis-restore")
+    assert restore["fetch / raw GET throughput"] > 0
+    assert restore["sealed fetch / raw GET of the sealed records"] > 0
+    assert restore["sealed fetch / fetch without secret (tokens/s)"] > 0
     assert summary["reports"][1]["params"]["from_redis"] == 32  # two whole 16-token chunks of the 40
     assert checks(summary, "redis-decode")["spill on / off, per-token latency"] > 0
+
+
+def test_micro_fingerprint_times_a_deterministic_fingerprint_of_a_tiny_model(tmp_path, capsys):
+    args = ["micro", "--only", "fingerprint", "--model", str(tiny_model_dir()), "--fingerprint-repeats", "2"]
+    summary = run_suite(tmp_path, capsys, *args)
+    assert [r["name"] for r in summary["reports"]] == ["micro-fingerprint"]
+    found = checks(summary, "micro-fingerprint")
+    assert 0 < found["model_fingerprint, weights warm, median"] < 0.5
+    assert found["model_fingerprint right after a load, median"] > 0
 
 
 def test_specdec_suite_runs_every_drafter_and_transformers_on_a_tiny_model(tmp_path, capsys):

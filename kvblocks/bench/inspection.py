@@ -75,7 +75,8 @@ def serve_big_trie(port: int, nodes: int, ready) -> None:
     rng = np.random.default_rng(0)
     alphabet = np.array(tokenizer.convert_tokens_to_ids(["Ġthe", "Ġa", "Ġcat", "Ġdog"]))
     while cache.stats()["nodes"] < nodes:  # random paths over 4 words: every insert branches
-        cache.insert(alphabet[rng.integers(0, 4, length)], past)
+        for _ in range(1000):
+            cache.insert(alphabet[rng.integers(0, 4, length)], past)
     engine = Engine(CachedGenerator(model, tokenizer, cache)).start()
     app = create_app(engine, ServerConfig("tiny"))
     ready.set()

@@ -5,7 +5,9 @@
 - trie: `match` and `insert` latency for a 4k-token prompt with 1M tokens resident;
 - memory: bookkeeping bytes per cached token beyond the KV itself (same trie, tracemalloc);
 - ttft: time to first token on the real model with a cached system prompt, against the ideal
-  (the bare model on a prebuilt cache) and against no cache.
+  (the bare model on a prebuilt cache) and against no cache;
+- fingerprint: `model_fingerprint` of the real model (config + every parameter and buffer, xxh3-128),
+  the namespace every cache computes once at start, right after a load and with warm weights.
 """
 
 from __future__ import annotations
@@ -35,14 +37,15 @@ from kvblocks.bench.harness import (
 from kvblocks.pool import KVPool, LayerShape
 from kvblocks.radix import SLOT_DTYPE, TOKEN_DTYPE
 
-BENCHMARKS = ("gather", "trie", "ttft")
+BENCHMARKS = ("gather", "trie", "ttft", "fingerprint")
 GB = 1e9
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
     p = suites.add_parser(
         "micro",
-        help="core costs vs targets: gather bandwidth, trie latency and memory, time to first token",
+        help="core costs vs targets: gather bandwidth, trie latency and memory, time to first token, "
+        "model fingerprint",
         description="Core micro-benchmarks of kvblocks, each checked against its target.",
     )
     add_harness_args(p)
@@ -107,6 +110,10 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         default=5,
         help="timed runs of kvblocks and no cache, the slow full prefill (default 5)",
     )
+    f = p.add_argument_group("fingerprint (model_fingerprint of the --model above)")
+    f.add_argument(
+        "--fingerprint-repeats", type=positive_int, default=7, help="timed runs per variant (default 7)"
+    )
     p.set_defaults(func=run)
 
 
@@ -137,8 +144,9 @@ def run(args: argparse.Namespace) -> int:
             args.trie_repeats,
             args.trie_fill,
         )
-    if "ttft" in selected:
+    if "ttft" in selected or "fingerprint" in selected:
         model, tokenizer = _load_model(args.model)
+    if "ttft" in selected:
         reports.append(
             bench_ttft(
                 opts,
@@ -150,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
                 args.ttft_nocache_repeats,
             )
         )
+    if "fingerprint" in selected:
+        reports.append(bench_fingerprint(opts, model, args.model, args.fingerprint_repeats))
     publish(reports, opts, "micro")
     return 0
 
@@ -588,6 +598,82 @@ def bench_ttft(
         "kvblocks is compared with the ideal in one interleaved run and with no cache in another (fewer runs: "
         "a full prefill is slow), so the target ratio comes from a process that, like a server full of hits, "
         "only re-attaches; the gather's cost depends on the allocator (fresh pages fault in), see BENCHMARKS.md",
+    ]
+    return report
+
+
+# ---- e. model fingerprint ------------------------------------------------------------------
+
+
+def bench_fingerprint(opts: BenchOptions, model, model_name: str | None, repeats: int) -> Report:
+    """`model_fingerprint` as every `KVCacheTrie.for_model` pays it once: right after a load (the
+    weights' pages not yet touched by this process) and again with warm weights; beside it, bare
+    xxh3-128 over the same tensors' bytes, the floor any full-weight hash pays."""
+    import xxhash
+
+    from kvblocks.namespace import model_fingerprint
+
+    tensors = [t.detach() for _, t in [*model.named_parameters(), *model.named_buffers()]]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    fresh: list = []
+    seen: set[str] = set()
+
+    def load() -> None:
+        fresh[:] = [_load_model(model_name)[0]]
+
+    def after_load() -> None:
+        seen.add(model_fingerprint(fresh[0]))
+
+    def warm() -> None:
+        seen.add(model_fingerprint(model))
+
+    def bare() -> None:
+        h = xxhash.xxh3_128()
+        for t in tensors:
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+
+    cold_name = "model_fingerprint right after a load"
+    warm_name = "model_fingerprint, weights warm"
+    bare_name = "bare xxh3-128 of the same tensors' bytes"
+    samples = measure(
+        [
+            Variant(cold_name, after_load, setup=load, teardown=fresh.clear),
+            Variant(warm_name, warm),
+            Variant(bare_name, bare),
+        ],
+        repeats,
+        opts,
+        "fingerprint",
+    )
+    assert len(seen) == 1, f"model_fingerprint is not deterministic: {sorted(seen)}"
+    name = getattr(model.config, "name_or_path", "") or model.config.model_type
+    report = Report(
+        "micro-fingerprint",
+        "Model fingerprint (namespace) time",
+        {
+            "model": name,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "tensors": len(tensors),
+            "MB_hashed": round(nbytes / 1e6, 1),
+            "clock": opts.clock,
+        },
+        samples,
+        baseline=bare_name,
+    )
+    report.checks = [
+        Check(f"{cold_name}, median", report.median(cold_name), "s", 0.5),
+        Check(f"{warm_name}, median", report.median(warm_name), "s", 0.5),
+        Check(f"{warm_name}, p99", float(np.percentile(samples[warm_name], 99)), "s"),
+        Check("fingerprint hash throughput, weights warm", nbytes / report.median(warm_name) / GB, "GB/s"),
+        Check("model_fingerprint / bare xxh3-128, weights warm", report.ratio(warm_name, bare_name)),
+    ]
+    report.notes = [
+        f"`kvblocks.namespace.model_fingerprint`: the config (JSON) and every parameter and buffer ({len(tensors)} "
+        f"tensors, {nbytes / 1e6:,.1f} MB) with its name, dtype and shape, streamed through xxh3-128; the "
+        f"result was the same in every run ({next(iter(seen))})",
+        "'right after a load': the model is loaded again (untimed setup, `kvblocks.models.load`, as "
+        "`kvblocks serve` does) and fingerprinted once, before anything else reads its weights; 'weights "
+        "warm': the same model every time; bare = xxh3-128 `update` over the same tensors' bytes, nothing else",
     ]
     return report
 

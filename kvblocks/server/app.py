@@ -1,0 +1,81 @@
+"""`kvblocks serve`: an OpenAI-compatible HTTP sidecar over the engine.
+
+The server speaks HTTP and JSON only: it validates requests, tokenises prompts (to reject bad ones
+with a 4xx before they queue), hands token ids and options to the engine and relays pieces as JSON
+or SSE. Routes live in `openai_routes` (the OpenAI API) and `cache_routes` (health, metrics, cache
+inspection); what they share is `app.state.served`.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvblocks import grammar, tools
+from kvblocks.engine import Engine
+from kvblocks.server import cache_routes, openai_routes
+from kvblocks.server.errors import APIError, validation_error
+from kvblocks.server.guard import GuardConfig, RequestGuard
+from kvblocks.server.state import Served, ServerConfig
+
+
+def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await run_in_threadpool(warm_up, engine.generator.tokenizer)
+        yield
+        # uvicorn re-raises SIGTERM after its graceful shutdown, so code after `uvicorn.run()` never
+        # runs: stop the engine (closing streams commits their tokens) and flush the spill tier here.
+        await run_in_threadpool(engine.stop)
+        if engine.generator.cache is not None:
+            await run_in_threadpool(engine.generator.cache.close)
+
+    app = FastAPI(
+        title="kvblocks",
+        version="0.1.0",
+        description="OpenAI-compatible server with prefix reuse",
+        lifespan=lifespan,
+    )
+    app.state.served = Served(engine, config)
+    app.include_router(openai_routes.router)
+    app.include_router(cache_routes.router)
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_middleware(
+        RequestGuard, config=GuardConfig(config.keys, config.max_body_bytes, config.read_timeout_s)
+    )
+    return app
+
+
+async def api_error(_: Request, exc: APIError):
+    return exc.response()
+
+
+async def invalid_request(_: Request, exc: RequestValidationError):
+    """Query-parameter errors (bodies are validated by `errors.parse_request`)."""
+    return validation_error(exc.errors()).response()
+
+
+async def http_error(_: Request, exc: StarletteHTTPException):
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+def warm_up(tokenizer) -> None:
+    """Build once what the first tool or JSON request would otherwise wait for (about a second)."""
+    grammar.ll_tokenizer(tokenizer)
+    tools.template_supports_tools(tokenizer)
+
+
+def freeze_startup_objects() -> None:
+    """Move everything alive at start (torch, transformers, the model: about a million objects)
+    into the collector's permanent generation. A full collection scans every tracked object; with
+    them it stalls the event loop for hundreds of milliseconds, without them only the trie's own
+    nodes are scanned. Frozen objects are still freed by reference counting."""
+    gc.collect()
+    gc.freeze()

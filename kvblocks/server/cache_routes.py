@@ -1,0 +1,186 @@
+"""Routes outside the OpenAI API: health, metrics and cache inspection (per tenant, off the loop)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import PlainTextResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from kvblocks.explain import explain
+from kvblocks.generator import CachedGenerator
+from kvblocks.server.errors import APIError, parse_request
+from kvblocks.server.schemas import ExplainRequest
+from kvblocks.server.state import caller, scope_of, served
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request):
+    return {"status": "ok", "model": served(request).config.model_name}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    s = served(request)
+    text = await run_in_threadpool(lambda: s.engine.metrics.render(cache_metrics(s.cache)))
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+@router.get("/v1/cache/stats")
+async def cache_stats(request: Request):
+    s, who = served(request), caller(request)
+    if not who.admin:  # a tenant sees its own counters only, nothing of the others' traffic
+        own = None if s.cache is None else await run_in_threadpool(lambda: s.cache.stats(tenant=who.tenant))
+        return {"model": s.config.model_name, "tenant": who.tenant, "cache": own}
+    stats = None if s.cache is None else await run_in_threadpool(s.cache.stats)
+    return {
+        "model": s.config.model_name,
+        "uptime_s": time.time() - s.started,
+        "engine": {"active": s.engine.active, "queued": s.engine.queued},
+        "cache": stats,
+        "counters": dict(s.engine.metrics.counters),
+    }
+
+
+@router.get("/v1/cache/prefixes")
+async def cache_prefixes(
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 10,
+    tree: bool = False,
+    max_nodes: Annotated[int, Query(ge=1, le=5000)] = 200,
+):
+    s, who = served(request), caller(request)
+    if s.cache is None:
+        return {"prefixes": [], "tree": []}
+    tenant = None if who.admin else who.tenant
+
+    def listing() -> str:
+        # Built and serialised off the event loop (FastAPI's own encoder would run on it), with
+        # the collector paused: see gc_paused.
+        with gc_paused():
+            return json.dumps(inspect_prefixes(s.gen, tenant, limit, tree, max_nodes), ensure_ascii=False)
+
+    return Response(await run_in_threadpool(listing), media_type="application/json")
+
+
+@router.post("/v1/cache/explain")
+async def cache_explain(request: Request):
+    s = served(request)
+    body = await parse_request(request, ExplainRequest, s.config.lenient)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+    prompt = (
+        body.prompt
+        if body.messages is None
+        else [{"role": m.role, "content": m.text()} for m in body.messages]
+    )
+    try:
+        ids = await run_in_threadpool(s.gen.encode, prompt)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="prompt") from exc
+    if s.cache is None:
+        raise APIError(400, "this server runs without a prefix cache")
+    salt, everyone = scope_of(request, body.cache_salt), caller(request).admin
+    result = await run_in_threadpool(
+        lambda: explain(
+            s.cache, s.gen.tokenizer, ids, salt=salt, all_tenants=everyone, prompt_logprobs=body.echo_logprobs
+        )
+    )
+    return result.as_dict()
+
+
+_gc_pause_lock = threading.Lock()
+_gc_pause = {"depth": 0, "was_enabled": True}
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No automatic garbage collection while the block runs (nested and concurrent use are fine).
+
+    A listing of a large trie allocates thousands of dicts; they trigger full collections, and
+    a full collection over 100k trie nodes holds the GIL for about 130 ms, stalling the event
+    loop. Paused, the listing's objects are freed by reference counting when it ends and the
+    collector runs as it would have without the listing.
+    """
+    with _gc_pause_lock:
+        _gc_pause["depth"] += 1
+        if _gc_pause["depth"] == 1:
+            _gc_pause["was_enabled"] = gc.isenabled()
+            gc.disable()
+    try:
+        yield
+    finally:
+        with _gc_pause_lock:
+            _gc_pause["depth"] -= 1
+            if _gc_pause["depth"] == 0 and _gc_pause["was_enabled"]:
+                gc.enable()
+
+
+def preview(head: str, tail: str, elided: bool) -> str:
+    return f"{head} … {tail}" if elided else head
+
+
+def inspect_prefixes(
+    gen: CachedGenerator, tenant: str | None, limit: int, tree: bool, max_nodes: int
+) -> dict:
+    """The most-hit prefixes and the trie's shape with text previews: all of them (tenant None,
+    an admin) or one tenant's, which then sees neither the text nor the namespace keys of others."""
+    decode = gen.tokenizer.decode
+    top = []
+    for p in gen.cache.top_prefixes(limit, tenant=tenant):
+        ids = p.pop("token_ids")
+        p["preview"] = preview(
+            decode(ids[:48], skip_special_tokens=False),
+            decode(ids[-48:], skip_special_tokens=False),
+            len(ids) > 96,
+        )
+        top.append(p)
+    nodes = gen.cache.tree(max_nodes, tenant=tenant) if tree else []
+    for node in nodes:
+        node["preview"] = decode(node.pop("run_ids"), skip_special_tokens=False)
+    return {"prefixes": top, "tree": nodes}
+
+
+def cache_metrics(cache) -> dict[str, tuple[str, dict[str, str], float]]:
+    """Cache counters and gauges for /metrics, hit and queried tokens labelled by tier."""
+    if cache is None:
+        return {}
+    s = cache.stats()
+    device_hits = s["hit_tokens"] - s["spill_hit_tokens"]
+    out = {
+        "kvblocks_prefix_cache_queries_total": ("Prefix-cache lookups.", {}, s["queries"]),
+        'kvblocks_prefix_cache_queried_tokens_total{tier="device"}': (
+            "Prompt tokens looked up, per tier.", {"tier": "device"}, s["queried_tokens"]),
+        'kvblocks_prefix_cache_hit_tokens_total{tier="device"}': (
+            "Prompt tokens served from cache, per tier.", {"tier": "device"}, device_hits),
+        "kvblocks_prefix_cache_inserted_tokens_total": ("Tokens stored in the device pool.", {}, s["inserted_tokens"]),
+        "kvblocks_prefix_cache_evicted_tokens_total": ("Tokens evicted from the device pool.", {}, s["evicted_tokens"]),
+        "kvblocks_prefix_cache_resident_tokens": ("Tokens resident in the device pool.", {}, s["resident_tokens"]),
+        "kvblocks_prefix_cache_resident_bytes": ("KV bytes resident in the device pool.", {}, s["resident_bytes"]),
+        "kvblocks_prefix_cache_capacity_tokens": ("Device pool capacity in tokens.", {}, s["capacity_tokens"]),
+        "kvblocks_prefix_cache_pinned_tokens": ("Pinned tokens.", {}, s["pinned_tokens"]),
+        "kvblocks_prefix_cache_locked_tokens": ("Tokens locked by running requests.", {}, s["locked_tokens"]),
+    }  # fmt: skip
+    if "redis_lookups" in s:
+        chunk = cache.spill.chunk_tokens
+        out |= {
+            'kvblocks_prefix_cache_queried_tokens_total{tier="redis"}': (
+                "Prompt tokens looked up, per tier.", {"tier": "redis"}, s["redis_lookup_chunks"] * chunk),
+            'kvblocks_prefix_cache_hit_tokens_total{tier="redis"}': (
+                "Prompt tokens served from cache, per tier.", {"tier": "redis"}, s["spill_hit_tokens"]),
+            "kvblocks_redis_errors_total": ("Redis operations that failed (read or write).", {}, s["redis_errors"]),
+            "kvblocks_redis_verify_failures_total": (
+                "Redis values rejected by verification.", {}, s["redis_verify_failures"]),
+            "kvblocks_redis_written_chunks_total": ("Chunks written to Redis.", {}, s["redis_written_chunks"]),
+            "kvblocks_redis_write_drops_total": ("Chunk writes dropped (queue full or Redis down).", {}, s["redis_write_drops"]),
+        }  # fmt: skip
+    return out

@@ -1,0 +1,123 @@
+"""OpenAI-style errors, and turning a raw request body into a validated request or a clear 4xx."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from kvblocks.server.guard import error_response
+from kvblocks.server.schemas import ACCEPTED_DEFAULTS, REFUSED
+
+log = logging.getLogger("kvblocks.server")
+M = TypeVar("M", bound=BaseModel)
+
+MEDIA_PARTS = {"image_url", "input_image", "input_audio", "audio_url", "file", "video_url"}
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# What pydantic puts in an error location besides field names: the union member it tried.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "tagged-union", "union"}
+
+
+class APIError(Exception):
+    """An OpenAI-style error: status, message, type, param, code."""
+
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self):
+        return error_response(self.status, self.message, self.type, self.param, self.code)
+
+
+async def parse_request(request: Request, model: type[M], lenient: bool) -> M:
+    """The body as a validated `model`, or an APIError that names what is wrong."""
+    raw = await request.body()
+    content_type = request.headers.get("content-type", "")
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        if content_type and "json" not in content_type:
+            raise APIError(
+                400,
+                f"the request body must be JSON sent as Content-Type: application/json, got '{content_type}'",
+            ) from exc
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    data = screen(data, model, lenient)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(include_url=False)) from exc
+
+
+def screen(data: dict, model: type[BaseModel], lenient: bool) -> dict:
+    """Refuse parameters this server cannot honour, and unknown ones (dropped with a warning when
+    lenient); refuse media content parts with a message that says why."""
+    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    out = {}
+    for key, value in data.items():
+        if key in REFUSED and value not in ACCEPTED_DEFAULTS.get(key, [None]):
+            raise APIError(
+                400, f"'{key}' is not supported: {REFUSED[key]}", param=key, code="unsupported_parameter"
+            )
+        if key not in known:
+            if lenient:
+                log.warning("kvblocks: ignoring unknown request argument '%s' (--lenient)", key)
+                continue
+            raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
+        out[key] = value
+    for i, message in enumerate(out.get("messages") or []):
+        parts = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(parts if isinstance(parts, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                raise APIError(
+                    400,
+                    f"this model is text-only: messages[{i}].content[{j}] is an '{kind}' part; send text parts only",
+                    param=f"messages[{i}].content[{j}]",
+                    code="unsupported_content",
+                )
+    return out
+
+
+def validation_error(errors: Sequence[dict]) -> APIError:
+    """The first error, its location written as a parameter path without pydantic's union tags."""
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    path = location(first["loc"])
+    same_place = [e for e in errors if location(e["loc"]) == path]
+    if len(same_place) > 1 and first["type"] not in ("missing", "extra_forbidden"):
+        message = f"{path}: has the wrong type or value ({_plain(first)})"
+    elif first["type"] == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {path}"
+    else:
+        message = f"{path}: {_plain(first)}" if path else _plain(first)
+    return APIError(400, message, param=path or None)
+
+
+def location(loc: tuple) -> str:
+    out = ""
+    if loc and loc[0] in ("body", "query", "path"):
+        loc = loc[1:]
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and _NAME.match(part) and part.lower() not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out
+
+
+def _plain(error: dict) -> str:
+    message = error.get("msg", "invalid value")
+    return message.removeprefix("Value error, ")

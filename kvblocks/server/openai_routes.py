@@ -1,0 +1,573 @@
+"""The OpenAI API: models, chat completions and completions, streamed (SSE) or not.
+
+A request becomes one or more engine requests (`n` choices, `best_of` candidates, several
+prompts), each a `GenerationParams` plus the token ids to prefill. Choice i of a request with a
+`seed` uses seed + i, so every choice can be reproduced alone. The first branch to prefill a
+prompt commits its KV; the others hit it in the trie instead of prefilling it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import StreamingResponse
+
+from kvblocks import grammar, tools
+from kvblocks.generator import GenerationResult, Piece
+from kvblocks.params import GenerationParams, ParamError
+from kvblocks.sampling import TokenLogprob
+from kvblocks.server.errors import APIError, parse_request
+from kvblocks.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvblocks.server.state import Served, scope_of, served
+
+router = APIRouter()
+SEED_SPACE = 1 << 64
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [model_card(served(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    s = served(request)
+    check_model(s, model_id)
+    return model_card(s)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    s = served(request)
+    body = await parse_request(request, ChatCompletionRequest, s.config.lenient)
+    check_model(s, body.model)
+    plan = await run_in_threadpool(plan_chat, s, body)
+    params = sampling(s, body, budget(s, plan.ids, body.max_completion_tokens or body.max_tokens))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    params = replace(params, logprobs=logprobs, constraint=plan.constraint)
+    check_params(s, params)
+    branches = [Branch(i, plan.ids, with_seed(params, i)) for i in range(body.n or 1)]
+    call = Call(request, "chatcmpl", chat=True, plan=plan, salt=scope_of(request, body.cache_salt))
+    if body.stream:
+        return stream(s, call, branches, body.stream_options)
+    results = await gather(s, call, branches)
+    return call.response(s, [chat_choice(s, call, b, r) for b, r in zip(branches, results)], results)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    s = served(request)
+    body = await parse_request(request, CompletionRequest, s.config.lenient)
+    check_model(s, body.model)
+    n, best_of = body.n or 1, body.best_of or body.n or 1
+    if best_of < n:
+        raise APIError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+    if best_of > n and body.stream:
+        raise APIError(400, "best_of cannot be used with stream", param="best_of")
+    echo = bool(body.echo)
+    if echo and body.logprobs is not None and body.stream:
+        raise APIError(400, "echo with logprobs is not supported when streaming", param="echo")
+    prompts = await encode_prompts(s, body.prompt)
+    base = sampling(s, body, 1)
+    logprobs = body.logprobs
+    if best_of > n:  # candidates are ranked by their cumulative log-probability
+        logprobs = 0 if logprobs is None else logprobs
+    prompt_logprobs = body.logprobs if echo and body.logprobs is not None else None
+    branches = []
+    for p, ids in enumerate(prompts):
+        limit = budget(s, ids, body.max_tokens, none_is_all=True)
+        params = replace(base, max_new_tokens=limit, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        check_params(s, params)
+        branches += [Branch(p * n + i, ids, with_seed(params, i), prompt=p) for i in range(best_of)]
+    call = Call(
+        request, "cmpl", chat=False, echo=echo, report_logprobs=body.logprobs is not None,
+        salt=scope_of(request, body.cache_salt),
+    )  # fmt: skip
+    if body.stream:
+        return stream(s, call, branches, body.stream_options)
+    results = await gather(s, call, branches)
+    if best_of > n:
+        branches, results = best_candidates(branches, results, n)
+    choices = [completion_choice(s, call, b, r) for b, r in zip(branches, results)]
+    return call.response(s, choices, results, prompts_counted=len(prompts))
+
+
+# ---- planning --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ChatPlan:
+    """A chat request's prompt ids, its tool-call parser (None: no tools) and its constraint."""
+
+    ids: list[int]
+    parser: tools.ToolParser | None = None
+    constraint: Any = None
+
+
+def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
+    """Render the messages (and tools) to ids; compile the constraint that tool_choice or
+    response_format asks for. Runs in a worker thread: templates and grammars take a while.
+
+    `tool_choice` "none" renders the tool history but not the tools, and parses no calls;
+    "required" or a named function decode under a grammar of the tools' schemas, so the call
+    always parses and validates; "auto" lets the model choose and parses what it wrote.
+    """
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    tool_defs = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    choice = body.tool_choice if isinstance(body.tool_choice, str | None) else body.tool_choice.model_dump()
+    if choice is not None and not tool_defs:
+        raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+    if (
+        body.response_format is not None
+        and body.response_format.type != "text"
+        and choice not in (None, "auto", "none")
+    ):
+        raise APIError(
+            400, "give a forced tool_choice or a JSON response_format, not both", param="response_format"
+        )
+    tokenizer, vocab = s.gen.tokenizer, s.gen.vocab_size
+    parser = tools.get_parser(s.config.tool_parser or tools.detect_parser(tokenizer))
+    offered = tool_defs if choice != "none" else []
+    try:
+        ids = s.gen.encode(tools.render_messages(tokenizer, messages, offered or None, parser))
+    except tools.ToolError as exc:
+        raise APIError(400, str(exc), param="tools") from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+    try:
+        forced = tools.tool_call_grammar(
+            offered, choice, parser, parallel_tool_calls=bool(body.parallel_tool_calls), tokenizer=tokenizer
+        )
+    except tools.ToolError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from exc
+    where = "tools" if forced else "response_format"
+    try:
+        if forced:
+            constraint = grammar.lark_constraint(tokenizer, vocab, forced)
+        elif body.response_format is None or body.response_format.type == "text":
+            constraint = None
+        elif body.response_format.type == "json_object":
+            constraint = grammar.json_object_constraint(tokenizer, vocab)
+        else:
+            spec = body.response_format.json_schema
+            constraint = grammar.json_schema_constraint(
+                tokenizer, vocab, spec.schema_ or {}, bool(spec.strict)
+            )
+    except grammar.GrammarError as exc:
+        raise APIError(400, str(exc), param=where) from exc
+    return ChatPlan(ids, parser if offered else None, constraint)
+
+
+async def encode_prompts(s: Served, prompt) -> list[list[int]]:
+    """Completions accept a string, a list of strings, a list of ids or a list of id lists."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "prompt is empty", param="prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        try:
+            out.append(await run_in_threadpool(s.gen.encode, p))
+        except ValueError as exc:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise APIError(400, f"{where}: {exc}", param=where) from exc
+    return out
+
+
+def sampling(s: Served, body, limit: int) -> GenerationParams:
+    """The sampling options shared by chat and completions."""
+    bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+    return params_or_400(
+        max_new_tokens=limit,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),
+        min_p=body.min_p or 0.0,
+        stop=stop,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=bias,
+        min_tokens=body.min_tokens or 0,
+        ignore_eos=bool(body.ignore_eos),
+    )
+
+
+def params_or_400(**fields) -> GenerationParams:
+    try:
+        return GenerationParams(**fields)
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+
+
+def check_params(s: Served, params: GenerationParams) -> None:
+    """What this generator cannot honour (a speculative one: penalties), or ids outside the vocabulary."""
+    try:
+        s.gen.check_params(params)
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+
+
+def with_seed(params: GenerationParams, i: int) -> GenerationParams:
+    return params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % SEED_SPACE)
+
+
+def budget(s: Served, ids: list[int], requested: int | None, none_is_all: bool = False) -> int:
+    """Tokens a choice may generate: what was asked for, never past the model's context. None
+    means up to the context limit (completions) or the server's default (chat)."""
+    room = (s.gen.max_context or 1 << 30) - len(ids)
+    if requested is None:
+        return max(1, room if none_is_all and s.gen.max_context else min(room, s.config.default_max_tokens))
+    if requested > room:
+        raise APIError(
+            400,
+            f"max_tokens is {requested} but the prompt has {len(ids)} tokens and the model's context is "
+            f"{s.gen.max_context}; at most {room} tokens can be generated",
+            param="max_tokens",
+        )
+    return requested
+
+
+def check_model(s: Served, name: str) -> None:
+    if name != s.config.model_name:
+        raise APIError(
+            404,
+            f"the model '{name}' does not exist; this server serves '{s.config.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def model_card(s: Served) -> dict:
+    card = {"id": s.config.model_name, "object": "model", "created": int(s.started), "owned_by": "kvblocks"}
+    if s.gen.max_context:
+        card["max_model_len"] = s.gen.max_context
+    return card
+
+
+# ---- running ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Branch:
+    """One engine request: choice `index` of prompt `prompt`."""
+
+    index: int
+    ids: list[int]
+    params: GenerationParams
+    prompt: int = 0
+
+
+@dataclass(slots=True)
+class Call:
+    """What one HTTP request shares across its branches."""
+
+    request: Request
+    kind: str
+    chat: bool
+    plan: ChatPlan | None = None
+    echo: bool = False
+    report_logprobs: bool = False
+    salt: Any = None
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = f"{self.kind}-{uuid.uuid4().hex[:24]}"
+
+    @property
+    def object(self) -> str:
+        if self.chat:
+            return "chat.completion"
+        return "text_completion"
+
+    def response(
+        self, s: Served, choices: list[dict], results: list[GenerationResult], prompts_counted: int = 1
+    ):
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": s.config.model_name,
+            "choices": sorted(choices, key=lambda c: c["index"]),
+            "usage": usage(results, prompts_counted),
+        }
+
+
+def submit(s: Served, call: Call, branch: Branch, watch: bool) -> AsyncIterator[Piece]:
+    """Queue one branch; its pieces as an async iterator. With `watch`, a client that goes away
+    cancels it at the engine's next step (streams are cancelled when their writes fail)."""
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+    handle = s.engine.submit(
+        branch.ids,
+        lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
+        params=branch.params,
+        salt=call.salt,
+    )
+
+    async def watch_disconnect() -> None:
+        # The body was read already: the next message this request receives is its disconnect.
+        while (await call.request.receive())["type"] != "http.disconnect":
+            pass
+        handle.cancelled.set()
+        inbox.put_nowait(None)
+
+    async def events() -> AsyncIterator[Piece]:
+        watcher = asyncio.create_task(watch_disconnect()) if watch else None
+        try:
+            while True:
+                item = await inbox.get()
+                if item is None:  # the client went away
+                    return
+                if isinstance(item, BaseException):
+                    raise APIError(500, f"generation failed: {item}", type_="server_error")
+                yield item
+                if item.result is not None:
+                    return
+        finally:
+            handle.cancelled.set()  # a no-op once finished; frees the slot and its locks otherwise
+            if watcher is not None:
+                watcher.cancel()
+
+    return events()
+
+
+async def gather(s: Served, call: Call, branches: list[Branch]) -> list[GenerationResult]:
+    """Run every branch to its result (non-streaming). One disconnect watcher is enough per
+    request; the first branch's also cancels the others through the shared finally blocks."""
+
+    async def one(branch: Branch, watch: bool) -> GenerationResult | None:
+        events = submit(s, call, branch, watch)
+        result = None
+        try:
+            async for piece in events:
+                result = piece.result
+        finally:
+            await events.aclose()
+        return result
+
+    tasks = [asyncio.create_task(one(b, i == 0)) for i, b in enumerate(branches)]
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+    if any(r is None for r in results):  # the client went away; nobody reads this
+        raise APIError(499, "client closed the request", code="client_closed_request")
+    return results
+
+
+def best_candidates(branches: list[Branch], results: list[GenerationResult], n: int):
+    """Per prompt, the n candidates with the highest cumulative log-probability, re-indexed."""
+    kept_b, kept_r = [], []
+    by_prompt: dict[int, list[tuple[Branch, GenerationResult]]] = {}
+    for b, r in zip(branches, results):
+        by_prompt.setdefault(b.prompt, []).append((b, r))
+    for p, pairs in sorted(by_prompt.items()):
+        pairs.sort(key=lambda br: -sum(t.logprob for t in br[1].logprobs or []))
+        for i, (b, r) in enumerate(pairs[:n]):
+            kept_b.append(replace(b, index=p * n + i))
+            kept_r.append(r)
+    return kept_b, kept_r
+
+
+# ---- shaping results -------------------------------------------------------------------------
+
+
+def token_text(s: Served, token: int) -> str:
+    return s.gen.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def chat_logprobs(s: Served, entries: list[TokenLogprob]) -> dict:
+    def item(token: int, logprob: float) -> dict:
+        text = token_text(s, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries
+        ]
+    }
+
+
+def completion_logprobs(s: Served, entries: list[TokenLogprob | None], offset: int) -> dict:
+    """OpenAI's legacy shape; `None` entries (the first prompt token) have no log-probability."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for e in entries:
+        text = token_text(s, e.token) if e is not None else ""
+        tokens.append(text)
+        token_logprobs.append(None if e is None else e.logprob)
+        tops.append(None if e is None else {token_text(s, t): lp for t, lp in e.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_choice(s: Served, call: Call, branch: Branch, r: GenerationResult) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": r.text}
+    finish = r.finish_reason
+    if call.plan is not None and call.plan.parser is not None:
+        content, calls = call.plan.parser.parse(r.text)
+        if calls:
+            message["content"] = content or None
+            message["tool_calls"] = [c.as_openai() for c in calls]
+            finish = "tool_calls"
+    choice = {"index": branch.index, "message": message, "finish_reason": finish, "logprobs": None}
+    if branch.params.logprobs is not None:
+        choice["logprobs"] = chat_logprobs(s, r.logprobs or [])
+    return choice
+
+
+def completion_choice(s: Served, call: Call, branch: Branch, r: GenerationResult) -> dict:
+    prompt_text = s.gen.tokenizer.decode(r.prompt_ids, skip_special_tokens=False) if call.echo else ""
+    choice = {
+        "index": branch.index,
+        "text": prompt_text + r.text,
+        "finish_reason": r.finish_reason,
+        "logprobs": None,
+    }
+    if call.report_logprobs:
+        entries: list[TokenLogprob | None] = list(r.prompt_logprobs or []) if call.echo else []
+        choice["logprobs"] = completion_logprobs(s, entries + list(r.logprobs or []), 0)
+    return choice
+
+
+def usage(results: list[GenerationResult], prompts_counted: int = 1) -> dict:
+    """Prompt tokens count once per distinct prompt (its branches share its prefill)."""
+    per_prompt = len(results) // max(1, prompts_counted)
+    firsts = results[::per_prompt] if per_prompt else results
+    prompt = sum(r.prompt_tokens for r in firsts)
+    completion = sum(len(r.token_ids) for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
+    }
+
+
+# ---- streaming -------------------------------------------------------------------------------
+
+
+def stream(s: Served, call: Call, branches: list[Branch], options) -> StreamingResponse:
+    include_usage = bool(options and options.include_usage)
+    return StreamingResponse(
+        sse(s, call, branches, include_usage),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
+
+
+async def sse(s: Served, call: Call, branches: list[Branch], include_usage: bool) -> AsyncIterator[str]:
+    """Pieces of every branch as they come, each chunk tagged with its choice index."""
+    base = {"id": call.id, "created": call.created, "model": s.config.model_name}
+    obj = "chat.completion.chunk" if call.chat else "text_completion"
+    queue: asyncio.Queue = asyncio.Queue()
+    streams = [submit(s, call, b, watch=False) for b in branches]
+
+    async def pump(i: int) -> None:
+        try:
+            async for piece in streams[i]:
+                await queue.put((i, piece))
+        except APIError as exc:
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    def data(payload: dict) -> str:
+        return "data: " + json.dumps(payload) + "\n\n"
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(branches))]
+    tool_streams = {
+        i: tools.ToolStreamParser(call.plan.parser)
+        for i in range(len(branches))
+        if call.chat and call.plan.parser
+    }
+    results: list[GenerationResult | None] = [None] * len(branches)
+    try:
+        for b in branches:
+            if call.chat:
+                yield data(
+                    base
+                    | {
+                        "object": obj,
+                        "choices": [chunk_choice(b.index, {"role": "assistant", "content": ""})],
+                    }
+                )
+            elif call.echo:
+                prompt_text = s.gen.tokenizer.decode(b.ids, skip_special_tokens=False)
+                yield data(base | {"object": obj, "choices": [text_choice(b.index, prompt_text)]})
+        open_streams = len(branches)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if isinstance(item, APIError):
+                yield data({"error": {"message": item.message, "type": item.type}})
+                continue
+            b = branches[i]
+            piece: Piece = item
+            finish = piece.result.finish_reason if piece.result is not None else None
+            logprobs = None
+            if b.params.logprobs is not None and piece.logprobs:
+                logprobs = (
+                    chat_logprobs(s, piece.logprobs)
+                    if call.chat
+                    else completion_logprobs(s, piece.logprobs, 0)
+                )
+            if call.chat:
+                delta: dict[str, Any] = {}
+                text = piece.text
+                if i in tool_streams:
+                    text = tool_streams[i].feed(piece.text)
+                    if piece.result is not None:
+                        rest, calls = tool_streams[i].finish()
+                        text += rest
+                        if calls:
+                            delta["tool_calls"] = [c.as_openai() | {"index": k} for k, c in enumerate(calls)]
+                            finish = "tool_calls"
+                if text:
+                    delta["content"] = text
+                if delta or finish or logprobs:
+                    yield data(
+                        base | {"object": obj, "choices": [chunk_choice(b.index, delta, finish, logprobs)]}
+                    )
+            elif piece.text or finish or logprobs:
+                yield data(
+                    base | {"object": obj, "choices": [text_choice(b.index, piece.text, finish, logprobs)]}
+                )
+            if piece.result is not None:
+                results[i] = piece.result
+        if include_usage and all(r is not None for r in results):
+            prompts = len({b.prompt for b in branches})
+            yield data(base | {"object": obj, "choices": [], "usage": usage(results, prompts)})
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        for events in streams:
+            await events.aclose()
+
+
+def chunk_choice(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+
+
+def text_choice(index: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}

@@ -1,0 +1,207 @@
+"""Request schemas of the OpenAI-compatible API, and the one rule: honoured or refused by name.
+
+Every field a request model declares is honoured. `REFUSED` lists the OpenAI parameters this
+server cannot honour, each with the reason given in its 400. Any other key is unknown and is
+refused the way OpenAI refuses it ("Unrecognized request argument supplied: X"), or ignored with
+a logged warning when the server runs with `--lenient`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# OpenAI parameters this server does not implement, with the reason their 400 gives.
+REFUSED = {
+    "audio": "audio output is not supported: this server serves a text-only model",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "the deprecated 'functions' parameter is not supported; use 'tools'",
+    "function_call": "the deprecated 'function_call' parameter is not supported; use 'tool_choice'",
+    "reasoning_effort": "this model does not reason; 'reasoning_effort' cannot be honoured",
+    "verbosity": "'verbosity' cannot be honoured by this model",
+    "suffix": "'suffix' (insertion) is not supported",
+    "store": "stored completions are not supported",
+    "metadata": "'metadata' is only stored with stored completions, which are not supported",
+    "service_tier": "service tiers are not supported",
+}
+# Accepted values that change nothing here, so refusing them would only break clients.
+ACCEPTED_DEFAULTS = {
+    "modalities": [["text"]],
+    "store": [False, None],
+    "service_tier": ["auto", "default", None],
+}
+
+MAX_STOPS = 16
+MAX_TOP_LOGPROBS = 20
+MAX_N = 16
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a 'tool' message needs 'tool_call_id'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only 'assistant' messages carry 'tool_calls'")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs 'content' (or 'tool_calls' for an assistant message)")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class FunctionDef(_Model):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Model):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("'json_schema' is required when type is 'json_schema'")
+        return self
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _Sampling(_Model):
+    """Parameters shared by chat and completions (OpenAI's, then vLLM's extras)."""
+
+    model: str
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = 1.0
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None  # what torch accepts
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: Annotated[int, Field(ge=-1)] | None = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = 1.0
+    min_tokens: Annotated[int, Field(ge=0)] | None = 0
+    ignore_eos: bool | None = False
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v):
+        for key in v or {}:
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"keys must be token ids, got '{key}'")
+        return v
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    response_format: ResponseFormat | None = None
+    # accepted, no effect on output: routing keys and end-user identifiers
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool | None = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+
+
+class ExplainRequest(_Model):
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    cache_salt: str | None = None
+    # what the request would ask for that changes how the cache is used
+    echo_logprobs: bool = False

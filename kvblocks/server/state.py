@@ -1,0 +1,55 @@
+"""What every route shares, kept on `app.state.served`: the engine, its generator and cache, the config."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from kvblocks.auth import ApiKeys, Principal
+from kvblocks.engine import Engine
+from kvblocks.generator import CachedGenerator
+from kvblocks.namespace import Scope
+from kvblocks.server.guard import principal_of
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """`keys` None: an open server (every caller is an admin of the default tenant)."""
+
+    model_name: str
+    keys: ApiKeys | None = None
+    default_max_tokens: int = 256
+    max_body_bytes: int = 4 << 20
+    read_timeout_s: float = 30.0
+    lenient: bool = False
+    tool_parser: str | None = None
+
+
+@dataclass(slots=True)
+class Served:
+    engine: Engine
+    config: ServerConfig
+    started: float = field(default_factory=time.time)
+
+    @property
+    def gen(self) -> CachedGenerator:
+        return self.engine.generator
+
+    @property
+    def cache(self):
+        return self.engine.generator.cache
+
+
+def served(request: Request) -> Served:
+    return request.app.state.served
+
+
+def caller(request: Request) -> Principal:
+    return principal_of(request.scope)
+
+
+def scope_of(request: Request, cache_salt: str | None) -> Scope:
+    """The request's place in the cache: its key's tenant, refined by its own cache_salt."""
+    return Scope(caller(request).tenant, cache_salt or "")

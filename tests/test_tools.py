@@ -1,0 +1,399 @@
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoTokenizer
+
+from kvblocks import models
+from kvblocks.grammar import lark_constraint
+from kvblocks.text import encode_prompt
+from kvblocks.tools import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ToolCall,
+    ToolError,
+    ToolStreamParser,
+    detect_parser,
+    get_parser,
+    render_messages,
+    template_supports_tools,
+    tool_call_grammar,
+    validate_tools,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the web.",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}, "max_results": {"type": "integer"}},
+            "required": ["query"],
+        },
+    },
+}
+TOOLS = [WEATHER, SEARCH]
+
+PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
+LLAMAS = ("search", {"query": "llamas", "max_results": 3})
+
+# (text, content, [(name, arguments)]) per parser: single, several, with content, malformed.
+CASES = {
+    "hermes": [
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+         None, [PARIS]),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "search", "arguments": {"query": "llamas", "max_results": 3}}\n</tool_call>',
+         None, [PARIS, LLAMAS]),
+        ('Let me check.\n<tool_call>{"name": "search", "arguments": {"query": "llamas", "max_results": 3}}'
+         "</tool_call>\nDone.", "Let me check.\n\nDone.", [LLAMAS]),
+        ('Sure <tool_call>\n{"name": "search", "arguments": {"query": "llamas", "max_results": 3}}',
+         "Sure", [LLAMAS]),
+        ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", {"a": 1})]),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>', []),
+        ('Hi <tool_call>{"arguments": {}}</tool_call>', 'Hi <tool_call>{"arguments": {}}</tool_call>', []),
+        ("No tools needed, the answer is 4. <tool", "No tools needed, the answer is 4. <tool", []),
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None, [PARIS]),
+        ('<|python_tag|>{"name": "search", "arguments": {"query": "llamas", "max_results": 3}}', None, [LLAMAS]),
+        ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+         '{"name": "search", "parameters": {"query": "llamas", "max_results": 3}}', None, [PARIS, LLAMAS]),
+        ('Checking. <|python_tag|>{"name": "search", "parameters": {"query": "llamas", "max_results": 3}}',
+         "Checking.", [LLAMAS]),
+        ('{"name": "get_weather", "parameters": {"city": "Paris"', '{"name": "get_weather", "parameters": {"city": "Paris"', []),
+        ('{"name": "a", "parameters": {}}; {"oops"', '{"name": "a", "parameters": {}}; {"oops"', []),
+        ('{"answer": 42}', '{"answer": 42}', []),
+        ("The set is {1, 2}.", "The set is {1, 2}.", []),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]', None, [PARIS]),
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+         '{"name": "search", "arguments": {"query": "llamas", "max_results": 3}}]', None, [PARIS, LLAMAS]),
+        ('Let me look. [TOOL_CALLS][{"name": "search", "arguments": {"query": "llamas", "max_results": 3}}]',
+         "Let me look.", [LLAMAS]),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', None, [PARIS]),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+         '[TOOL_CALLS]search[ARGS]{"query": "llamas", "max_results": 3}', None, [PARIS, LLAMAS]),
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {]', '[TOOL_CALLS][{"name": "get_weather", "arguments": {]', []),
+        ('[TOOL_CALLS][{"name": "a", "arguments": {}}, {"arguments": {}}]',
+         '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"arguments": {}}]', []),
+        ("Plain answer [TOOL_CALL", "Plain answer [TOOL_CALL", []),
+    ],
+}  # fmt: skip
+ALL_CASES = [(name, *case) for name, cases in CASES.items() for case in cases]
+
+
+def _pairs(calls: list[ToolCall]) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(models.default_model_dir())
+
+
+# ---- parsers -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), ALL_CASES)
+def test_parser_splits_content_and_calls(parser, text, content, calls):
+    got_content, got_calls = get_parser(parser).parse(text)
+    assert got_content == content
+    assert _pairs(got_calls) == calls
+    assert all(c.id.startswith("call_") and len(c.id) > 10 for c in got_calls)
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), ALL_CASES)
+def test_streamed_in_random_pieces_equals_parse_of_the_whole(parser, text, content, calls):
+    rng = random.Random(0)
+    for _ in range(25):
+        stream, deltas, pos = ToolStreamParser(get_parser(parser)), [], 0
+        while pos < len(text):
+            step = rng.randint(1, 7)
+            deltas.append(stream.feed(text[pos : pos + step]))
+            pos += step
+        last, got_calls = stream.finish()
+        assert "".join(deltas) + last == (content or "")
+        assert _pairs(got_calls) == calls
+
+
+def test_stream_releases_content_before_a_marker_and_holds_a_partial_one():
+    stream = ToolStreamParser(HermesParser())
+    assert stream.feed("Let me check ") == "Let me check"
+    assert stream.feed("the weather. <tool") == " the weather."
+    assert stream.feed("_call>\n{") == ""
+    assert stream.feed('"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}') == ""
+    assert stream.finish()[0] == ""
+    stream = ToolStreamParser(HermesParser())
+    assert stream.feed("a <tool") == "a"
+    assert stream.feed("box> b") == " <toolbox> b"
+
+
+def test_tool_call_serialises_as_openai_wire_form():
+    call = ToolCall("search", '{"query": "x"}')
+    assert call.as_openai() == {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": "search", "arguments": '{"query": "x"}'},
+    }
+    assert ToolCall("a", "{}").id != ToolCall("a", "{}").id
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("{% for m in messages %}<tool_call>{{ m.content }}</tool_call>{% endfor %}", "hermes"),
+        ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", "mistral"),
+        ("{{ '<|python_tag|>' }}{% if message.role == 'ipython' %}{% endif %}", "llama3_json"),
+        ("{% if m.role == 'ipython' %}<|start_header_id|>ipython<|end_header_id|>{% endif %}", "llama3_json"),
+        ("{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}", "hermes"),
+        (None, "hermes"),
+    ],
+)
+def test_detect_parser_follows_the_templates_marker(template, expected):
+    assert detect_parser(SimpleNamespace(chat_template=template)) == expected
+
+
+def test_unknown_parser_name_is_a_clear_error():
+    with pytest.raises(ToolError, match="hermes, llama3_json, mistral"):
+        get_parser("qwen9")
+
+
+# ---- tool definitions ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tools", "message"),
+    [
+        ({"type": "function"}, "must be a list"),
+        ([{"type": "retrieval"}], r'tools\[0\]: "type" must be "function"'),
+        ([{"type": "function"}], r'tools\[0\]: "function" must be an object'),
+        ([{"type": "function", "function": {"description": "x"}}], r"tools\[0\]\.function\.name"),
+        ([{"type": "function", "function": {"name": "has space"}}], "letters, digits"),
+        ([WEATHER, WEATHER], r"tools\[1\]: two tools are named 'get_weather'"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+            '"type": "object"',
+        ),
+        ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], '"type": "object"'),
+        (
+            [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "required": "a"}},
+                }
+            ],
+            "required must be a list",
+        ),
+    ],
+)
+def test_validate_tools_rejects_malformed_definitions(tools, message):
+    with pytest.raises(ToolError, match=message):
+        validate_tools(tools)
+
+
+def test_validate_tools_gives_parameterless_functions_an_empty_object_schema():
+    (fn,) = validate_tools([{"type": "function", "function": {"name": "now"}}])
+    assert fn["parameters"] == {"type": "object", "properties": {}}
+
+
+# ---- rendering -----------------------------------------------------------------------------
+
+QUESTION = {"role": "user", "content": "What's the weather in Paris?"}
+CALLED = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+        }
+    ],
+}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}
+
+
+def _ids(tok, messages, tools=None) -> list[int]:
+    return encode_prompt(tok, render_messages(tok, messages, tools))
+
+
+def test_without_tools_messages_render_exactly_as_before(tok):
+    messages = [{"role": "system", "content": "Be brief."}, QUESTION]
+    assert render_messages(tok, messages) == messages
+    assert render_messages(tok, messages, []) == messages
+
+
+def test_smollm2_template_lacks_tools_so_the_builtin_hermes_preamble_is_used(tok):
+    assert not template_supports_tools(tok)
+    assert detect_parser(tok) == "hermes"
+    rendered = render_messages(tok, [QUESTION], TOOLS)
+    assert [m["role"] for m in rendered] == ["system", "user"]
+    preamble = rendered[0]["content"]
+    assert "<tools>" in preamble and "<tool_call>" in preamble
+    assert "get_weather" in preamble and "Search the web." in preamble
+
+
+def test_tools_calls_and_results_each_grow_the_prompt(tok):
+    plain = [QUESTION, {"role": "assistant", "content": ""}, {"role": "user", "content": ""}]
+    today = encode_prompt(tok, plain)  # what tool turns became before: empty turns
+    question = _ids(tok, [QUESTION])
+    with_tools = _ids(tok, [QUESTION], TOOLS)
+    with_call = _ids(tok, [QUESTION, CALLED], TOOLS)
+    with_result = _ids(tok, [QUESTION, CALLED, RESULT], TOOLS)
+    assert len(question) < len(with_tools) < len(with_call) < len(with_result)
+    assert len(with_result) - len(with_tools) > len(today) - len(question)
+    text = tok.decode(with_result)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
+    assert "<|im_start|>user\n<tool_response>\n18 degrees and sunny\n</tool_response><|im_end|>" in text
+
+
+def test_consecutive_tool_results_share_one_user_turn(tok):
+    second = {"role": "tool", "tool_call_id": "call_2", "content": "no results"}
+    rendered = render_messages(tok, [QUESTION, CALLED, RESULT, second], TOOLS)
+    assert [m["role"] for m in rendered] == ["system", "user", "assistant", "user"]
+    assert rendered[-1]["content"].count("<tool_response>") == 2
+
+
+def test_tool_preamble_joins_an_existing_system_message(tok):
+    rendered = render_messages(tok, [{"role": "system", "content": "Be brief."}, QUESTION], TOOLS)
+    assert rendered[0]["content"].startswith("Be brief.\n\n# Tools")
+
+
+def test_builtin_preamble_and_history_follow_the_chosen_parser(tok):
+    rendered = render_messages(tok, [QUESTION, CALLED], TOOLS, parser=get_parser("llama3_json"))
+    assert '{"name": <function-name>, "parameters": <arguments-json-object>}' in rendered[0]["content"]
+    assert rendered[-1] == {
+        "role": "assistant",
+        "content": '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+    }
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_with_tool_support_renders_tools_itself():
+    tok = AutoTokenizer.from_pretrained(models.default_model_dir())
+    tok.chat_template = TOOL_TEMPLATE
+    assert template_supports_tools(tok)
+    ids = render_messages(tok, [QUESTION, CALLED, RESULT], TOOLS)
+    assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+    assert encode_prompt(tok, ids) == ids
+    text = tok.decode(ids)
+    assert "Current weather in a city." in text
+    assert '"arguments": {"city": "Paris", "unit": "celsius"}' in text
+    assert "<|im_start|>tool\n18 degrees and sunny" in text
+
+
+def test_a_template_that_drops_tool_calls_is_not_trusted_with_tools():
+    tok = AutoTokenizer.from_pretrained(models.default_model_dir())
+    tok.chat_template = TOOL_TEMPLATE.replace("{% for c in m.tool_calls or [] %}", "{% for c in [] %}")
+    assert not template_supports_tools(tok)
+
+
+# ---- constrained calls ---------------------------------------------------------------------
+
+
+def test_tool_choice_auto_or_none_constrains_nothing():
+    assert tool_call_grammar(TOOLS, "auto", HermesParser()) is None
+    assert tool_call_grammar(TOOLS, "none", HermesParser()) is None
+
+
+@pytest.mark.parametrize(
+    ("choice", "message"),
+    [
+        ({"type": "function", "function": {"name": "send_email"}}, "'send_email', which is not in tools"),
+        ("always", 'tool_choice must be "none", "auto", "required"'),
+        ({"type": "function", "name": "search"}, "tool_choice must be"),
+    ],
+)
+def test_bad_tool_choice_is_a_clear_error(choice, message):
+    with pytest.raises(ToolError, match=message):
+        tool_call_grammar(TOOLS, choice, HermesParser())
+
+
+def test_required_without_tools_is_a_clear_error():
+    with pytest.raises(ToolError, match="at least one tool"):
+        tool_call_grammar([], "required", HermesParser())
+
+
+def _feed(factory, tok, text):
+    """Advance a fresh constraint through `text`; end with EOS unless the grammar already ended."""
+    constraint = factory.start()
+    for token in tok(text, add_special_tokens=False)["input_ids"]:
+        constraint.advance(token)
+    if not constraint.done():
+        constraint.advance(tok.eos_token_id)
+    assert constraint.done()
+
+
+NAMED = {"type": "function", "function": {"name": "search"}}
+
+
+@pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser(), MistralParser()])
+def test_constrained_formats_accept_their_own_calls_and_parse_back(tok, parser):
+    one, two = parser.render([PARIS]), parser.render([PARIS, LLAMAS])
+    parallel = lark_constraint(tok, len(tok), tool_call_grammar(TOOLS, "required", parser))
+    single = lark_constraint(
+        tok, len(tok), tool_call_grammar(TOOLS, "required", parser, parallel_tool_calls=False)
+    )
+    named = lark_constraint(tok, len(tok), tool_call_grammar(TOOLS, NAMED, parser))
+    _feed(parallel, tok, one)
+    _feed(parallel, tok, two)
+    _feed(single, tok, one)
+    _feed(named, tok, parser.render([LLAMAS]))
+    assert _pairs(parser.parse(two)[1]) == [PARIS, LLAMAS]
+    with pytest.raises(ValueError, match="not allowed by the grammar"):
+        _feed(single, tok, two)
+    with pytest.raises(ValueError, match="not allowed by the grammar"):
+        _feed(named, tok, one)
+
+
+def test_constrained_arguments_follow_the_schema_and_admit_no_extra_keys(tok):
+    parser = HermesParser()
+    factory = lark_constraint(tok, len(tok), tool_call_grammar(TOOLS, "required", parser))
+    for bad in [
+        ("get_weather", {"city": "Paris", "unit": "kelvin"}),
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Paris", "unit": "celsius", "country": "FR"}),
+        ("search", {"query": "x", "max_results": "three"}),
+    ]:
+        with pytest.raises(ValueError, match="not allowed by the grammar"):
+            _feed(factory, tok, parser.render([bad]))
+
+
+def test_special_token_markers_are_written_as_tokens():
+    special = SimpleNamespace(added_tokens_decoder={5: SimpleNamespace(content="[TOOL_CALLS]", special=True)})
+    grammar = tool_call_grammar(TOOLS, "required", MistralParser(), tokenizer=special)
+    assert grammar.startswith("start: <[5]> calls")
+    assert '"[TOOL_CALLS]"' in tool_call_grammar(TOOLS, "required", MistralParser())
