@@ -169,7 +169,7 @@ def test_disconnect_mid_stream_releases_locks_and_counts_a_cancel(server, http, 
     prompt = "Counting up by ones: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # goes on for a while
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)  # cache it: the stream locks it
     before = scrape(http)["kvblocks_requests_cancelled_total"]
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "stream": True}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True}
     with server.client() as c, c.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         data = []

@@ -40,16 +40,15 @@ async def parse_request(request: Request, model: type[M], lenient: bool) -> M:
     """The body as a validated `model`, or an APIError that names what is wrong."""
     raw = await request.body()
     content_type = request.headers.get("content-type", "")
+    if content_type and "json" not in content_type.split(";")[0].lower():
+        raise APIError(
+            400, f"the request body must be JSON sent as Content-Type: application/json, got '{content_type}'"
+        )
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        if content_type and "json" not in content_type:
-            raise APIError(
-                400,
-                f"the request body must be JSON sent as Content-Type: application/json, got '{content_type}'",
-            ) from exc
         raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")

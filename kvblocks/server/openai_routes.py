@@ -308,9 +308,33 @@ class Call:
         }
 
 
-def submit(s: Served, call: Call, branch: Branch, watch: bool) -> AsyncIterator[Piece]:
-    """Queue one branch; its pieces as an async iterator. With `watch`, a client that goes away
-    cancels it at the engine's next step (streams are cancelled when their writes fail)."""
+@dataclass(slots=True, eq=False)
+class Submitted:
+    """One branch in the engine: its pieces arrive in `inbox`; `cancel` stops it at the next step."""
+
+    handle: Any
+    inbox: asyncio.Queue
+
+    def cancel(self) -> None:
+        self.handle.cancelled.set()  # a no-op once finished; frees the slot and its locks otherwise
+        self.inbox.put_nowait(None)
+
+    async def events(self) -> AsyncIterator[Piece]:
+        try:
+            while True:
+                item = await self.inbox.get()
+                if item is None:  # cancelled: the client went away
+                    return
+                if isinstance(item, BaseException):
+                    raise APIError(500, f"generation failed: {item}", type_="server_error")
+                yield item
+                if item.result is not None:
+                    return
+        finally:
+            self.handle.cancelled.set()
+
+
+def submit(s: Served, call: Call, branch: Branch) -> Submitted:
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
     handle = s.engine.submit(
@@ -319,54 +343,35 @@ def submit(s: Served, call: Call, branch: Branch, watch: bool) -> AsyncIterator[
         params=branch.params,
         salt=call.salt,
     )
+    return Submitted(handle, inbox)
 
-    async def watch_disconnect() -> None:
-        # The body was read already: the next message this request receives is its disconnect.
-        while (await call.request.receive())["type"] != "http.disconnect":
-            pass
-        handle.cancelled.set()
-        inbox.put_nowait(None)
 
-    async def events() -> AsyncIterator[Piece]:
-        watcher = asyncio.create_task(watch_disconnect()) if watch else None
-        try:
-            while True:
-                item = await inbox.get()
-                if item is None:  # the client went away
-                    return
-                if isinstance(item, BaseException):
-                    raise APIError(500, f"generation failed: {item}", type_="server_error")
-                yield item
-                if item.result is not None:
-                    return
-        finally:
-            handle.cancelled.set()  # a no-op once finished; frees the slot and its locks otherwise
-            if watcher is not None:
-                watcher.cancel()
-
-    return events()
+async def cancel_on_disconnect(request: Request, running: list[Submitted]) -> None:
+    """The body was read already: the next message a request receives is its disconnect.
+    Non-streaming requests need this; a stream learns it when a write fails."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for r in running:
+        r.cancel()
 
 
 async def gather(s: Served, call: Call, branches: list[Branch]) -> list[GenerationResult]:
-    """Run every branch to its result (non-streaming). One disconnect watcher is enough per
-    request; the first branch's also cancels the others through the shared finally blocks."""
+    """Run every branch to its result (non-streaming); a client that leaves cancels them all."""
+    running = [submit(s, call, b) for b in branches]
 
-    async def one(branch: Branch, watch: bool) -> GenerationResult | None:
-        events = submit(s, call, branch, watch)
+    async def result_of(r: Submitted) -> GenerationResult | None:
         result = None
-        try:
-            async for piece in events:
-                result = piece.result
-        finally:
-            await events.aclose()
+        async for piece in r.events():
+            result = piece.result
         return result
 
-    tasks = [asyncio.create_task(one(b, i == 0)) for i, b in enumerate(branches)]
+    watcher = asyncio.create_task(cancel_on_disconnect(call.request, running))
     try:
-        results = await asyncio.gather(*tasks)
+        results = await asyncio.gather(*(result_of(r) for r in running))
     finally:
-        for t in tasks:
-            t.cancel()
+        watcher.cancel()
+        for r in running:
+            r.cancel()
     if any(r is None for r in results):  # the client went away; nobody reads this
         raise APIError(499, "client closed the request", code="client_closed_request")
     return results
@@ -478,11 +483,11 @@ async def sse(s: Served, call: Call, branches: list[Branch], include_usage: bool
     base = {"id": call.id, "created": call.created, "model": s.config.model_name}
     obj = "chat.completion.chunk" if call.chat else "text_completion"
     queue: asyncio.Queue = asyncio.Queue()
-    streams = [submit(s, call, b, watch=False) for b in branches]
+    running = [submit(s, call, b) for b in branches]
 
     async def pump(i: int) -> None:
         try:
-            async for piece in streams[i]:
+            async for piece in running[i].events():
                 await queue.put((i, piece))
         except APIError as exc:
             await queue.put((i, exc))
@@ -558,11 +563,11 @@ async def sse(s: Served, call: Call, branches: list[Branch], include_usage: bool
             prompts = len({b.prompt for b in branches})
             yield data(base | {"object": obj, "choices": [], "usage": usage(results, prompts)})
         yield "data: [DONE]\n\n"
-    finally:
+    finally:  # no awaits here: when the client left, this runs inside a cancelled scope
+        for r in running:
+            r.cancel()
         for t in tasks:
             t.cancel()
-        for events in streams:
-            await events.aclose()
 
 
 def chunk_choice(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
