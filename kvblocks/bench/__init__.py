@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvblocks.bench import inspection, loadtest, micro, specdec, spill, workloads
+from kvblocks.bench import constrained, inspection, loadtest, micro, specdec, spill, workloads
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,6 +19,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     specdec.add_parser(suites)
     loadtest.add_parser(suites)
     inspection.add_parser(suites)
+    constrained.add_parser(suites)
     p.set_defaults(func=lambda args: _print_help(p))
 
 
