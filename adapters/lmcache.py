@@ -26,7 +26,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvblocks.chunks import ChunkLayout, VerificationError
+from kvblocks.chunks import ChunkLayout, VerificationError, all_finite
 from kvblocks.redis_tier import RedisTier
 
 try:
@@ -167,7 +167,21 @@ class LMCacheCodec:
         layout: ChunkLayout,
         device: torch.device | str,
     ) -> list[torch.Tensor | None]:
-        """Unpack a value into per-layer `[n, 2, H, D]`; VerificationError if it cannot be this chunk."""
+        """Unpack a value into fresh per-layer `[n, 2, H, D]` tensors on `device`."""
+        out = layout.empty(len(tokens))
+        self.decode_into(raw, key, namespace_key, tokens, layout, out)
+        return [t.to(device) for t in out]
+
+    def decode_into(
+        self,
+        raw: bytes,
+        key: str,
+        namespace_key: str,
+        tokens: np.ndarray,
+        layout: ChunkLayout,
+        out: list[torch.Tensor | None],
+    ) -> None:
+        """Write a value into per-layer `[n, 2, H, D]` `out`; VerificationError if it cannot be this chunk."""
         heads, dim = uniform_shape(layout)
         n = len(tokens)
         if not isinstance(raw, bytes) or len(raw) != n * layout.token_bytes():
@@ -175,9 +189,10 @@ class LMCacheCodec:
         blob = torch.frombuffer(bytearray(raw), dtype=layout.dtype).view(
             2, len(layout.layers), n, heads * dim
         )
-        if not torch.isfinite(blob).all():
+        if not all_finite(blob):
             raise VerificationError("value holds non-finite numbers")
-        return [t.to(device) for t in from_lmcache(blob, heads, dim)]
+        for target, layer in zip(out, from_lmcache(blob, heads, dim), strict=True):
+            target.copy_(layer)
 
 
 class LMCacheRedisTier(RedisTier):

@@ -15,7 +15,7 @@ Either way restored KV must be finite; anything else is a VerificationError, whi
 from __future__ import annotations
 
 import hashlib
-import warnings
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -66,6 +66,10 @@ class ChunkLayout:
     def shape(self, n: int) -> list:
         return [n, [list(x) for x in self.layers]]
 
+    def empty(self, n: int) -> list[torch.Tensor | None]:
+        """Uninitialised host tensors `[n, 2, H, D]` per layer (None where a layer caches nothing)."""
+        return [None if h == 0 else torch.empty(n, 2, h, d, dtype=self.dtype) for h, d in self.layers]
+
 
 class VerificationError(ValueError):
     """A stored value is not a valid record for the expected key, namespace, tokens and layout."""
@@ -114,11 +118,28 @@ def decode_record(
     key: str = "",
     sealer: Sealer | None = None,
 ) -> list[torch.Tensor | None]:
-    """Verify and unpack a record into per-layer `[n, 2, H, D]` tensors on `device`.
+    """Verify and unpack a record into fresh per-layer `[n, 2, H, D]` tensors on `device`."""
+    out = layout.empty(len(tokens))
+    decode_record_into(raw, namespace_key, tokens, layout, out, key=key, sealer=sealer)
+    return [None if t is None else t.to(device) for t in out]
+
+
+def decode_record_into(
+    raw: bytes,
+    namespace_key: str,
+    tokens: np.ndarray,
+    layout: ChunkLayout,
+    out: list[torch.Tensor | None],
+    *,
+    key: str = "",
+    sealer: Sealer | None = None,
+) -> None:
+    """Verify a record and write its KV into `out`: contiguous host `[n, 2, H, D]` per layer, as
+    `layout.empty(n)` or row slices of it.
 
     Anything that does not match exactly (version, form, key, namespace, token ids, dtype, shape,
     length, checksum or seal) or holds a non-finite number raises VerificationError: the caller
-    treats it as a miss, never as data.
+    treats it as a miss, never as data. `out` may have been written by then; it must be discarded.
     """
     try:
         rec = msgpack.unpackb(raw, raw=False)
@@ -132,17 +153,21 @@ def decode_record(
     _check(("version", rec.get("v") == header["v"]))
     _check(("form", ("ct" in rec) == (sealer is not None)))
     _check(("dtype", rec.get("dtype") == header["dtype"]), ("shape", rec.get("shape") == header["shape"]))
+    layers = [t for t in out if t is not None]
+    assert all(t.dtype == layout.dtype and t.is_contiguous() for t in layers)
+    assert [tuple(t.shape) for t in layers] == [(n, 2, h, d) for h, d in layout.layers if h]
+    targets = [t.view(-1).view(torch.uint8).numpy() for t in layers]  # writable bytes of each layer
     if sealer is not None:
         _check(("algorithm", rec.get("alg") == sealer.algorithm))
         nonce, sealed = rec.get("nonce"), rec.get("ct")
         if not isinstance(nonce, bytes) or not isinstance(sealed, bytes):
             raise VerificationError("sealed record is malformed")
+        token_bytes = bytearray(len(expected_tokens))
         try:
-            plain = sealer.open_into(nonce, sealed, _bound_to(key, namespace_key, header))
+            sealer.open_into(nonce, sealed, _bound_to(key, namespace_key, header), [token_bytes, *targets])
         except SealError as exc:
             raise VerificationError(str(exc)) from exc
-        _check(("tokens", plain[: 4 * n] == expected_tokens))
-        payload: bytes | bytearray = memoryview(plain)[4 * n :]
+        _check(("tokens", token_bytes == expected_tokens))
     else:
         _check(
             ("namespace", rec.get("ns") == namespace_key),
@@ -154,23 +179,23 @@ def decode_record(
             raise VerificationError("payload length mismatch")
         if rec.get("sum") != xxhash.xxh3_64_intdigest(payload):
             raise VerificationError("checksum mismatch")
-    if len(payload) != n * layout.token_bytes():
-        raise VerificationError("payload length mismatch")
-    with warnings.catch_warnings():  # a read-only view of the reply: no copy; it is only ever read
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(payload, dtype=torch.uint8).view(layout.dtype)
-    if not torch.isfinite(flat).all():  # a checksum or a seal says who wrote it, not that it is sane
+        source, offset = memoryview(payload), 0
+        for target in targets:
+            target[:] = source[offset : offset + target.nbytes]
+            offset += target.nbytes
+    if not all(all_finite(t) for t in layers):  # a checksum or a seal says who wrote it, not that it is sane
         raise VerificationError("payload holds non-finite numbers")
-    out: list[torch.Tensor | None] = []
-    offset = 0
-    for heads, dim in layout.layers:
-        if heads == 0:
-            out.append(None)
-            continue
-        size = n * 2 * heads * dim
-        out.append(flat[offset : offset + size].view(n, 2, heads, dim).to(device, non_blocking=True))
-        offset += size
-    return out
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or ±inf in `t`: its min and max are finite (NaN propagates through both).
+
+    One pass and no temporaries, where `torch.isfinite(t).all()` builds masks as large as `t`.
+    """
+    if t.numel() == 0:
+        return True
+    low, high = torch.aminmax(t)
+    return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
 def _check(*checks: tuple[str, bool]) -> None:
@@ -188,8 +213,10 @@ class ChunkCodec(Protocol):
     """How a spill tier names, frames and verifies chunks in Redis.
 
     `NativeCodec` is kvblocks' own format; `kvblocks.adapters.lmcache.LMCacheCodec` reads and
-    writes LMCache's. `decode` raises VerificationError for anything it cannot vouch for; `key`
-    is the Redis key the value was read from (or is written to).
+    writes LMCache's. `decode_into` writes a chunk's KV into the caller's host tensors (rows of a
+    whole fetched run, so chunks are never joined afterwards) and raises VerificationError for
+    anything it cannot vouch for, after which those tensors must be discarded. `key` is the Redis
+    key the value was read from (or is written to).
     """
 
     # Whether a value that fails verification may be deleted: only when the format's keys belong
@@ -213,15 +240,15 @@ class ChunkCodec(Protocol):
         kv: list[torch.Tensor | None],
     ) -> bytes: ...
 
-    def decode(
+    def decode_into(
         self,
         raw: bytes,
         key: str,
         namespace_key: str,
         tokens: np.ndarray,
         layout: ChunkLayout,
-        device: torch.device | str,
-    ) -> list[torch.Tensor | None]: ...
+        out: list[torch.Tensor | None],
+    ) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -260,13 +287,13 @@ class NativeCodec:
     ) -> bytes:
         return encode_record(namespace_key, tokens, layout, kv, key=key, sealer=self.sealer)
 
-    def decode(
+    def decode_into(
         self,
         raw: bytes,
         key: str,
         namespace_key: str,
         tokens: np.ndarray,
         layout: ChunkLayout,
-        device: torch.device | str,
-    ) -> list[torch.Tensor | None]:
-        return decode_record(raw, namespace_key, tokens, layout, device, key=key, sealer=self.sealer)
+        out: list[torch.Tensor | None],
+    ) -> None:
+        decode_record_into(raw, namespace_key, tokens, layout, out, key=key, sealer=self.sealer)

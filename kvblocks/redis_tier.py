@@ -188,17 +188,17 @@ class RedisTier:
         except REDIS_FAILURES:
             self._mark_down()
             return None
-        chunks: list[list[torch.Tensor | None]] = []
+        # Chunks decode straight into their rows of one tensor per layer; the run ends before the
+        # first chunk that fails verification.
+        restored = self._layout.empty(len(values) * c)
+        length = 0
         for i, raw in enumerate(values):
             if raw is None:
                 break
             pos = (first + i) * c
+            rows = [None if t is None else t[length : length + c] for t in restored]
             try:
-                chunks.append(
-                    self.codec.decode(
-                        raw, keys[i], namespace_key, ids[pos : pos + c], self._layout, self._device
-                    )
-                )
+                self.codec.decode_into(raw, keys[i], namespace_key, ids[pos : pos + c], self._layout, rows)
             except VerificationError:
                 # The key fixes format version, namespace and tokens, so this value is useless to
                 # every reader: delete it, or write-through (which skips present keys) never
@@ -208,12 +208,15 @@ class RedisTier:
                 if self.codec.delete_invalid:
                     self._enqueue(("delete", keys[i]))
                 break
+            length += c
             self._count(read_bytes=len(raw))
-        if not chunks:
+        if length == 0:
             return None
-        kv = [None if parts[0] is None else torch.cat(parts) for parts in zip(*chunks)]
-        length = len(chunks) * c
-        self._count(hit_chunks=len(chunks), hit_tokens=first * c + length - start)
+        # A run cut short is copied out of its buffer, whose rest holds what the failed chunk wrote
+        # before its check failed (unauthenticated or non-finite), or was never written at all.
+        cut = length < len(values) * c
+        kv = [None if t is None else (t[:length].clone() if cut else t).to(self._device) for t in restored]
+        self._count(hit_chunks=length // c, hit_tokens=first * c + length - start)
         return Fetched(first * c, length, kv)
 
     # ---- write path ------------------------------------------------------------------------

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -37,7 +39,8 @@ class Sealer:
         if len(raw) < MIN_SECRET_BYTES:
             raise ValueError(f"the Redis secret must be at least {MIN_SECRET_BYTES} bytes, got {len(raw)}")
         self._hash_key = _derive(raw, b"kvblocks/redis/key-hash/v2")
-        self._aead = AESGCM(_derive(raw, b"kvblocks/redis/record-seal/v2"))
+        self._seal_key = _derive(raw, b"kvblocks/redis/record-seal/v2")
+        self._aead = AESGCM(self._seal_key)
 
     def digest(self, data: bytes, size: int = 16) -> bytes:
         """Keyed BLAKE2b: unpredictable without the secret."""
@@ -48,16 +51,27 @@ class Sealer:
         nonce = os.urandom(NONCE_BYTES)
         return nonce, self._aead.encrypt(nonce, plaintext, bound_to)
 
-    def open_into(self, nonce: bytes, ciphertext: bytes, bound_to: bytes) -> bytearray:
-        """Decrypt and authenticate into a fresh buffer; SealError if anything was changed."""
-        if len(nonce) != NONCE_BYTES or len(ciphertext) < TAG_BYTES:
+    def open_into(self, nonce: bytes, ciphertext: bytes, bound_to: bytes, parts: Sequence) -> None:
+        """Decrypt `ciphertext` into the writable buffers `parts`, in order, and authenticate it;
+        their sizes must add up to the plaintext's. SealError if anything was changed.
+
+        Decryption streams into `parts` before the tag is checked (no plaintext copy), so after a
+        SealError they hold unauthenticated bytes: the caller must discard them.
+        """
+        sizes = [memoryview(part).nbytes for part in parts]
+        if len(nonce) != NONCE_BYTES or len(ciphertext) != sum(sizes) + TAG_BYTES:
             raise SealError("malformed sealed value")
-        out = bytearray(len(ciphertext) - TAG_BYTES)
+        sealed = memoryview(ciphertext)
+        decryptor = Cipher(algorithms.AES(self._seal_key), modes.GCM(nonce)).decryptor()
+        decryptor.authenticate_additional_data(bound_to)
+        offset = 0
+        for part, size in zip(parts, sizes):
+            decryptor.update_into(sealed[offset : offset + size], part)
+            offset += size
         try:
-            self._aead.decrypt_into(nonce, ciphertext, bound_to, out)
+            decryptor.finalize_with_tag(bytes(sealed[offset:]))
         except InvalidTag as exc:
             raise SealError("sealed value failed authentication") from exc
-        return out
 
 
 def _derive(secret: bytes, label: bytes) -> bytes:

@@ -22,8 +22,10 @@ from kvblocks.chunks import (
     FORMAT_VERSION,
     ChunkLayout,
     VerificationError,
+    all_finite,
     chain_hashes,
     decode_record,
+    decode_record_into,
     encode_record,
 )
 from kvblocks.sealing import Sealer
@@ -56,7 +58,11 @@ def decode(raw: bytes, namespace: str = NS, tokens: np.ndarray = TOKENS, layout:
 # ---- codec -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_record_round_trip_is_bit_exact(dtype):
     layout = ChunkLayout(dtype, LAYOUT.layers)
     kv = random_kv(layout, len(TOKENS), seed=3)
@@ -75,6 +81,24 @@ def test_decoded_tensors_do_not_alias_the_stored_bytes():
     out[0].add_(1.0)
     assert torch.equal(decode(raw)[2], out[2])
     assert not torch.equal(decode(raw)[0], out[0])
+
+
+@pytest.mark.parametrize("sealer", [None, Sealer(b"chunk-test-secret-0123456789")], ids=["plain", "sealed"])
+def test_decode_into_writes_exactly_its_rows_of_a_larger_run(sealer):
+    n = len(TOKENS)
+    kv = random_kv(LAYOUT, n, seed=5)
+    run = LAYOUT.empty(3 * n)
+    for t in run:
+        if t is not None:
+            t.fill_(7.0)
+    raw = encode_record(NS, TOKENS, LAYOUT, kv, key="k", sealer=sealer)
+    rows = [None if t is None else t[n : 2 * n] for t in run]
+    decode_record_into(raw, NS, TOKENS, LAYOUT, rows, key="k", sealer=sealer)
+    for got, want in zip(run, kv, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert torch.equal(got[n : 2 * n], want)
+            assert bool((got[:n] == 7.0).all()) and bool((got[2 * n :] == 7.0).all())
 
 
 def test_token_ids_of_any_integer_type_encode_alike():
@@ -314,14 +338,24 @@ def test_flipped_bit_anywhere_in_a_sealed_record_fails():
             open_sealed(bytes(damaged))
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("sealer", [None, SEALER], ids=["plain", "sealed"])
-def test_non_finite_kv_fails_verification_even_with_a_valid_checksum_or_seal(value, sealer):
-    kv = random_kv(LAYOUT, len(TOKENS))
-    kv[2][3, 1, 0, 5] = value
-    raw = encode_record(NS, TOKENS, LAYOUT, kv, key=KEY, sealer=sealer)
-    with pytest.raises(VerificationError, match="non-finite"):
-        decode_record(raw, NS, TOKENS, LAYOUT, "cpu", key=KEY, sealer=sealer)
+def test_nan_or_inf_anywhere_in_the_kv_fails_verification_even_with_a_valid_checksum_or_seal(dtype, sealer):
+    layout = ChunkLayout(dtype, LAYOUT.layers)
+    kv = random_kv(layout, len(TOKENS))
+
+    def round_trip(kv: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        raw = encode_record(NS, TOKENS, layout, kv, key=KEY, sealer=sealer)
+        return decode_record(raw, NS, TOKENS, layout, "cpu", key=KEY, sealer=sealer)
+
+    round_trip(kv)
+    for layer in (0, 2):
+        for position in range(kv[layer].numel()):
+            for value in NON_FINITE:
+                poisoned = [None if t is None else t.clone() for t in kv]
+                poisoned[layer].view(-1)[position] = value
+                with pytest.raises(VerificationError, match="non-finite"):
+                    round_trip(poisoned)
 
 
 def test_plain_record_is_bound_to_its_redis_key():
@@ -338,3 +372,83 @@ def test_keyed_chain_hashes_differ_from_plain_ones_and_between_secrets():
     other = chain_hashes(NS, ids, 8, Sealer(b"another-secret-0123456789"))
     assert len(plain) == len(keyed) == len(other) == 5
     assert not (set(plain) & set(keyed)) and not (set(keyed) & set(other))
+
+
+# ---- finiteness ------------------------------------------------------------------------------
+# all_finite relies on NaN propagating through torch.aminmax's vectorised, unrolled and (with
+# threads) parallel reductions; these tests put a non-finite value in every kind of position.
+
+
+def non_finite_bit_patterns(dtype: torch.dtype) -> list[int]:
+    """Every NaN and ±inf bit pattern of a 16-bit float; both signs of the edge mantissas otherwise."""
+    bits, mantissa_bits = {
+        torch.float16: (16, 10),
+        torch.bfloat16: (16, 7),
+        torch.float32: (32, 23),
+        torch.float64: (64, 52),
+    }[dtype]
+    top = 1 << mantissa_bits
+    mantissas = range(top) if bits == 16 else [0, 1, 2, top // 2 - 1, top // 2, top // 2 + 1, top - 1]
+    exponent = ((1 << (bits - 1 - mantissa_bits)) - 1) << mantissa_bits
+    sign = 1 << (bits - 1)
+    return [s | exponent | m for s in (0, sign) for m in mantissas]
+
+
+def with_bits(t: torch.Tensor, position: int, pattern: int) -> torch.Tensor:
+    words = (
+        t.view(torch.uint8).numpy().copy().view({2: np.uint16, 4: np.uint32, 8: np.uint64}[t.element_size()])
+    )
+    words[position] = pattern
+    return torch.from_numpy(words.view(np.uint8)).view(t.dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_all_finite_sees_nan_and_inf_at_every_position(dtype):
+    for n in [*range(1, 40), 63, 64, 65, 127, 128, 129, 1031]:
+        base = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype) * 100
+        assert all_finite(base)
+        for position in range(n):
+            for value in NON_FINITE:
+                t = base.clone()
+                t[position] = value
+                assert not all_finite(t), (n, position, value)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_all_finite_sees_every_nan_and_inf_bit_pattern(dtype):
+    base = torch.randn(37, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for i, pattern in enumerate(non_finite_bit_patterns(dtype)):
+        t = with_bits(base, i % len(base), pattern)
+        assert not bool(torch.isfinite(t).all())
+        assert not all_finite(t), hex(pattern)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_all_finite_sees_nan_and_inf_in_large_and_parallel_reductions(dtype, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = 200_003
+        base = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(dtype)
+        assert all_finite(base)
+        for position in (0, 1, 32_767, 32_768, 65_535, 65_536, n // 2, n - 2, n - 1):
+            for value in NON_FINITE:
+                t = base.clone()
+                t[position] = value
+                assert not all_finite(t), (position, value)
+        mixed = base.clone()
+        mixed[0], mixed[-1] = float("-inf"), float("nan")
+        assert not all_finite(mixed)
+        assert not all_finite(torch.full((n,), float("nan"), dtype=dtype))
+    finally:
+        torch.set_num_threads(before)
+
+
+@no_deadline
+@given(st.sampled_from(FLOAT_DTYPES), st.binary(max_size=512))
+def test_all_finite_agrees_with_isfinite_on_arbitrary_bytes(dtype, data):
+    size = torch.empty(0, dtype=dtype).element_size()
+    data = data[: len(data) // size * size]
+    t = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+    assert all_finite(t) == bool(torch.isfinite(t).all())

@@ -582,6 +582,75 @@ def test_damaged_value_is_rewritten_by_the_next_trie_that_computes_it(model, ser
     assert redis_stats(c)["redis_verify_failures"] == 0
 
 
+# ---- a run of chunks cut short by one that fails verification ----------------------------------
+
+RUN_NS = "run-namespace"
+RUN_CHUNKS = 5
+RUN_LAYOUT = ChunkLayout(torch.float32, ((2, 16), (0, 0), (1, 8)))  # layer 1 caches nothing
+
+
+def write_run(server, tier: RedisTier, secret, bad: str | None = None, k: int = -1):
+    """Writes RUN_CHUNKS records of random KV for RUN_NS, chunk k spoiled as `bad` says; returns
+    the token ids and the KV of the whole run as written before spoiling."""
+    tier.bind(RUN_LAYOUT, torch.device("cpu"), lambda *args: None, RUN_NS)
+    ids = np.arange(1000, 1000 + RUN_CHUNKS * CHUNK)
+    g = torch.Generator().manual_seed(11)
+    kv = [None if h == 0 else torch.randn(len(ids), 2, h, d, generator=g) for h, d in RUN_LAYOUT.layers]
+    client = server.client()
+    for i, h in enumerate(tier.codec.chunk_hashes(RUN_NS, ids, CHUNK)):
+        key, rows = tier.key(RUN_NS, h), slice(i * CHUNK, (i + 1) * CHUNK)
+        part = [None if t is None else t[rows].clone() for t in kv]
+        if i == k and bad == "non-finite":
+            part[2][CHUNK // 2, 1, 0, 3] = float("nan")
+        bound_to = key + "-elsewhere" if i == k and bad == "record-for-another-key" else key
+        value = encode_record(RUN_NS, ids[rows], RUN_LAYOUT, part, key=bound_to, sealer=sealer_of(secret))
+        if i == k and bad == "flipped-last-byte":  # plain: the checksummed payload; sealed: the tag
+            value = value[:-1] + bytes([value[-1] ^ 0x01])
+        client.set(key, value)
+    return ids, kv
+
+
+def storage_bytes(t: torch.Tensor) -> bytes:
+    """Every byte of the buffer behind `t`, those outside its view included."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy().tobytes()
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+def test_fetched_run_is_bit_exact_and_layers_without_kv_stay_empty(server, tiers, secret):
+    tier = tiers(server.url, secret=secret)
+    ids, kv = write_run(server, tier, secret)
+    fetched = tier.fetch(RUN_NS, ids, CHUNK + 3, len(ids))
+    assert (fetched.start, fetched.length) == (CHUNK, (RUN_CHUNKS - 1) * CHUNK)
+    for got, want in zip(fetched.kv, kv, strict=True):
+        assert (got is None and want is None) or torch.equal(got, want[CHUNK:])
+    assert tier.stats()["redis_hit_chunks"] == RUN_CHUNKS - 1
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+@pytest.mark.parametrize("bad", ["flipped-last-byte", "non-finite", "record-for-another-key"])
+@pytest.mark.parametrize("k", [0, 2, RUN_CHUNKS - 1])
+def test_chunk_failing_verification_ends_the_run_and_none_of_its_kv_is_kept(server, tiers, secret, bad, k):
+    """Chunks decode into their rows before their tag or finiteness is checked: a failure keeps
+    the chunks before it and leaves no byte of the failed chunk's KV in any returned buffer."""
+    tier = tiers(server.url, secret=secret)
+    ids, kv = write_run(server, tier, secret, bad, k)
+    fetched = tier.fetch(RUN_NS, ids, 0, len(ids))
+    stats = tier.stats()
+    assert stats["redis_verify_failures"] == 1
+    assert stats["redis_hit_chunks"] == k
+    if k == 0:
+        assert fetched is None
+        return
+    assert (fetched.start, fetched.length) == (0, k * CHUNK)
+    for got, want in zip(fetched.kv, kv, strict=True):
+        if want is None:
+            assert got is None
+            continue
+        assert torch.equal(got, want[: k * CHUNK])
+        held = storage_bytes(got)
+        assert not any(row.numpy().tobytes() in held for row in want[k * CHUNK : (k + 1) * CHUNK])
+
+
 # ---- trust: authenticated, confidential records ------------------------------------------------
 
 

@@ -1,7 +1,8 @@
 """`kvblocks bench redis`: the Redis spill tier against its targets.
 
 - restore: `RedisTier.fetch` of N chunks (pipelined EXISTS and GET, verify, decode, to device)
-  as a throughput ratio to a raw pipelined redis-py GET of the same keys;
+  as a throughput ratio to a raw pipelined redis-py GET of the same keys, without and with a
+  secret (sealed records), side by side in one run;
 - ttft: time to first token in "process B", a second process with its own copy of the model and
   an empty pool that finds a 1,000-token prefix process A (this one) wrote to Redis, against no
   cache and against a device hit;
@@ -40,6 +41,8 @@ from kvblocks.bench.harness import (
 
 BENCHMARKS = ("restore", "ttft", "decode")
 MB = 1e6
+# The restore benchmark's sealed tier: a fixed bench-only secret (>= 16 bytes), never a deployment's.
+BENCH_SECRET = b"kvblocks-bench-restore-secret-0001"
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
@@ -213,6 +216,7 @@ def layout_trie(layers: int, heads: int, head_dim: int, capacity: int, spill=Non
 def bench_restore(
     opts: BenchOptions, url: str, tier_kwargs: dict, tokens: int, shape: tuple[int, int, int], repeats: int
 ) -> Report:
+    """Plain and sealed tiers hold the same KV under their own keys; all six variants interleave."""
     import redis
 
     from kvblocks.bench.micro import KVSource
@@ -225,66 +229,97 @@ def bench_restore(
         raise _user_error(f"--restore-tokens must be at least one chunk ({c} tokens)")
     rng = np.random.default_rng(3)
     ids = np.asarray(random_ids(rng, 32_000, tokens + 1))
-    tier = RedisTier(url, **tier_kwargs)
-    trie = layout_trie(layers, heads, head_dim, tokens, spill=tier)
-    ns_key = trie.namespace.key
-    trie.insert(ids[:tokens], KVSource(layers, heads, head_dim, tokens).cache(tokens))
-    tier.flush()
-    written = tier.stats()["redis_written_chunks"]
-    assert written == tokens // c, f"write-through stored {written} of {tokens // c} chunks"
-    keys = [tier.key(ns_key, h) for h in tier.codec.chunk_hashes(ns_key, ids[:tokens], c)]
+    source = KVSource(layers, heads, head_dim, tokens)
     raw = redis.Redis.from_url(url)
-    nbytes = sum(len(v) for v in raw.mget(keys))
+    sides = {}
+    for form, secret in (("plain", None), ("sealed", BENCH_SECRET)):
+        tier = RedisTier(url, **tier_kwargs, secret=secret)
+        trie = layout_trie(layers, heads, head_dim, tokens, spill=tier)
+        ns_key = trie.namespace.key
+        trie.insert(ids[:tokens], source.cache(tokens))
+        tier.flush()
+        written = tier.stats()["redis_written_chunks"]
+        assert written == tokens // c, f"{form}: write-through stored {written} of {tokens // c} chunks"
+        keys = [tier.key(ns_key, h) for h in tier.codec.chunk_hashes(ns_key, ids[:tokens], c)]
+        nbytes = sum(len(v) for v in raw.mget(keys))
+        sides[form] = (tier, trie, ns_key, keys, nbytes)
 
-    def raw_get() -> None:
-        pipe = raw.pipeline(transaction=False)
-        for k in keys:
-            pipe.get(k)
-        values = pipe.execute()
-        assert all(v is not None for v in values)
+    def raw_get(keys: list[str]):
+        def go() -> None:
+            pipe = raw.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            values = pipe.execute()
+            assert all(v is not None for v in values)
 
-    def fetch() -> None:
-        got = tier.fetch(ns_key, ids, 0, tokens)
-        assert got is not None and got.length == tokens, got
+        return go
 
-    def promote() -> None:
-        with trie.match(ids) as hit:
-            assert hit.length == tokens, hit
+    def fetch(tier, ns_key: str):
+        def go() -> None:
+            got = tier.fetch(ns_key, ids, 0, tokens)
+            assert got is not None and got.length == tokens, got
 
-    raw_name, fetch_name = "raw GET (redis-py pipeline)", "RedisTier.fetch (EXISTS+GET, verify, decode)"
-    match_name = "match on an empty pool (fetch + promote into the pool)"
-    samples = measure(
-        [
-            Variant(raw_name, raw_get),
-            Variant(fetch_name, fetch),
-            Variant(match_name, promote, setup=lambda: trie.evict(tokens)),
-        ],
-        repeats,
-        opts,
-        "redis restore",
-    )
-    stats = tier.stats()
-    trie.close()
+        return go
+
+    def promote(trie):
+        def go() -> None:
+            with trie.match(ids) as hit:
+                assert hit.length == tokens, hit
+
+        return go
+
+    names = {
+        "plain": (
+            "raw GET (redis-py pipeline)",
+            "RedisTier.fetch (EXISTS+GET, verify, decode)",
+            "match on an empty pool (fetch + promote into the pool)",
+        ),
+        "sealed": (
+            "raw GET of the sealed records",
+            "RedisTier.fetch with secret (EXISTS+GET, open, verify, decode)",
+            "match on an empty pool, with secret",
+        ),
+    }
+    variants = []
+    for form, (tier, trie, ns_key, keys, _) in sides.items():
+        raw_name, fetch_name, match_name = names[form]
+        variants += [
+            Variant(raw_name, raw_get(keys)),
+            Variant(fetch_name, fetch(tier, ns_key)),
+            Variant(match_name, promote(trie), setup=lambda trie=trie: trie.evict(tokens)),
+        ]
+    samples = measure(variants, repeats, opts, "redis restore")
+    stats = {form: side[0].stats() for form, side in sides.items()}
+    for _, trie, *_ in sides.values():
+        trie.close()
     raw.close()
+    nbytes = {form: side[4] for form, side in sides.items()}
+    (raw_name, fetch_name, match_name), (sraw_name, sfetch_name, smatch_name) = names.values()
     report = Report(
         "redis-restore",
-        "Restore throughput from Redis vs raw GET",
+        "Restore throughput from Redis vs raw GET, without and with a secret",
         {
             "tokens": tokens,
             "chunks": tokens // c,
             "chunk_tokens": c,
             "layout": f"{layers} layers x {heads} KV heads x head_dim {head_dim} fp32",
-            "MB_per_run": round(nbytes / MB, 1),
+            "MB_per_run": round(nbytes["plain"] / MB, 1),
+            "sealed_MB_per_run": round(nbytes["sealed"] / MB, 1),
             "redis": "private redis-server, TCP 127.0.0.1" if not tier_kwargs.get("ttl_s") else url,
+            "clock": opts.clock,
         },
         samples,
         baseline=raw_name,
     )
-    bw = {name: nbytes / report.median(name) / 1e9 for name in samples}
+    form_of = {name: form for form, triple in names.items() for name in triple}
+    bw = {name: nbytes[form_of[name]] / report.median(name) / 1e9 for name in samples}
     report.checks = [
         Check("raw GET throughput", bw[raw_name], "GB/s"),
         Check("RedisTier.fetch throughput", bw[fetch_name], "GB/s"),
         Check("fetch + promote throughput", bw[match_name], "GB/s"),
+        Check("sealed: raw GET throughput", bw[sraw_name], "GB/s"),
+        Check("sealed: RedisTier.fetch throughput", bw[sfetch_name], "GB/s"),
+        Check("sealed: fetch + promote throughput", bw[smatch_name], "GB/s"),
         Check(
             "fetch / raw GET throughput",
             report.ratio(raw_name, fetch_name),
@@ -295,19 +330,52 @@ def bench_restore(
             "fetch / raw GET throughput, median of per-round ratios",
             report.paired_ratio(raw_name, fetch_name),
         ),
+        Check(
+            "sealed fetch / raw GET of the sealed records",
+            report.ratio(sraw_name, sfetch_name),
+            target=0.6,
+            higher_is_better=True,
+        ),
+        Check(
+            "sealed fetch / raw GET of the sealed records, median of per-round ratios",
+            report.paired_ratio(sraw_name, sfetch_name),
+        ),
+        Check(
+            "sealed fetch / fetch without secret (tokens/s)",
+            report.ratio(fetch_name, sfetch_name),
+            target=0.9,
+            higher_is_better=True,
+        ),
+        Check(
+            "sealed fetch / fetch without secret, median of per-round ratios",
+            report.paired_ratio(fetch_name, sfetch_name),
+        ),
         Check("fetch + promote / raw GET throughput", report.ratio(raw_name, match_name)),
+        Check(
+            "sealed fetch + promote / fetch + promote without secret", report.ratio(match_name, smatch_name)
+        ),
     ]
     report.notes = [
         f"{tokens // c} chunks of {c} tokens written by write-through (`KVCacheTrie.insert` of random KV, then "
-        f"`flush`); {nbytes / MB:.1f} MB of records per run ({nbytes / tokens:,.0f} B per token, KV + framing)",
+        f"`flush`) twice, the same KV through a tier without and a tier with a secret (their keys differ); "
+        f"{nbytes['plain'] / MB:.2f} MB of plain records per run ({nbytes['plain'] / tokens:,.0f} B per token, "
+        f"KV + framing), {nbytes['sealed'] / MB:.2f} MB sealed ({nbytes['sealed'] / tokens:,.0f} B per token)",
         "raw GET = one redis-py pipeline of GETs of the same keys returning bytes (no parsing); fetch = what a "
         "device miss runs: chain hashes, a pipelined EXISTS, a pipelined GET, per chunk msgpack unpack, "
-        "namespace/token/shape/xxh3 checks, tensor view, `.to(device)` (CPU here), concatenation per layer",
+        "namespace/token/shape/xxh3 checks, one copy of each layer's slice into that layer's preallocated "
+        "tensor for the whole run, finiteness check (`torch.aminmax` per layer slice), `.to(device)` (CPU here)",
+        "with secret: keyed BLAKE2b chain hashes and keys, and per chunk streaming AES-256-GCM decryption of "
+        "each layer's slice straight into place (authenticated with the key and namespace) in place of the "
+        "xxh3 checksum and the copy; the other steps are the same. 'with secret / without' compares restored "
+        "tokens per second (same tokens, same KV)",
         "'match on an empty pool' adds promotion into the device pool (one scatter per layer); the pool is "
         "emptied by an untimed `evict` before each run",
-        f"redis-py {redis.__version__} without hiredis (pure-Python RESP parser) on both sides; "
-        f"tier counters after the runs: {stats['redis_hit_chunks']} chunks hit, "
-        f"{stats['redis_verify_failures']} verify failures, {stats['redis_errors']} errors",
+        f"redis-py {redis.__version__} without hiredis (pure-Python RESP parser) on every side; "
+        + "; ".join(
+            f"{form} tier counters after the runs: {st['redis_hit_chunks']} chunks hit, "
+            f"{st['redis_verify_failures']} verify failures, {st['redis_errors']} errors"
+            for form, st in stats.items()
+        ),
     ]
     return report
 
