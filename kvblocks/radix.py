@@ -86,9 +86,15 @@ class RadixTree:
             node = node.parent
         return self._root_keys[id(node)]
 
-    def match(self, namespace: Hashable, ids: np.ndarray, touch: bool = True) -> Match:
-        """Walk the longest resident prefix of `ids`; with `touch`, refresh LRU times on the path."""
-        node = self.root(namespace)
+    def match(self, namespace: Hashable, ids: np.ndarray, touch: bool = True, create: bool = True) -> Match:
+        """Walk the longest resident prefix of `ids`; with `touch`, refresh LRU times on the path.
+
+        Without `create`, a namespace that holds nothing gets no root: lookups with ever new
+        namespaces (clients choose their cache salts) must not grow the tree.
+        """
+        node = self.roots.get(namespace) if not create else self.root(namespace)
+        if node is None:
+            return Match(Node(_EMPTY, np.zeros(0, dtype=SLOT_DTYPE), None), 0, 0, ())
         pos, offset, runs = 0, 0, []
         now = self._tick() if touch else 0
         while pos < len(ids):

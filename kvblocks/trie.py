@@ -184,13 +184,13 @@ class KVCacheTrie:
         fetched = None
         if self.spill is not None:
             with self._lock:
-                device = self._tree.match(ns.key, ids[:limit], touch=False).length
+                device = self._tree.match(ns.key, ids[:limit], touch=False, create=False).length
             if device < limit:  # the Redis round trip runs unlocked: other threads go on meanwhile
                 fetched = self.spill.fetch(ns.key, ids, device, limit)
         with self._lock:
             if fetched is not None:
                 self._promote(ns, ids[:limit], fetched)
-            m = self._tree.match(ns.key, ids[:limit])
+            m = self._tree.match(ns.key, ids[:limit], create=False)
             for c in self._counters, self._tenant_counters[ns.tenant]:
                 c.queries += 1
                 c.queried_tokens += len(ids)
@@ -204,7 +204,7 @@ class KVCacheTrie:
         run then no longer starts where the resident prefix ends, and storing it would put its KV
         at the wrong positions. It is dropped instead (counted as lost; the request prefills).
         """
-        before = self._tree.match(ns.key, ids, touch=False).length
+        before = self._tree.match(ns.key, ids, touch=False, create=False).length
         end = fetched.start + fetched.length
         if before < fetched.start:
             for c in self._counters, self._tenant_counters[ns.tenant]:
@@ -218,13 +218,13 @@ class KVCacheTrie:
         """Resident prefix length of `token_ids`, without locking, counting or refreshing LRU."""
         ids = as_token_array(token_ids)
         with self._lock:
-            return self._tree.match(self.namespace.with_salt(salt).key, ids, touch=False).length
+            return self._tree.match(self.namespace.with_salt(salt).key, ids, touch=False, create=False).length
 
     def continuation(self, token_ids: TokenIds, max_tokens: int, *, salt: Salt = None) -> list[int]:
         """Tokens the trie holds right after all of `token_ids` (empty unless all are resident)."""
         ids = as_token_array(token_ids)
         with self._lock:
-            m = self._tree.match(self.namespace.with_salt(salt).key, ids, touch=False)
+            m = self._tree.match(self.namespace.with_salt(salt).key, ids, touch=False, create=False)
             if m.length < len(ids) or max_tokens <= 0:
                 return []
             return self._tree.continuation(m, max_tokens).tolist()
@@ -244,7 +244,7 @@ class KVCacheTrie:
         ns = self.namespace.with_salt(salt)
         with self._lock:
             keys = [k for k in self._namespace_keys(None if all_tenants else ns.tenant) if k != ns.key]
-            return {k: self._tree.match(k, ids, touch=False).length for k in keys}
+            return {k: self._tree.match(k, ids, touch=False, create=False).length for k in keys}
 
     def namespaces(self, tenant: str | None = None) -> list[Namespace]:
         """Namespaces that have held KV here: all, or one tenant's."""
@@ -406,7 +406,7 @@ class KVCacheTrie:
         ids = as_token_array(token_ids)
         key = self.namespace.with_salt(salt).key
         with self._lock:
-            m = self._tree.match(key, ids)
+            m = self._tree.match(key, ids, create=False)
             if m.length == 0:
                 return 0
             added = self._tree.unpinned_tokens_on_path(m.node) - (len(m.node.tokens) - m.node_offset) * (
@@ -426,7 +426,7 @@ class KVCacheTrie:
         ids = as_token_array(token_ids)
         key = self.namespace.with_salt(salt).key
         with self._lock:
-            m = self._tree.match(key, ids, touch=False)
+            m = self._tree.match(key, ids, touch=False, create=False)
             node = m.node
             # Pin counts propagate to the root, so the pins that end exactly here are this node's
             # count minus its children's (splits preserve that difference).
@@ -498,7 +498,7 @@ class KVCacheTrie:
     ) -> list[torch.Tensor | None] | None:
         """KV of positions [start, end) of `ids` if still resident (for the spill tier's writer)."""
         with self._lock:
-            m = self._tree.match(ns_key, ids[:end], touch=False)
+            m = self._tree.match(ns_key, ids[:end], touch=False, create=False)
             if m.length < end:
                 return None
             self._tree.lock(m.node, +1)

@@ -660,3 +660,20 @@ def test_concurrent_match_insert_release_evict_keeps_every_invariant():
     assert stats["queries"] > 100
     assert stats["evicted_tokens"] > 0
     check_trie_invariants(trie, salts)
+
+
+def test_lookups_in_namespaces_that_hold_nothing_do_not_grow_the_tree():
+    # Clients choose their cache salts: a million distinct ones must not leave a million roots.
+    trie = synthetic_trie(64)
+    ids = seq(1, 10)
+    trie.insert(ids, synthetic_past(ids, "kept"), salt="kept")
+    for i in range(200):
+        salt = f"probe-{i}"
+        with trie.match(ids, salt=salt) as hit:
+            assert hit.length == 0
+        assert trie.cached_length(ids, salt=salt) == 0
+        assert trie.continuation(ids, 4, salt=salt) == []
+        assert trie.pin(ids, salt=salt) == 0
+    assert len(trie._tree.roots) == 1
+    with trie.match(ids, salt="kept") as hit:
+        assert hit.length == len(ids) - 1
