@@ -75,7 +75,8 @@ def screen(data: dict, model: type[BaseModel], lenient: bool) -> dict:
                 continue
             raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
         out[key] = value
-    for i, message in enumerate(out.get("messages") or []):
+    messages = out.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
         parts = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(parts if isinstance(parts, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
