@@ -260,3 +260,12 @@ def test_plot_without_matplotlib_is_one_clear_line(kvblocks, monkeypatch, tmp_pa
     code, out, err = kvblocks("stats", "--plot", str(tmp_path / "cache.png"), "--duration", "0")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "--plot needs matplotlib" in err
+
+
+def test_the_clis_copies_of_library_constants_match_the_library():
+    # cli.py keeps its own copies so `--help` and the HTTP-only commands start without torch.
+    from kvblocks import cli, tools
+    from kvblocks.redis_tier import DEFAULT_TTL_S
+
+    assert tuple(tools.PARSERS) == cli.TOOL_PARSERS
+    assert cli.DEFAULT_REDIS_TTL_S == DEFAULT_TTL_S
