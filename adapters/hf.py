@@ -8,11 +8,11 @@ live cache, and crops a cache to a target length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+
+from kvblocks.layout import LayerSpec
 
 # Architectures whose cache carries recurrent (SSM / linear-attention / conv) state. That state
 # cannot be sliced per token, so serving a prefix of it would be silently wrong.
@@ -46,24 +46,6 @@ RECURRENT_MODEL_TYPES = frozenset(
 
 class UnsupportedModelError(ValueError):
     """The model's cache cannot be shared per token prefix without giving wrong output."""
-
-
-@dataclass(slots=True, frozen=True)
-class LayerSpec:
-    """What one decoder layer caches: `kind` is "full", "sliding" or "none" (KV-sharing/MLP-only)."""
-
-    kind: str
-    heads: int = 0
-    head_dim: int = 0
-    window: int = 0
-
-    def tokens_held(self, length: int) -> int:
-        """How many of the last `length` tokens a fresh cache layer must hold."""
-        if self.kind == "none":
-            return 0
-        if self.kind == "sliding":
-            return min(length, self.window - 1)
-        return length
 
 
 def check_supported(config) -> None:

@@ -26,7 +26,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvblocks.chunks import ChunkLayout, VerificationError, all_finite
+from kvblocks.chunks import VerificationError, all_finite
+from kvblocks.layout import KVLayout
 from kvblocks.redis_tier import RedisTier
 
 try:
@@ -86,9 +87,9 @@ def from_lmcache(blob: torch.Tensor, heads: int, dim: int) -> list[torch.Tensor]
     return [t.contiguous() for t in per_layer]
 
 
-def uniform_shape(layout: ChunkLayout) -> tuple[int, int]:
+def uniform_shape(layout: KVLayout) -> tuple[int, int]:
     """(H, D) shared by every layer; LMCache's single-group layout has nothing else to offer."""
-    shapes = set(layout.layers)
+    shapes = set(layout.shapes)
     if len(shapes) != 1 or (0, 0) in shapes:
         raise ValueError(
             "the LMCache format needs every layer to cache K/V with the same heads and head_dim; "
@@ -123,7 +124,7 @@ class LMCacheCodec:
         self.object_group_id = object_group_id
         self._home: str | None = None
 
-    def bind(self, layout: ChunkLayout, namespace_key: str) -> None:
+    def bind(self, layout: KVLayout, namespace_key: str) -> None:
         uniform_shape(layout)
         self._home = namespace_key
 
@@ -151,7 +152,7 @@ class LMCacheCodec:
         key: str,
         namespace_key: str,
         tokens: np.ndarray,
-        layout: ChunkLayout,
+        layout: KVLayout,
         kv: list[torch.Tensor | None],
     ) -> bytes:
         uniform_shape(layout)
@@ -164,7 +165,7 @@ class LMCacheCodec:
         key: str,
         namespace_key: str,
         tokens: np.ndarray,
-        layout: ChunkLayout,
+        layout: KVLayout,
         device: torch.device | str,
     ) -> list[torch.Tensor | None]:
         """Unpack a value into fresh per-layer `[n, 2, H, D]` tensors on `device`."""
@@ -178,7 +179,7 @@ class LMCacheCodec:
         key: str,
         namespace_key: str,
         tokens: np.ndarray,
-        layout: ChunkLayout,
+        layout: KVLayout,
         out: list[torch.Tensor | None],
     ) -> None:
         """Write a value into per-layer `[n, 2, H, D]` `out`; VerificationError if it cannot be this chunk."""

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvblocks.layout import KVLayout
 from kvblocks.sealing import Sealer, SealError
 
 FORMAT_VERSION = 2
@@ -48,29 +49,6 @@ def chain_hashes(
     return out
 
 
-@dataclass(slots=True, frozen=True)
-class ChunkLayout:
-    """What a record must match to be usable: dtype and per-layer (heads, head_dim), 0 for none."""
-
-    dtype: torch.dtype
-    layers: tuple[tuple[int, int], ...]
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    def token_bytes(self) -> int:
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return sum(2 * h * d * elem for h, d in self.layers)
-
-    def shape(self, n: int) -> list:
-        return [n, [list(x) for x in self.layers]]
-
-    def empty(self, n: int) -> list[torch.Tensor | None]:
-        """Uninitialised host tensors `[n, 2, H, D]` per layer (None where a layer caches nothing)."""
-        return [None if h == 0 else torch.empty(n, 2, h, d, dtype=self.dtype) for h, d in self.layers]
-
-
 class VerificationError(ValueError):
     """A stored value is not a valid record for the expected key, namespace, tokens and layout."""
 
@@ -84,7 +62,7 @@ def _payload(kv: list[torch.Tensor | None]) -> bytes:
 def encode_record(
     namespace_key: str,
     tokens: np.ndarray,
-    layout: ChunkLayout,
+    layout: KVLayout,
     kv: list[torch.Tensor | None],
     *,
     key: str = "",
@@ -112,7 +90,7 @@ def decode_record(
     raw: bytes,
     namespace_key: str,
     tokens: np.ndarray,
-    layout: ChunkLayout,
+    layout: KVLayout,
     device: torch.device | str,
     *,
     key: str = "",
@@ -128,7 +106,7 @@ def decode_record_into(
     raw: bytes,
     namespace_key: str,
     tokens: np.ndarray,
-    layout: ChunkLayout,
+    layout: KVLayout,
     out: list[torch.Tensor | None],
     *,
     key: str = "",
@@ -155,7 +133,7 @@ def decode_record_into(
     _check(("dtype", rec.get("dtype") == header["dtype"]), ("shape", rec.get("shape") == header["shape"]))
     layers = [t for t in out if t is not None]
     assert all(t.dtype == layout.dtype and t.is_contiguous() for t in layers)
-    assert [tuple(t.shape) for t in layers] == [(n, 2, h, d) for h, d in layout.layers if h]
+    assert [tuple(t.shape) for t in layers] == [(n, 2, h, d) for h, d in layout.shapes if h]
     targets = [t.view(-1).view(torch.uint8).numpy() for t in layers]  # writable bytes of each layer
     if sealer is not None:
         _check(("algorithm", rec.get("alg") == sealer.algorithm))
@@ -225,7 +203,7 @@ class ChunkCodec(Protocol):
     # Whether values are authenticated (a Redis writer cannot forge them).
     authenticated: bool
 
-    def bind(self, layout: ChunkLayout, namespace_key: str) -> None: ...
+    def bind(self, layout: KVLayout, namespace_key: str) -> None: ...
 
     def chunk_hashes(self, namespace_key: str, ids: np.ndarray, chunk_tokens: int) -> list[str]: ...
 
@@ -236,7 +214,7 @@ class ChunkCodec(Protocol):
         key: str,
         namespace_key: str,
         tokens: np.ndarray,
-        layout: ChunkLayout,
+        layout: KVLayout,
         kv: list[torch.Tensor | None],
     ) -> bytes: ...
 
@@ -246,7 +224,7 @@ class ChunkCodec(Protocol):
         key: str,
         namespace_key: str,
         tokens: np.ndarray,
-        layout: ChunkLayout,
+        layout: KVLayout,
         out: list[torch.Tensor | None],
     ) -> None: ...
 
@@ -264,7 +242,7 @@ class NativeCodec:
     def authenticated(self) -> bool:
         return self.sealer is not None
 
-    def bind(self, layout: ChunkLayout, namespace_key: str) -> None:
+    def bind(self, layout: KVLayout, namespace_key: str) -> None:
         """Every layout is supported."""
 
     def chunk_hashes(self, namespace_key: str, ids: np.ndarray, chunk_tokens: int) -> list[str]:
@@ -282,7 +260,7 @@ class NativeCodec:
         key: str,
         namespace_key: str,
         tokens: np.ndarray,
-        layout: ChunkLayout,
+        layout: KVLayout,
         kv: list[torch.Tensor | None],
     ) -> bytes:
         return encode_record(namespace_key, tokens, layout, kv, key=key, sealer=self.sealer)
@@ -293,7 +271,7 @@ class NativeCodec:
         key: str,
         namespace_key: str,
         tokens: np.ndarray,
-        layout: ChunkLayout,
+        layout: KVLayout,
         out: list[torch.Tensor | None],
     ) -> None:
         decode_record_into(raw, namespace_key, tokens, layout, out, key=key, sealer=self.sealer)

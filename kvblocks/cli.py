@@ -7,9 +7,7 @@ import json
 import os
 import sys
 
-
-class UserError(Exception):
-    """Bad input or environment: printed as one line, exit status 2, no traceback."""
+from kvblocks.errors import UserError
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -278,9 +276,9 @@ def _summary_line(s: dict) -> str:
     )
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The full parser; the benchmark suites (which import torch) load only when `bench` or help is asked for,
-    so the HTTP-only commands (`stats`, `inspect`, `explain`) start in well under a second."""
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser. Nothing here imports torch, so the HTTP-only commands (`stats`, `inspect`,
+    `explain`) start in well under a second; `bench` parses its own arguments when it runs (`cmd_bench`)."""
     parser = argparse.ArgumentParser(
         prog="kvblocks", description="Exact prefix-sharing KV cache for transformers"
     )
@@ -369,18 +367,36 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     add_inspect_parsers(sub)
 
-    words = sys.argv[1:] if argv is None else argv
-    if not words or words[0] in ("bench", "-h", "--help"):
-        from kvblocks.bench import add_bench_parser
-
-        add_bench_parser(sub)
+    b = sub.add_parser(
+        "bench",
+        add_help=False,
+        help="run benchmarks against their targets (kvblocks bench --help lists the suites)",
+    )
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvblocks.bench import bench_parser
+
+    parser = bench_parser()
+    bench_args = parser.parse_args(args.bench_args)
+    if not getattr(bench_args, "func", None):
+        parser.print_help()
+        return 2
+    return bench_args.func(bench_args)
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":
+        # `bench` takes everything after it, options before the suite name included (`bench -h`)
+        args.bench_args = extra + args.bench_args
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

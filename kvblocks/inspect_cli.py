@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from kvblocks.cli import UserError
+from kvblocks.errors import UserError
 
 
 def add_inspect_parsers(sub) -> None:

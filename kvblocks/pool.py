@@ -7,47 +7,24 @@ dtype, so re-attaching a prefix is a single `index_select` per layer and storing
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from kvblocks.layout import KVLayout
 from kvblocks.radix import SLOT_DTYPE
 
 
-@dataclass(slots=True, frozen=True)
-class LayerShape:
-    heads: int
-    head_dim: int
-
-
 class KVPool:
-    def __init__(
-        self,
-        shapes: list[LayerShape | None],
-        capacity_tokens: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
+    def __init__(self, layout: KVLayout, capacity_tokens: int, device: torch.device | str) -> None:
         if capacity_tokens <= 0:
             raise ValueError(f"capacity must hold at least one token, got {capacity_tokens}")
-        self.shapes = shapes
+        self.layout = layout
         self.capacity = capacity_tokens
-        self.dtype = dtype
+        self.dtype = layout.dtype
         self.device = torch.device(device)
-        self.layers: list[torch.Tensor | None] = [
-            None
-            if s is None
-            else torch.empty(capacity_tokens, 2, s.heads, s.head_dim, dtype=dtype, device=device)
-            for s in shapes
-        ]
+        self.layers: list[torch.Tensor | None] = layout.empty(capacity_tokens, self.device)
         self._free = np.arange(capacity_tokens - 1, -1, -1, dtype=SLOT_DTYPE)
         self._num_free = capacity_tokens
-
-    @staticmethod
-    def bytes_per_token(shapes: list[LayerShape | None], dtype: torch.dtype) -> int:
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return sum(2 * s.heads * s.head_dim * elem for s in shapes if s is not None)
 
     @property
     def num_free(self) -> int:
@@ -55,7 +32,7 @@ class KVPool:
 
     @property
     def token_bytes(self) -> int:
-        return self.bytes_per_token(self.shapes, self.dtype)
+        return self.layout.token_bytes()
 
     def alloc(self, n: int) -> np.ndarray:
         assert 0 <= n <= self._num_free, (n, self._num_free)

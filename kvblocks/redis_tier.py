@@ -22,7 +22,8 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvblocks.chunks import ChunkCodec, ChunkLayout, NativeCodec, VerificationError
+from kvblocks.chunks import ChunkCodec, NativeCodec, VerificationError
+from kvblocks.layout import KVLayout
 from kvblocks.sealing import Sealer
 
 log = logging.getLogger("kvblocks.redis")
@@ -137,7 +138,7 @@ class RedisTier:
             else redis.Redis.from_url(url, **kwargs)
         )
         self._client: redis.Redis | redis.RedisCluster | None = None
-        self._layout: ChunkLayout | None = None
+        self._layout: KVLayout | None = None
         self._device: torch.device | None = None
         self._read_kv: ReadKV | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -146,9 +147,7 @@ class RedisTier:
 
     # ---- wiring ----------------------------------------------------------------------------
 
-    def bind(
-        self, layout: ChunkLayout, device: torch.device, read_kv: ReadKV, namespace_key: str = ""
-    ) -> None:
+    def bind(self, layout: KVLayout, device: torch.device, read_kv: ReadKV, namespace_key: str = "") -> None:
         """Called once by the owning KVCacheTrie; `namespace_key` is its unsalted namespace."""
         if self._read_kv is not None:
             raise ValueError("a RedisTier belongs to one KVCacheTrie; create one per cache")

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from kvblocks.adapters import hf
-from kvblocks.chunks import ChunkLayout
 from kvblocks.explain import EvictionLedger
+from kvblocks.layout import KVLayout, LayerSpec
 from kvblocks.namespace import Namespace, Scope, namespace_for
-from kvblocks.pool import KVPool, LayerShape
+from kvblocks.pool import KVPool
 from kvblocks.radix import TOKEN_DTYPE, Match, Node, RadixTree
 
 if TYPE_CHECKING:
@@ -45,6 +45,32 @@ def as_token_array(token_ids: TokenIds) -> np.ndarray:
 
 class PinLimitError(ValueError):
     """Pinning this prefix would exceed the trie's cap on pinned tokens."""
+
+
+@dataclass(slots=True, frozen=True)
+class CachedPrefix:
+    """A cached prefix for inspection: its namespace key, token ids from the start, hits, pinned."""
+
+    namespace: str
+    token_ids: np.ndarray
+    hits: int
+    pinned: bool
+
+
+@dataclass(slots=True, frozen=True)
+class TreeNode:
+    """One node of the trie's shape for inspection; `run_ids` are the first 16 ids of its run."""
+
+    id: int
+    parent: int | None
+    namespace: str
+    first_token: int
+    run: int
+    prefix_length: int
+    hits: int
+    locked: bool
+    pinned: bool
+    run_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -108,7 +134,7 @@ class KVCacheTrie:
     def __init__(
         self,
         config,
-        specs: list[hf.LayerSpec],
+        specs: Sequence[LayerSpec],
         namespace: Namespace,
         *,
         capacity_tokens: int,
@@ -118,10 +144,10 @@ class KVCacheTrie:
         spill: RedisTier | None = None,
     ) -> None:
         self.config = config
-        self.specs = specs
+        self.specs = list(specs)
         self.namespace = namespace
-        shapes = [None if s.kind == "none" else LayerShape(s.heads, s.head_dim) for s in specs]
-        self._pool = KVPool(shapes, capacity_tokens, dtype, device)
+        layout = KVLayout(dtype, tuple(specs))
+        self._pool = KVPool(layout, capacity_tokens, device)
         self._tree = RadixTree()
         self._lock = threading.RLock()
         self._counters = Counters()
@@ -131,8 +157,7 @@ class KVCacheTrie:
         self.max_pinned_tokens = capacity_tokens // 2 if max_pinned_tokens is None else max_pinned_tokens
         self.spill = spill
         if spill is not None:
-            layers = tuple((0, 0) if s is None else (s.heads, s.head_dim) for s in shapes)
-            spill.bind(ChunkLayout(dtype, layers), self._pool.device, self._read_kv, namespace.key)
+            spill.bind(layout, self._pool.device, self._read_kv, namespace.key)
 
     @classmethod
     def for_model(
@@ -154,9 +179,8 @@ class KVCacheTrie:
             raise ValueError("give capacity_tokens or capacity_bytes, not both")
         specs = hf.describe_layers(model)
         param = next(model.parameters())
-        shapes = [None if s.kind == "none" else LayerShape(s.heads, s.head_dim) for s in specs]
         if capacity_tokens is None:
-            per_token = KVPool.bytes_per_token(shapes, param.dtype)
+            per_token = KVLayout(param.dtype, tuple(specs)).token_bytes()
             capacity_tokens = (capacity_bytes or DEFAULT_CAPACITY_BYTES) // per_token
         return cls(
             model.config,
@@ -254,34 +278,25 @@ class KVCacheTrie:
     def _namespace_keys(self, tenant: str | None) -> list[str]:
         return [k for k, ns in self._namespaces.items() if tenant is None or ns.tenant == tenant]
 
-    def top_prefixes(self, limit: int = 10, *, tenant: str | None = None) -> list[dict]:
-        """The most-hit cached prefixes (all, or one tenant's): ids from the start, length, hits,
-        namespace key. One pass over the nodes keeps `limit` of them (no sort of the whole trie)."""
+    def top_prefixes(self, limit: int = 10, *, tenant: str | None = None) -> list[CachedPrefix]:
+        """The most-hit cached prefixes (all, or one tenant's). One pass over the nodes keeps `limit`
+        of them (no sort of the whole trie)."""
         with self._lock:
             nodes = heapq.nlargest(
                 limit,
                 self._tree.iter_nodes(self._namespace_keys(tenant)),
                 key=lambda n: (n.hits, n.last_access),
             )
-            out = []
-            for node in nodes:
-                ids, _ = self._tree.path(node)
-                out.append(
-                    {
-                        "namespace": self._tree.namespace_of(node),
-                        "length": len(ids),
-                        "hits": node.hits,
-                        "pinned": node.pin_ref > 0,
-                        "token_ids": ids.tolist(),
-                    }
-                )
-            return out
+            return [
+                CachedPrefix(self._tree.namespace_of(n), self._tree.path(n)[0], n.hits, n.pin_ref > 0)
+                for n in nodes
+            ]
 
-    def tree(self, max_nodes: int = 200, *, tenant: str | None = None) -> list[dict]:
+    def tree(self, max_nodes: int = 200, *, tenant: str | None = None) -> list[TreeNode]:
         """The trie's shape (all, or one tenant's), breadth-first: each node's parent, run length,
         prefix length, hits."""
         with self._lock:
-            out: list[dict] = []
+            out: list[TreeNode] = []
             roots = self._tree.roots
             queue = [(key, None, roots[key], 0) for key in self._namespace_keys(tenant) if key in roots]
             index = {}
@@ -290,18 +305,18 @@ class KVCacheTrie:
                 if node.parent is not None:
                     index[id(node)] = len(out)
                     out.append(
-                        {
-                            "id": len(out),
-                            "parent": parent,
-                            "namespace": key,
-                            "first_token": int(node.tokens[0]),
-                            "run": len(node.tokens),
-                            "prefix_length": depth + len(node.tokens),
-                            "hits": node.hits,
-                            "locked": node.lock_ref > 0,
-                            "pinned": node.pin_ref > 0,
-                            "run_ids": node.tokens[:16].tolist(),
-                        }
+                        TreeNode(
+                            len(out),
+                            parent,
+                            key,
+                            int(node.tokens[0]),
+                            len(node.tokens),
+                            depth + len(node.tokens),
+                            node.hits,
+                            node.lock_ref > 0,
+                            node.pin_ref > 0,
+                            node.tokens[:16].tolist(),
+                        )
                     )
                 child_depth = depth + len(node.tokens)
                 for child in node.children.values():

@@ -7,6 +7,7 @@ request ends, when only committed tokens go into its trie.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,15 +24,9 @@ class Proposal:
     q: torch.Tensor | None  # [len(tokens), V] drafter probabilities; None for a point-mass drafter
 
 
-class Drafter:
-    """Interface: `begin` a request, `propose` each round, `rollback` to the committed length, `end`.
-
-    Each request gets a shallow copy of the drafter, so per-request state must be (re)bound in
-    `begin`, never mutated in place on shared objects.
-    """
-
-    def begin(self, prompt_ids: list[int], salt: Salt) -> None:
-        return None
+class DraftSession:
+    """One request's drafting state, from `Drafter.start` to `end`: `propose` each round, `rollback` to
+    the committed length after verification. Nothing in it is shared with another request."""
 
     def propose(
         self, committed: list[int], gamma: int, params: SamplingParams, rng: torch.Generator | None
@@ -46,6 +41,26 @@ class Drafter:
         return None
 
 
+class Drafter:
+    """Shared by every request (and thread) of a generator: what it holds is read-only configuration
+    and shared caches; `start` makes the request's own `DraftSession`."""
+
+    def start(self, prompt_ids: list[int], salt: Salt) -> DraftSession:
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class PointMassSession(DraftSession):
+    """A drafter without a model or state of its own: `draft(committed, gamma)` returns the tokens."""
+
+    draft: Callable[[list[int], int], list[int]]
+
+    def propose(
+        self, committed: list[int], gamma: int, params: SamplingParams, rng: torch.Generator | None
+    ) -> Proposal:
+        return Proposal(self.draft(committed, gamma), None)
+
+
 class ModelDrafter(Drafter):
     """A smaller model with the same tokenizer, with its own prefix cache (`draft_cache`)."""
 
@@ -54,30 +69,37 @@ class ModelDrafter(Drafter):
         self.cache = draft_cache
         self.runner = ModelRunner(draft_model)
         self.max_context = context_length(draft_model.config)
-        self._hit: Hit | None = None
-        self._past = None
-        self._length = 0
-        self._salt: Salt = None
 
-    def begin(self, prompt_ids: list[int], salt: Salt) -> None:
-        self._salt = salt
-        if self.cache is not None:
-            self._hit = self.cache.match(prompt_ids, salt=salt)
-            self._past = self._hit.to_hf_cache()
-            self._length = self._hit.length
+    def start(self, prompt_ids: list[int], salt: Salt) -> ModelDraftSession:
+        return ModelDraftSession(self, prompt_ids, salt)
+
+
+class ModelDraftSession(DraftSession):
+    """The draft model's cache for one request: re-attached from the draft trie, grown by proposals,
+    cropped on rollback, and inserted (committed tokens only) at the end."""
+
+    def __init__(self, drafter: ModelDrafter, prompt_ids: list[int], salt: Salt) -> None:
+        self.drafter = drafter
+        self.salt = salt
+        self.hit: Hit | None = None
+        if drafter.cache is not None:
+            self.hit = drafter.cache.match(prompt_ids, salt=salt)
+            self.past = self.hit.to_hf_cache()
+            self.length = self.hit.length
         else:
-            self._past = hf.empty_cache(self.model.config)
-            self._length = 0
+            self.past = hf.empty_cache(drafter.model.config)
+            self.length = 0
 
     def propose(
         self, committed: list[int], gamma: int, params: SamplingParams, rng: torch.Generator | None
     ) -> Proposal:
-        if self.max_context is not None:
-            gamma = min(gamma, self.max_context - len(committed) - 1)
+        runner, max_context = self.drafter.runner, self.drafter.max_context
+        if max_context is not None:
+            gamma = min(gamma, max_context - len(committed) - 1)
         if gamma <= 0:
             return Proposal([], None)
-        logits = self.runner.forward(committed[self._length :], self._past)[-1]
-        self._length = len(committed)
+        logits = runner.forward(committed[self.length :], self.past)[-1]
+        self.length = len(committed)
         tokens, rows = [], []
         for i in range(gamma):
             q = distribution(logits, params)
@@ -85,23 +107,23 @@ class ModelDrafter(Drafter):
             tokens.append(token)
             rows.append(q)
             if i + 1 < gamma:
-                logits = self.runner.forward([token], self._past)[-1]
-                self._length += 1
+                logits = runner.forward([token], self.past)[-1]
+                self.length += 1
         return Proposal(tokens, torch.stack(rows) if rows else None)
 
     def rollback(self, length: int) -> None:
-        if self._length > length:
-            hf.crop(self._past, length)
-            self._length = length
+        if self.length > length:
+            hf.crop(self.past, length)
+            self.length = length
 
     def end(self, committed: list[int]) -> None:
         try:
-            if self.cache is not None and self._past is not None:
-                self.cache.insert(committed[: self._length], self._past, salt=self._salt)
+            if self.drafter.cache is not None and self.past is not None:
+                self.drafter.cache.insert(committed[: self.length], self.past, salt=self.salt)
         finally:
-            if self._hit is not None:
-                self._hit.release()
-            self._hit, self._past, self._length = None, None, 0
+            if self.hit is not None:
+                self.hit.release()
+            self.hit, self.past, self.length = None, None, 0
 
 
 def truncated_model(model, layers: int):
@@ -152,17 +174,17 @@ class PromptLookupDrafter(Drafter):
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(
-        self, committed: list[int], gamma: int, params: SamplingParams, rng: torch.Generator | None
-    ) -> Proposal:
+    def start(self, prompt_ids: list[int], salt: Salt) -> PointMassSession:
+        return PointMassSession(self.lookup)
+
+    def lookup(self, committed: list[int], gamma: int) -> list[int]:
         n_total = len(committed)
         for n in range(min(self.max_ngram, n_total - 1), self.min_ngram - 1, -1):
             tail = committed[n_total - n :]
             for start in range(n_total - n - 1, -1, -1):
                 if committed[start : start + n] == tail:
-                    follow = committed[start + n : start + n + gamma]
-                    return Proposal(list(follow), None)
-        return Proposal([], None)
+                    return list(committed[start + n : start + n + gamma])
+        return []
 
 
 class TrieDrafter(Drafter):
@@ -170,12 +192,6 @@ class TrieDrafter(Drafter):
 
     def __init__(self, cache: KVCacheTrie) -> None:
         self.cache = cache
-        self._salt: Salt = None
 
-    def begin(self, prompt_ids: list[int], salt: Salt) -> None:
-        self._salt = salt
-
-    def propose(
-        self, committed: list[int], gamma: int, params: SamplingParams, rng: torch.Generator | None
-    ) -> Proposal:
-        return Proposal(self.cache.continuation(committed, gamma, salt=self._salt), None)
+    def start(self, prompt_ids: list[int], salt: Salt) -> PointMassSession:
+        return PointMassSession(lambda committed, gamma: self.cache.continuation(committed, gamma, salt=salt))

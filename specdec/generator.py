@@ -9,7 +9,6 @@ the request ends.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -144,9 +143,8 @@ class SpeculativeGenerator(CachedGenerator):
         stats = run.spec = SpecStats(self.gamma)
         committed = list(ids)
         gamma = self.gamma
-        # a request's drafter state (cache, trie lock, salt) is its own: the engine interleaves requests
-        drafter = copy.copy(self.drafter)
-        drafter.begin(ids, run.salt)
+        # the engine interleaves requests: each one drafts in its own session (cache, trie lock, salt)
+        drafter = self.drafter.start(ids, run.salt)
         try:
             while True:
                 room = (

@@ -13,30 +13,17 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from redis_server import free_port
+
+from kvblocks.bench.fixtures import cli_env, free_port, kvblocks_command
 
 SMOLLM2_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TINY_CONTEXT = 256
-
-
-def kvblocks_command() -> list[str]:
-    """The installed `kvblocks` console script of this interpreter's environment."""
-    script = Path(sys.executable).with_name("kvblocks")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvblocks.cli"]
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    """Environment for a kvblocks subprocess: one torch thread, no inherited API key or URL."""
-    env = {k: v for k, v in os.environ.items() if k not in ("KVBLOCKS_API_KEY", "KVBLOCKS_URL")}
-    env |= {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    return env | extra
 
 
 @dataclass

@@ -11,7 +11,8 @@ from conftest import IdTokenizer, tiny_llama
 from kvblocks.bench import micro
 from kvblocks.bench.harness import BenchOptions, Check, Report, Stats, Variant, measure
 from kvblocks.cli import main
-from kvblocks.pool import KVPool, LayerShape
+from kvblocks.layout import KVLayout
+from kvblocks.pool import KVPool
 
 
 def test_stats_give_median_p99_and_mean():
@@ -67,7 +68,7 @@ def test_report_save_writes_json_markdown_and_png(tmp_path):
 
 
 def test_fragmented_pool_hands_out_scattered_but_distinct_slots():
-    pool = KVPool([LayerShape(1, 2)], 512, torch.float32, "cpu")
+    pool = KVPool(KVLayout.from_shapes(torch.float32, [(1, 2)]), 512, "cpu")
     micro.fragment(pool, np.random.default_rng(0), rounds=20)
     assert pool.num_free == 512
     slots = pool.alloc(256)
@@ -77,7 +78,7 @@ def test_fragmented_pool_hands_out_scattered_but_distinct_slots():
 
 def test_micro_gather_and_trie_run_end_to_end_on_tiny_sizes(tmp_path, capsys):
     args = ["bench", "micro", "--only", "gather", "--only", "trie", "--out", str(tmp_path)]
-    args += ["--warmup", "1", "--no-progress", "--no-plots"]
+    args += ["--warmup", "1", "--no-progress", "--no-plots", "--no-fail"]
     args += [
         "--gather-tokens",
         "64",
@@ -111,6 +112,48 @@ def test_ttft_benchmark_runs_on_a_tiny_model(tmp_path):
     assert [len(s) for s in report.samples.values()] == [3, 3, 2, 2]
     assert report.checks[0].name == "kvblocks / ideal"
     assert report.checks[0].value == pytest.approx(report.ratio(kvblocks, ideal))
+
+
+TINY_GATHER = ["bench", "micro", "--only", "gather", "--warmup", "0", "--no-progress", "--no-plots"]
+TINY_GATHER += [
+    "--gather-tokens",
+    "32",
+    "--gather-capacity",
+    "128",
+    "--gather-layers",
+    "1",
+    "--gather-repeats",
+    "2",
+]
+
+
+def test_a_missed_target_makes_the_exit_status_1_and_no_fail_only_reports_it(tmp_path, capsys):
+    impossible = ["--target", "gather / clone bandwidth (fragmented)=1e9", "--out", str(tmp_path)]
+    assert main([*TINY_GATHER, *impossible]) == 1
+    captured = capsys.readouterr()
+    assert "| gather / clone bandwidth (fragmented) |" in captured.out and "**MISS**" in captured.out
+    assert "1 target(s) missed, exit status 1: " in captured.err
+    data = json.loads((tmp_path / "micro-summary.json").read_text())
+    checks = {c["name"]: c for c in data["reports"][0]["checks"]}
+    ratio = checks["gather / clone bandwidth (fragmented)"]
+    assert ratio["target"] == 1e9 and ratio["passed"] is False
+
+    assert main([*TINY_GATHER, *impossible, "--no-fail"]) == 0
+    assert "missed, reported only (--no-fail)" in capsys.readouterr().err
+
+    reachable = ["--target", "gather / clone bandwidth (fragmented)=1e-9", "--out", str(tmp_path)]
+    assert main([*TINY_GATHER, *reachable]) == 0
+
+
+def test_a_target_for_a_metric_the_run_does_not_have_is_a_one_line_error(tmp_path, capsys):
+    assert main([*TINY_GATHER, "--target", "no such metric=1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "kvblocks: error: --target: no metric named no such metric" in err
+    assert "gather / clone bandwidth (fragmented)" in err
+    with pytest.raises(SystemExit) as exited:
+        main([*TINY_GATHER, "--target", "forty-two"])
+    assert exited.value.code == 2
+    assert "expected METRIC=VALUE, got 'forty-two'" in capsys.readouterr().err
 
 
 def test_impossible_sizes_are_a_one_line_error(capsys):

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from server_proc import smollm2_dir, tiny_model_dir
 
-from kvblocks.bench import loadtest, services, specdec
-from kvblocks.bench.loadtest import Sent
+from kvblocks.bench import fixtures, specdec
+from kvblocks.bench import server as loadtest
+from kvblocks.bench.server import Sent
 from kvblocks.cli import main
 
-QUIET = ["--warmup", "0", "--no-progress", "--no-plots"]
+QUIET = ["--warmup", "0", "--no-progress", "--no-plots", "--no-fail"]  # tiny models miss targets
 
 
 def run_suite(tmp_path, capsys, *args: str) -> dict:
@@ -77,8 +78,8 @@ def test_observed_rounds_model_charges_each_round_its_own_verify_width():
 
 def test_redis_suite_runs_restore_ttft_and_decode_on_a_tiny_model(tmp_path, capsys):
     try:
-        services.redis_binary()
-    except services.ServiceError as exc:
+        fixtures.redis_binary()
+    except fixtures.ServiceError as exc:
         if os.environ.get("KVBLOCKS_CI") == "1":
             pytest.fail(str(exc))
         pytest.skip(str(exc))

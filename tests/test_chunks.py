@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from kvblocks.chunks import (
     FORMAT_VERSION,
-    ChunkLayout,
     VerificationError,
     all_finite,
     chain_hashes,
@@ -28,19 +27,20 @@ from kvblocks.chunks import (
     decode_record_into,
     encode_record,
 )
+from kvblocks.layout import KVLayout
 from kvblocks.sealing import Sealer
 
 NS = "ns-a"
 TOKENS = np.arange(100, 108, dtype=np.int32)
 # Layer 1 caches nothing (heads 0), as a layer of kind "none" does.
-LAYOUT = ChunkLayout(torch.float32, ((2, 4), (0, 0), (1, 8)))
+LAYOUT = KVLayout.from_shapes(torch.float32, ((2, 4), (0, 0), (1, 8)))
 
 
-def random_kv(layout: ChunkLayout, n: int, seed: int = 0) -> list[torch.Tensor | None]:
+def random_kv(layout: KVLayout, n: int, seed: int = 0) -> list[torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed)
     return [
         None if heads == 0 else torch.randn(n, 2, heads, dim, generator=g).to(layout.dtype)
-        for heads, dim in layout.layers
+        for heads, dim in layout.shapes
     ]
 
 
@@ -51,7 +51,7 @@ def record(**overrides) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
-def decode(raw: bytes, namespace: str = NS, tokens: np.ndarray = TOKENS, layout: ChunkLayout = LAYOUT):
+def decode(raw: bytes, namespace: str = NS, tokens: np.ndarray = TOKENS, layout: KVLayout = LAYOUT):
     return decode_record(raw, namespace, tokens, layout, "cpu")
 
 
@@ -64,7 +64,7 @@ NON_FINITE = [float("nan"), float("inf"), float("-inf")]
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_record_round_trip_is_bit_exact(dtype):
-    layout = ChunkLayout(dtype, LAYOUT.layers)
+    layout = KVLayout.from_shapes(dtype, LAYOUT.shapes)
     kv = random_kv(layout, len(TOKENS), seed=3)
     out = decode(encode_record(NS, TOKENS, layout, kv), layout=layout)
     assert out[1] is None
@@ -141,14 +141,14 @@ def test_record_for_other_token_ids_fails_verification():
 
 def test_record_read_as_another_dtype_fails_verification():
     with pytest.raises(VerificationError, match="dtype"):
-        decode(record(), layout=ChunkLayout(torch.bfloat16, LAYOUT.layers))
+        decode(record(), layout=KVLayout.from_shapes(torch.bfloat16, LAYOUT.shapes))
 
 
 def test_record_read_with_another_layer_shape_fails_verification():
     with pytest.raises(VerificationError, match="shape"):
-        decode(record(), layout=ChunkLayout(torch.float32, ((2, 4), (0, 0), (2, 4))))
+        decode(record(), layout=KVLayout.from_shapes(torch.float32, ((2, 4), (0, 0), (2, 4))))
     with pytest.raises(VerificationError, match="shape"):
-        decode(record(), layout=ChunkLayout(torch.float32, ((2, 4), (0, 0))))
+        decode(record(), layout=KVLayout.from_shapes(torch.float32, ((2, 4), (0, 0))))
 
 
 def test_payload_cut_short_with_a_matching_checksum_fails_verification():
@@ -293,7 +293,7 @@ def open_sealed(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_sealed_record_round_trip_is_bit_exact(dtype):
-    layout = ChunkLayout(dtype, LAYOUT.layers)
+    layout = KVLayout.from_shapes(dtype, LAYOUT.shapes)
     kv = random_kv(layout, len(TOKENS))
     raw = encode_record(NS, TOKENS, layout, kv, key=KEY, sealer=SEALER)
     out = decode_record(raw, NS, TOKENS, layout, "cpu", key=KEY, sealer=SEALER)
@@ -341,7 +341,7 @@ def test_flipped_bit_anywhere_in_a_sealed_record_fails():
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("sealer", [None, SEALER], ids=["plain", "sealed"])
 def test_nan_or_inf_anywhere_in_the_kv_fails_verification_even_with_a_valid_checksum_or_seal(dtype, sealer):
-    layout = ChunkLayout(dtype, LAYOUT.layers)
+    layout = KVLayout.from_shapes(dtype, LAYOUT.shapes)
     kv = random_kv(layout, len(TOKENS))
 
     def round_trip(kv: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

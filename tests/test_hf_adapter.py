@@ -10,6 +10,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvblocks import KVCacheTrie, UnsupportedModelError
 from kvblocks.adapters import hf
+from kvblocks.layout import LayerSpec
 
 LENGTH = 2 * WINDOW + 4  # long enough that every sliding layer has dropped tokens
 
@@ -31,7 +32,7 @@ def prefill(model, ids: torch.Tensor, record: bool = True) -> DynamicCache:
     return cache
 
 
-def pool_rows(cache: DynamicCache, specs: list[hf.LayerSpec], length: int) -> list[torch.Tensor | None]:
+def pool_rows(cache: DynamicCache, specs: list[LayerSpec], length: int) -> list[torch.Tensor | None]:
     """What the pool would gather for `length` tokens: `[tokens_held, 2, H, D]` per layer."""
     rows = []
     for spec, (keys, values) in zip(specs, hf.extract(cache, specs, 0, length)):

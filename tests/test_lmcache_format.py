@@ -28,11 +28,12 @@ from kvblocks.adapters.lmcache import (
     object_key,
     to_lmcache,
 )
-from kvblocks.chunks import ChunkLayout, VerificationError
+from kvblocks.chunks import VerificationError
+from kvblocks.layout import KVLayout
 
 CHUNK = 16
 LAYERS, HEADS, DIM = 2, 2, 4
-LAYOUT32 = ChunkLayout(torch.float32, ((HEADS, DIM),) * LAYERS)
+LAYOUT32 = KVLayout.from_shapes(torch.float32, ((HEADS, DIM),) * LAYERS)
 
 # ---- recorded from the real lmcache 0.5.6 run ------------------------------------------------
 
@@ -92,7 +93,7 @@ def formula_kv(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 def bound_codec(model: str, dtype: torch.dtype = torch.float32, home: str = "home") -> LMCacheCodec:
     codec = LMCacheCodec(model, redis_is_trusted=True)
-    codec.bind(ChunkLayout(dtype, LAYOUT32.layers), home)
+    codec.bind(KVLayout.from_shapes(dtype, LAYOUT32.shapes), home)
     return codec
 
 
@@ -159,7 +160,7 @@ def test_model_name_with_lmcache_separator_is_refused():
 )
 def test_encoded_values_are_the_bytes_lmcache_stored(ids, dtype, recorded):
     codec = bound_codec(MODEL_1, dtype)
-    layout = ChunkLayout(dtype, LAYOUT32.layers)
+    layout = KVLayout.from_shapes(dtype, LAYOUT32.shapes)
     kv = formula_kv(len(ids), dtype)
     for k, (length, sha, head) in enumerate(recorded):
         part = slice(k * CHUNK, (k + 1) * CHUNK)
@@ -169,7 +170,7 @@ def test_encoded_values_are_the_bytes_lmcache_stored(ids, dtype, recorded):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_decode_inverts_encode_bit_exact(dtype):
-    layout = ChunkLayout(dtype, LAYOUT32.layers)
+    layout = KVLayout.from_shapes(dtype, LAYOUT32.shapes)
     codec = bound_codec(MODEL_1, dtype)
     kv = list(torch.randn(LAYERS, CHUNK, 2, HEADS, DIM).to(dtype))
     out = codec.decode(
@@ -213,7 +214,7 @@ def test_values_that_cannot_be_this_chunk_are_verification_errors(raw, why):
 )
 def test_layouts_lmcache_cannot_hold_are_refused_at_bind(layers):
     with pytest.raises(ValueError, match="same heads and head_dim"):
-        LMCacheCodec(MODEL_1, redis_is_trusted=True).bind(ChunkLayout(torch.float32, layers), "home")
+        LMCacheCodec(MODEL_1, redis_is_trusted=True).bind(KVLayout.from_shapes(torch.float32, layers), "home")
 
 
 def test_rejected_values_are_never_deleted_they_may_belong_to_the_fleet():

@@ -8,13 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvblocks.pool import KVPool, LayerShape
+from kvblocks.layout import KVLayout
+from kvblocks.pool import KVPool
 
-SHAPES = [LayerShape(2, 4), None, LayerShape(1, 3)]
+SHAPES = ((2, 4), (0, 0), (1, 3))  # layer 1 caches nothing
 
 
 def make_pool(capacity: int = 8, dtype: torch.dtype = torch.float64) -> KVPool:
-    return KVPool(SHAPES, capacity, dtype, "cpu")
+    return KVPool(KVLayout.from_shapes(dtype, SHAPES), capacity, "cpu")
 
 
 def test_capacity_below_one_token_is_rejected():
@@ -27,14 +28,14 @@ def test_layers_without_kv_get_no_tensor_and_cost_no_bytes():
     assert pool.layers[1] is None
     assert pool.layers[0].shape == (5, 2, 2, 4)
     assert pool.layers[2].shape == (5, 2, 1, 3)
-    assert pool.token_bytes == KVPool.bytes_per_token(SHAPES, torch.float32) == 2 * (2 * 4 + 1 * 3) * 4
+    assert pool.token_bytes == 2 * (2 * 4 + 1 * 3) * 4
 
 
 def test_bytes_per_token_scales_with_dtype_size():
-    assert KVPool.bytes_per_token(SHAPES, torch.float64) == 2 * KVPool.bytes_per_token(SHAPES, torch.float32)
-    assert (
-        KVPool.bytes_per_token(SHAPES, torch.bfloat16) == KVPool.bytes_per_token(SHAPES, torch.float32) // 2
-    )
+    def token_bytes(dtype: torch.dtype) -> int:
+        return KVLayout.from_shapes(dtype, SHAPES).token_bytes()
+
+    assert token_bytes(torch.float64) == 2 * token_bytes(torch.float32) == 4 * token_bytes(torch.bfloat16)
 
 
 def test_alloc_hands_out_every_slot_exactly_once():
@@ -90,7 +91,7 @@ def test_scatter_leaves_other_slots_untouched():
     ),
 )
 def test_live_and_free_slots_always_partition_the_pool(capacity, ops):
-    pool = KVPool([LayerShape(1, 1)], capacity, torch.float32, "cpu")
+    pool = KVPool(KVLayout.from_shapes(torch.float32, [(1, 1)]), capacity, "cpu")
     live: set[int] = set()
     for is_alloc, n, rnd in ops:
         if is_alloc:

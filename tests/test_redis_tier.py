@@ -23,7 +23,8 @@ from redis_server import LocalCluster, RedisServer, RedisUnavailable, free_port,
 
 import kvblocks
 from kvblocks import CachedGenerator, KVCacheTrie
-from kvblocks.chunks import ChunkLayout, NativeCodec, chain_hashes, encode_record
+from kvblocks.chunks import NativeCodec, chain_hashes, encode_record
+from kvblocks.layout import KVLayout
 from kvblocks.redis_tier import DEFAULT_TTL_S, RedisTier
 from kvblocks.sealing import Sealer
 
@@ -484,7 +485,7 @@ def test_full_redis_with_noeviction_counts_write_errors_and_requests_succeed(mod
 # ---- damaged and foreign values --------------------------------------------------------------
 
 DAMAGED_CHUNK = 3
-LAYOUT = ChunkLayout(torch.float32, ((2, 16), (2, 16)))  # tiny_llama: 2 layers, 2 KV heads of 16
+LAYOUT = KVLayout.from_shapes(torch.float32, ((2, 16), (2, 16)))  # tiny_llama: 2 layers, 2 KV heads of 16
 
 
 def foreign_record(
@@ -492,8 +493,8 @@ def foreign_record(
 ) -> bytes:
     """A well-formed record with random KV, sealed with `secret` if given: harmless only if
     verification refuses it."""
-    layout = ChunkLayout(dtype, LAYOUT.layers)
-    kv = [torch.randn(len(tokens), 2, h, d).to(dtype) for h, d in layout.layers]
+    layout = KVLayout.from_shapes(dtype, LAYOUT.shapes)
+    kv = [torch.randn(len(tokens), 2, h, d).to(dtype) for h, d in layout.shapes]
     return encode_record(namespace, np.array(tokens), layout, kv, key=key, sealer=sealer_of(secret))
 
 
@@ -586,7 +587,7 @@ def test_damaged_value_is_rewritten_by_the_next_trie_that_computes_it(model, ser
 
 RUN_NS = "run-namespace"
 RUN_CHUNKS = 5
-RUN_LAYOUT = ChunkLayout(torch.float32, ((2, 16), (0, 0), (1, 8)))  # layer 1 caches nothing
+RUN_LAYOUT = KVLayout.from_shapes(torch.float32, ((2, 16), (0, 0), (1, 8)))  # layer 1 caches nothing
 
 
 def write_run(server, tier: RedisTier, secret, bad: str | None = None, k: int = -1):
@@ -595,7 +596,7 @@ def write_run(server, tier: RedisTier, secret, bad: str | None = None, k: int = 
     tier.bind(RUN_LAYOUT, torch.device("cpu"), lambda *args: None, RUN_NS)
     ids = np.arange(1000, 1000 + RUN_CHUNKS * CHUNK)
     g = torch.Generator().manual_seed(11)
-    kv = [None if h == 0 else torch.randn(len(ids), 2, h, d, generator=g) for h, d in RUN_LAYOUT.layers]
+    kv = [None if h == 0 else torch.randn(len(ids), 2, h, d, generator=g) for h, d in RUN_LAYOUT.shapes]
     client = server.client()
     for i, h in enumerate(tier.codec.chunk_hashes(RUN_NS, ids, CHUNK)):
         key, rows = tier.key(RUN_NS, h), slice(i * CHUNK, (i + 1) * CHUNK)
@@ -716,7 +717,7 @@ def test_non_finite_record_is_a_miss_never_an_error(model, server, tiers, secret
     generate_exact(model, a, text)
     assert a.spill.flush()
     key = chunk_key(a.spill, a, text, 0)
-    kv = [torch.full((CHUNK, 2, h, d), value) for h, d in LAYOUT.layers]
+    kv = [torch.full((CHUNK, 2, h, d), value) for h, d in LAYOUT.shapes]
     poisoned = encode_record(
         a.namespace.key, np.array(ids_of(text)[:CHUNK]), LAYOUT, kv, key=key, sealer=sealer_of(secret)
     )

@@ -24,6 +24,7 @@ from transformers import DynamicCache, LlamaConfig
 
 from kvblocks import Hit, KVCacheTrie, PinLimitError
 from kvblocks.adapters import hf
+from kvblocks.layout import LayerSpec
 from kvblocks.namespace import Namespace
 
 # ---- synthetic KV: a pure function of (salt, prefix) ----------------------------------------------
@@ -37,7 +38,7 @@ CONFIG = LlamaConfig(
     head_dim=HEAD_DIM,
     vocab_size=16,
 )
-SPECS = [hf.LayerSpec("full", HEADS, HEAD_DIM)] * LAYERS
+SPECS = [LayerSpec("full", HEADS, HEAD_DIM)] * LAYERS
 _OFFSETS = torch.arange(LAYERS * 2 * HEADS * HEAD_DIM, dtype=torch.float64).reshape(
     LAYERS, 1, 2, HEADS, HEAD_DIM
 )

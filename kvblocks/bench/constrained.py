@@ -17,11 +17,9 @@ from kvblocks.bench.harness import (
     Check,
     Report,
     Variant,
-    add_harness_args,
+    add_suite,
     measure,
     positive_int,
-    publish,
-    set_threads,
 )
 
 SCHEMA = {
@@ -56,22 +54,19 @@ PROMPT = [{"role": "user", "content": "Give me the forecast for Paris in celsius
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = suites.add_parser(
+    p = add_suite(
+        suites,
         "constrained",
+        run,
         help="constrained decoding: per-token overhead of a JSON-schema grammar, grammar compile time",
-        description="Constrained decoding (llguidance) on SmolLM2-135M-Instruct, against unconstrained decoding.",
+        description="Constrained decoding (llguidance) on the --model, against unconstrained decoding.",
+        model=True,
     )
-    add_harness_args(p)
     p.add_argument("--repeats", type=positive_int, default=7, help="timed runs per variant (default 7)")
-    p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
-    p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    opts = BenchOptions.from_args(args)
-    set_threads(opts.threads)
-    publish([bench_constrained(args.model, args.repeats, opts)], opts, "constrained")
-    return 0
+def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
+    return [bench_constrained(args.model, args.repeats, opts)]
 
 
 def bench_constrained(model_path: str | None, repeats: int, opts: BenchOptions) -> Report:

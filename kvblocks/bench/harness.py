@@ -10,6 +10,7 @@ Markdown and a PNG box plot under the output folder.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -24,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
+
+from kvblocks.errors import UserError
 
 
 @dataclass(slots=True)
@@ -34,11 +38,20 @@ class BenchOptions:
     plots: bool = True
     progress: bool = True
     clock: str = "wall"
+    fail: bool = True
+    targets: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
         return cls(
-            args.threads, args.warmup, Path(args.out), not args.no_plots, not args.no_progress, args.clock
+            args.threads,
+            args.warmup,
+            Path(args.out),
+            not args.no_plots and can_plot(),
+            not args.no_progress,
+            args.clock,
+            not args.no_fail,
+            dict(args.target),
         )
 
 
@@ -75,6 +88,75 @@ def add_harness_args(p: argparse.ArgumentParser) -> None:
         help="time runs by wall clock (default) or by this process's CPU time, which leaves out the time "
         "other processes on a busy machine take the core away (use with --threads 1)",
     )
+    p.add_argument(
+        "--no-fail",
+        action="store_true",
+        help="only report missed targets; by default a missed target makes the exit status 1",
+    )
+    p.add_argument(
+        "--target",
+        action="append",
+        type=target_override,
+        default=[],
+        metavar="METRIC=VALUE",
+        help="hold METRIC (a name from the report's metric column) to VALUE instead of its built-in "
+        "target, in the same direction (repeatable)",
+    )
+
+
+def can_plot() -> bool:
+    """Whether matplotlib (the `bench` extra) is installed; without it the results are written unplotted."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(
+            "kvblocks: no plots: matplotlib is not installed (pip install 'kvblocks[bench]')", file=sys.stderr
+        )
+        return False
+    return True
+
+
+def target_override(text: str) -> tuple[str, float]:
+    name, sep, value = text.rpartition("=")
+    try:
+        if sep and name:
+            return name.strip(), float(value)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected METRIC=VALUE, got '{text}'")
+
+
+def add_suite(
+    suites: argparse._SubParsersAction,
+    name: str,
+    run: Callable[[argparse.Namespace, BenchOptions], Sequence[Report]],
+    *,
+    help: str,
+    description: str,
+    model: bool = False,
+    only: Sequence[str] = (),
+) -> argparse.ArgumentParser:
+    """Register `kvblocks bench NAME`: the harness options, `--model` and `--only CHOICE` if asked for.
+    `run(args, opts)` returns the reports; they are published under NAME and checked (exit status 1
+    when a target is missed, unless --no-fail)."""
+    p = suites.add_parser(name, help=help, description=description)
+    add_harness_args(p)
+    if model:
+        p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
+    if only:
+        p.add_argument(
+            "--only", action="append", choices=list(only), help="run only this benchmark (repeatable)"
+        )
+    p.set_defaults(func=functools.partial(run_suite, name, run))
+    return p
+
+
+def run_suite(
+    name: str, run: Callable[[argparse.Namespace, BenchOptions], Sequence[Report]], args: argparse.Namespace
+) -> int:
+    opts = BenchOptions.from_args(args)
+    set_threads(opts.threads)
+    return publish(run(args, opts), opts, name)
 
 
 def set_threads(n: int) -> None:
@@ -99,43 +181,10 @@ def machine_info(opts: BenchOptions) -> dict[str, object]:
     }
 
 
-# ---- progress ------------------------------------------------------------------------------
-
-
-class _PlainBar:
-    """Fallback when tqdm is not installed: one rewritten line on stderr."""
-
-    def __init__(self, total: int, desc: str) -> None:
-        self.total, self.desc, self.n = total, desc, 0
-
-    def update(self, k: int = 1) -> None:
-        self.n += k
-        sys.stderr.write(f"\r{self.desc}: {self.n}/{self.total}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\n")
-
-
-class _NoBar:
-    def update(self, k: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 @contextmanager
-def progress(total: int, desc: str, enabled: bool = True) -> Iterator[_PlainBar | _NoBar]:
-    if not enabled:
-        bar = _NoBar()
-    else:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
-        except ImportError:
-            bar = _PlainBar(total, desc)
+def progress(total: int, desc: str, enabled: bool = True) -> Iterator[tqdm]:
+    """A tqdm bar on stderr that disappears when done (a no-op bar when `enabled` is false)."""
+    bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, disable=not enabled)
     try:
         yield bar
     finally:
@@ -362,8 +411,10 @@ def summary_markdown(reports: Sequence[Report]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def publish(reports: Sequence[Report], opts: BenchOptions, suite: str) -> None:
-    """Print every report as Markdown and write each one plus a `<suite>-summary` to `opts.out`."""
+def publish(reports: Sequence[Report], opts: BenchOptions, suite: str) -> int:
+    """Print every report as Markdown, write each one plus a `<suite>-summary` to `opts.out`, and return
+    the exit status: 1 if a check missed its target (unless `opts.fail` is off), else 0."""
+    apply_targets(reports, opts.targets)
     machine = machine_info(opts)
     written: list[Path] = []
     for r in reports:
@@ -376,3 +427,21 @@ def publish(reports: Sequence[Report], opts: BenchOptions, suite: str) -> None:
     data = {"machine": machine, "reports": [r.to_json(machine) for r in reports]}
     (opts.out / f"{suite}-summary.json").write_text(json.dumps(data, indent=2) + "\n")
     print(f"kvblocks: wrote {len(written) + 2} files to {opts.out}/", file=sys.stderr)
+    missed = [f"{r.title}: {c.name}" for r in reports for c in r.checks if c.passed is False]
+    if not missed:
+        return 0
+    verdict = "reported only (--no-fail)" if not opts.fail else "exit status 1"
+    print(f"kvblocks: {len(missed)} target(s) missed, {verdict}: " + "; ".join(missed), file=sys.stderr)
+    return 1 if opts.fail else 0
+
+
+def apply_targets(reports: Sequence[Report], targets: dict[str, float]) -> None:
+    """Replace the targets of the checks named in `targets` (--target METRIC=VALUE)."""
+    checks = [c for r in reports for c in r.checks]
+    unknown = sorted(set(targets) - {c.name for c in checks})
+    if unknown:
+        names = ", ".join(sorted({c.name for c in checks})) or "none"
+        raise UserError(f"--target: no metric named {', '.join(unknown)} in this run (metrics: {names})")
+    for c in checks:
+        if c.name in targets:
+            c.target = targets[c.name]

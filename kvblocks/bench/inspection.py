@@ -19,35 +19,29 @@ from kvblocks.bench.harness import (
     BenchOptions,
     Check,
     Report,
-    add_harness_args,
+    add_suite,
     positive_int,
-    publish,
-    set_threads,
 )
 
 PREFIXES = "/v1/cache/prefixes?limit=1000&tree=true&max_nodes=5000"
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = suites.add_parser(
+    p = add_suite(
+        suites,
         "inspection",
+        run,
         help="/health latency while /v1/cache/prefixes lists a 100k-node trie",
         description="Server responsiveness while the cache inspection endpoints work on a large trie.",
     )
-    add_harness_args(p)
     p.add_argument("--nodes", type=positive_int, default=100_000, help="trie nodes to build (default 100000)")
     p.add_argument(
         "--probes", type=positive_int, default=400, help="/health requests per phase (default 400)"
     )
-    p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    opts = BenchOptions.from_args(args)
-    set_threads(opts.threads)
-    report = bench_health_under_inspection(args.nodes, args.probes, opts)
-    publish([report], opts, "inspection")
-    return 0
+def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
+    return [bench_health_under_inspection(args.nodes, args.probes, opts)]
 
 
 def serve_big_trie(port: int, nodes: int, ready) -> None:
@@ -84,7 +78,7 @@ def serve_big_trie(port: int, nodes: int, ready) -> None:
 
 
 def bench_health_under_inspection(nodes: int, probes: int, opts: BenchOptions) -> Report:
-    from kvblocks.bench.services import free_port
+    from kvblocks.bench.fixtures import free_port
 
     port = free_port()
     ctx = multiprocessing.get_context("spawn")

@@ -22,19 +22,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvblocks.bench import fixtures
 from kvblocks.bench.harness import (
     BenchOptions,
     Check,
     Report,
     Variant,
-    add_harness_args,
+    add_suite,
     measure,
     positive_int,
     progress,
-    publish,
-    set_threads,
 )
-from kvblocks.pool import KVPool, LayerShape
+from kvblocks.errors import UserError
+from kvblocks.layout import KVLayout, LayerSpec
+from kvblocks.pool import KVPool
 from kvblocks.radix import SLOT_DTYPE, TOKEN_DTYPE
 
 BENCHMARKS = ("gather", "trie", "ttft", "fingerprint")
@@ -42,18 +43,16 @@ GB = 1e9
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = suites.add_parser(
+    p = add_suite(
+        suites,
         "micro",
+        run,
         help="core costs vs targets: gather bandwidth, trie latency and memory, time to first token, "
         "model fingerprint",
-        description="Core micro-benchmarks of kvblocks, each checked against its target.",
-    )
-    add_harness_args(p)
-    p.add_argument(
-        "--only",
-        action="append",
-        choices=BENCHMARKS,
-        help="run only this benchmark (repeatable; 'trie' includes memory)",
+        description="Core micro-benchmarks of kvblocks, each checked against its target ('--only trie' "
+        "includes memory).",
+        model=True,
+        only=BENCHMARKS,
     )
     g = p.add_argument_group("gather (re-attach bandwidth)")
     g.add_argument(
@@ -93,8 +92,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         default=3.0,
         help="tokens inserted before measuring, as a multiple of --trie-resident (default 3: steady state)",
     )
-    m = p.add_argument_group("ttft (time to first token on a real model)")
-    m.add_argument("--model", default=None, help="model path or hub id (default: SmolLM2-135M-Instruct)")
+    m = p.add_argument_group("ttft (time to first token on the --model)")
     m.add_argument(
         "--ttft-cached", type=positive_int, default=1000, help="cached system prompt tokens (default 1000)"
     )
@@ -114,16 +112,13 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
     f.add_argument(
         "--fingerprint-repeats", type=positive_int, default=7, help="timed runs per variant (default 7)"
     )
-    p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    opts = BenchOptions.from_args(args)
-    set_threads(opts.threads)
+def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     selected = args.only or list(BENCHMARKS)
     reports: list[Report] = []
     if "gather" in selected:
-        shape = LayerShape(args.gather_heads, args.gather_head_dim)
+        shape = (args.gather_heads, args.gather_head_dim)
         reports.append(
             bench_gather(
                 opts,
@@ -145,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             args.trie_fill,
         )
     if "ttft" in selected or "fingerprint" in selected:
-        model, tokenizer = _load_model(args.model)
+        model, tokenizer = fixtures.load_model(args.model)
     if "ttft" in selected:
         reports.append(
             bench_ttft(
@@ -160,18 +155,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if "fingerprint" in selected:
         reports.append(bench_fingerprint(opts, model, args.model, args.fingerprint_repeats))
-    publish(reports, opts, "micro")
-    return 0
-
-
-def _load_model(name: str | None):
-    from kvblocks import models
-    from kvblocks.cli import UserError
-
-    try:
-        return models.load(name, "float32", "cpu")
-    except models.ModelLoadError as exc:
-        raise UserError(str(exc)) from exc
+    return reports
 
 
 # ---- a. gather bandwidth -------------------------------------------------------------------
@@ -202,24 +186,19 @@ def slot_runs(slots: np.ndarray) -> int:
 
 
 def bench_gather(
-    opts: BenchOptions, tokens: int, capacity: int, shapes: list[LayerShape], repeats: int
+    opts: BenchOptions, tokens: int, capacity: int, shapes: list[tuple[int, int]], repeats: int
 ) -> Report:
     if tokens > capacity:
-        raise _user_error(f"--gather-tokens ({tokens}) must not exceed --gather-capacity ({capacity})")
+        raise UserError(f"--gather-tokens ({tokens}) must not exceed --gather-capacity ({capacity})")
     rng = np.random.default_rng(0)
-    pool = KVPool(shapes, capacity, torch.float32, "cpu")
+    pool = KVPool(KVLayout.from_shapes(torch.float32, shapes), capacity, "cpu")
     everything = pool.index(np.arange(capacity))
-    for layer, s in enumerate(shapes):
-        pool.scatter(
-            layer,
-            everything,
-            torch.randn(capacity, s.heads, s.head_dim),
-            torch.randn(capacity, s.heads, s.head_dim),
-        )
+    for layer, (heads, dim) in enumerate(shapes):
+        pool.scatter(layer, everything, torch.randn(capacity, heads, dim), torch.randn(capacity, heads, dim))
     fragment(pool, rng, rounds=4 * capacity // 264)
     slots = pool.alloc(tokens)
     contiguous = np.arange(tokens, dtype=slots.dtype)
-    sources = [torch.randn(tokens, 2, s.heads, s.head_dim) for s in shapes]
+    sources = [torch.randn(tokens, 2, heads, dim) for heads, dim in shapes]
     nbytes = tokens * pool.token_bytes
     sink: list[torch.Tensor] = []
 
@@ -327,7 +306,6 @@ def tiny_trie(capacity: int, layers: int, head_dim: int):
     """A KVCacheTrie over a tiny 1-head layout (no model), so a million tokens fit in a few MB of KV."""
     from transformers import LlamaConfig
 
-    from kvblocks.adapters.hf import LayerSpec
     from kvblocks.namespace import Namespace
     from kvblocks.trie import KVCacheTrie
 
@@ -368,9 +346,9 @@ def bench_trie(
     fill: float = 3.0,
 ) -> list[Report]:
     if new >= prompt:
-        raise _user_error(f"--trie-new ({new}) must be smaller than --trie-prompt ({prompt})")
+        raise UserError(f"--trie-new ({new}) must be smaller than --trie-prompt ({prompt})")
     if fill < 1.0:
-        raise _user_error(f"--trie-fill must be >= 1 so the pool is full and evicting, got {fill}")
+        raise UserError(f"--trie-fill must be >= 1 so the pool is full and evicting, got {fill}")
     rng = np.random.default_rng(1)
     vocab, max_len = 32_000, max(8192, 2 * prompt)
     source = KVSource(layers, 1, head_dim, max_len)
@@ -619,7 +597,7 @@ def bench_fingerprint(opts: BenchOptions, model, model_name: str | None, repeats
     seen: set[str] = set()
 
     def load() -> None:
-        fresh[:] = [_load_model(model_name)[0]]
+        fresh[:] = [fixtures.load_model(model_name)[0]]
 
     def after_load() -> None:
         seen.add(model_fingerprint(fresh[0]))
@@ -676,9 +654,3 @@ def bench_fingerprint(opts: BenchOptions, model, model_name: str | None, repeats
         "warm': the same model every time; bare = xxh3-128 `update` over the same tensors' bytes, nothing else",
     ]
     return report
-
-
-def _user_error(message: str) -> Exception:
-    from kvblocks.cli import UserError
-
-    return UserError(message)

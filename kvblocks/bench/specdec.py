@@ -26,17 +26,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvblocks.bench import fixtures
 from kvblocks.bench.harness import (
     BenchOptions,
     Check,
     Report,
     Variant,
-    add_harness_args,
+    add_suite,
     measure,
     positive_int,
-    publish,
-    set_threads,
 )
+from kvblocks.errors import UserError
 
 BENCHMARKS = ("self", "lookup", "trie", "sweep")
 
@@ -68,15 +68,14 @@ GROUNDED_PROMPTS = [
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = suites.add_parser(
+    p = add_suite(
+        suites,
         "specdec",
+        run,
         help="speculative decoding: measured vs predicted speed-up, vs transformers' assisted generation",
-        description="Speculative decoding on the target model with three drafters, checked against targets.",
-    )
-    add_harness_args(p)
-    p.add_argument("--only", action="append", choices=BENCHMARKS, help="run only this benchmark (repeatable)")
-    p.add_argument(
-        "--model", default=None, help="target model path or hub id (default: SmolLM2-135M-Instruct)"
+        description="Speculative decoding on the target --model with three drafters, checked against targets.",
+        model=True,
+        only=BENCHMARKS,
     )
     p.add_argument(
         "--repeats", type=positive_int, default=3, help="timed runs of each generation variant (3)"
@@ -112,14 +111,9 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         help="self-drafter layer counts the sweep measures (default 2,4,8,16,24,29)",
     )
     p.add_argument("--sweep-tokens", type=positive_int, default=32, help="new tokens per prompt, sweep (32)")
-    p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvblocks.bench.micro import _load_model
-
-    opts = BenchOptions.from_args(args)
-    set_threads(opts.threads)
+def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     selected = args.only or list(BENCHMARKS)
     workloads = {
         "self": Workload(
@@ -130,23 +124,22 @@ def run(args: argparse.Namespace) -> int:
     }
     for w in workloads.values():
         if w.kind in selected and w.max_new_tokens < 2 * (w.gamma + 1):
-            raise _user_error(
+            raise UserError(
                 f"--{w.kind}-tokens ({w.max_new_tokens}) must be at least 2 x (gamma + 1) = {2 * (w.gamma + 1)}: "
                 "the first round is left out of the decode rate"
             )
-    model, tokenizer = _load_model(args.model)
+    model, tokenizer = fixtures.load_model(args.model)
     layers = model.config.num_hidden_layers
     sweep = _layer_list(args.sweep_layers, layers)
     if not 0 < args.self_layers < layers:
-        raise _user_error(f"--self-layers must be in 1..{layers - 1}, got {args.self_layers}")
+        raise UserError(f"--self-layers must be in 1..{layers - 1}, got {args.self_layers}")
     reports: list[Report] = []
     for name, workload in workloads.items():
         if name in selected:
             reports += bench_workload(opts, model, tokenizer, workload, args.repeats, args.cost_repeats)
     if "sweep" in selected:
         reports.append(bench_sweep(opts, model, tokenizer, sweep, args.sweep_tokens, args.cost_repeats))
-    publish(reports, opts, "specdec")
-    return 0
+    return reports
 
 
 def _layer_list(text: str, layers: int) -> list[int]:
@@ -155,7 +148,7 @@ def _layer_list(text: str, layers: int) -> list[int]:
     except ValueError:
         ks = []
     if not ks or not all(0 < k < layers for k in ks):
-        raise _user_error(
+        raise UserError(
             f"--sweep-layers must be comma-separated layer counts in 1..{layers - 1}, got '{text}'"
         )
     return ks
@@ -533,10 +526,10 @@ def propose_times(opts: BenchOptions, w: Workload, drafter, context: list[int], 
     """A point-mass drafter's proposal time on a prompt and half its answer (microseconds, no model)."""
     from kvblocks.sampling import SamplingParams
 
-    drafter.begin(context, None)
+    session = drafter.start(context, None)
     half = context[: len(context) - w.max_new_tokens // 2]
     name = f"drafter propose ({w.drafter_name}, γ={w.gamma})"
-    variant = Variant(name, lambda: drafter.propose(half, w.gamma, SamplingParams(), None))
+    variant = Variant(name, lambda: session.propose(half, w.gamma, SamplingParams(), None))
     return measure([variant], repeats, opts, f"propose {w.kind}")
 
 
@@ -644,9 +637,3 @@ def bench_sweep(
         "outputs asserted identical to CachedGenerator's); c = K-layer forward / full forward, 1 token",
     ]
     return report
-
-
-def _user_error(message: str) -> Exception:
-    from kvblocks.cli import UserError
-
-    return UserError(message)

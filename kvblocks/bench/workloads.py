@@ -29,22 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvblocks.bench.harness import (
-    CLOCKS,
-    BenchOptions,
-    Check,
-    Report,
-    Stats,
-    Variant,
-    add_harness_args,
-    fmt_number,
-    fmt_seconds,
-    measure,
-    positive_int,
-    publish,
-    set_threads,
-)
-from kvblocks.bench.servers import (
+from kvblocks.bench import fixtures
+from kvblocks.bench.baselines import (
     BatchingConfig,
     BatchingManager,
     ContinuousBatching,
@@ -58,6 +44,20 @@ from kvblocks.bench.servers import (
     generate_all_at_once,
     working_bytes,
 )
+from kvblocks.bench.harness import (
+    CLOCKS,
+    BenchOptions,
+    Check,
+    Report,
+    Stats,
+    Variant,
+    add_suite,
+    fmt_number,
+    fmt_seconds,
+    measure,
+    positive_int,
+)
+from kvblocks.errors import UserError
 
 OPTIONAL = ("no-reuse", "deepcopy", "cb", "cb-batch")
 CB_BATCH = "transformers CB, all at once"
@@ -126,7 +126,7 @@ def _sequences(rng: np.random.Generator, vocab: int, count: int, length: int) ->
     """Random ids whose first tokens differ pairwise, so no two share even one leading token."""
     low = _first_id(vocab)
     if count > vocab - low:
-        raise _user_error(f"cannot make {count} distinct sequences from a vocabulary of {vocab}")
+        raise UserError(f"cannot make {count} distinct sequences from a vocabulary of {vocab}")
     firsts = rng.choice(np.arange(low, vocab), size=count, replace=False)
     rest = rng.integers(low, vocab, (count, length - 1))
     return [[int(f), *map(int, r)] for f, r in zip(firsts, rest)]
@@ -719,20 +719,25 @@ def common_notes(
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = suites.add_parser(
+    p = add_suite(
+        suites,
         "shared-prompt",
+        run_shared_prompt,
         help="G groups x P prompts sharing a system prompt, against the alternatives",
         description="Shared system prompts: kvblocks against no reuse, the deepcopy recipe, transformers "
         "continuous batching and the ideal.",
+        model=True,
     )
     _common_args(p)
     _shared_args(p)
-    p.set_defaults(func=run_shared_prompt)
 
-    p = suites.add_parser(
+    p = add_suite(
+        suites,
         "multi-turn",
+        run_multi_turn,
         help="conversations whose turns carry the whole history, against the alternatives",
         description="Multi-turn chat: every turn resends the history, the model's replies included.",
+        model=True,
     )
     _common_args(p)
     p.add_argument("--conversations", type=positive_int, default=8, help="conversations (default 8)")
@@ -741,12 +746,14 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
     p.add_argument("--system", type=positive_int, default=1024, help="system prompt tokens (default 1024)")
     p.add_argument("--user", type=positive_int, default=32, help="user tokens per turn (default 32)")
     p.add_argument("--output", type=positive_int, default=16, help="reply tokens per turn (default 16)")
-    p.set_defaults(func=run_multi_turn)
 
-    p = suites.add_parser(
+    p = add_suite(
+        suites,
         "pressure",
+        run_pressure,
         help="shared-prompt with a cache too small for the system prompts: eviction vs the offline optimum",
         description="Shared system prompts with a cache that holds only a fraction of them.",
+        model=True,
     )
     _common_args(p)
     _shared_args(p)
@@ -756,12 +763,9 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         default=0.5,
         help="cache capacity as a fraction of all system prompt tokens (default 0.5: half of them)",
     )
-    p.set_defaults(func=run_pressure)
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
-    add_harness_args(p)
-    p.add_argument("--model", default=None, help="model path or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--seed", type=int, default=0, help="seed of the token ids and arrival order (default 0)")
     p.add_argument(
         "--skip",
@@ -798,29 +802,23 @@ def _shared_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_shared_prompt(args: argparse.Namespace) -> int:
-    return _run(args, "shared-prompt")
+def run_shared_prompt(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
+    return _run(args, opts, "shared-prompt")
 
 
-def run_multi_turn(args: argparse.Namespace) -> int:
-    return _run(args, "multi-turn")
+def run_multi_turn(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
+    return _run(args, opts, "multi-turn")
 
 
-def run_pressure(args: argparse.Namespace) -> int:
+def run_pressure(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     if not 0.0 < args.capacity_fraction < 1.0:
-        raise _user_error(f"--capacity-fraction must be in (0, 1), got {args.capacity_fraction}")
-    return _run(args, "pressure")
+        raise UserError(f"--capacity-fraction must be in (0, 1), got {args.capacity_fraction}")
+    return _run(args, opts, "pressure")
 
 
-def _run(args: argparse.Namespace, kind: str) -> int:
-    from kvblocks.bench.micro import _load_model
-
-    opts = BenchOptions.from_args(args)
-    set_threads(opts.threads)
-    model, tokenizer = _load_model(args.model)
-    report = bench_workload(model, tokenizer, kind, vars(args), opts)
-    publish([report], opts, f"workload-{kind}")
-    return 0
+def _run(args: argparse.Namespace, opts: BenchOptions, kind: str) -> list[Report]:
+    model, tokenizer = fixtures.load_model(args.model)
+    return [bench_workload(model, tokenizer, kind, vars(args), opts)]
 
 
 def make_workload(kind: str, sizes: dict, vocab: int) -> Workload:
@@ -859,7 +857,7 @@ def bench_workload(model, tokenizer, kind: str, sizes: dict, opts: BenchOptions)
     longest = max(lengths) + w.max_new_tokens
     limit = context_length(model.config)
     if limit is not None and longest > limit:
-        raise _user_error(f"the longest request needs {longest} tokens; the model's context is {limit}")
+        raise UserError(f"the longest request needs {longest} tokens; the model's context is {limit}")
     unbounded = unbounded_ideal(w)
     rate = sum(unbounded) / sum(lengths)
     page = sizes["cb_page_size"]
@@ -934,9 +932,3 @@ def _params(kind: str, sizes: dict, model, opts: BenchOptions, requests: int, ca
         | {k: sizes[k] for k in keys}
         | {"requests": requests, "capacity_tokens": capacity, "seed": sizes["seed"], "clock": opts.clock}
     )
-
-
-def _user_error(message: str) -> Exception:
-    from kvblocks.cli import UserError
-
-    return UserError(message)

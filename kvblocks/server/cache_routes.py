@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from kvblocks.explain import explain
-from kvblocks.generator import CachedGenerator
+from kvblocks.inspection import inspect_prefixes
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.schemas import ExplainRequest
 from kvblocks.server.state import caller, scope_of, served
@@ -67,7 +67,8 @@ async def cache_prefixes(
         # Built and serialised off the event loop (FastAPI's own encoder would run on it), with
         # the collector paused: see gc_paused.
         with gc_paused():
-            return json.dumps(inspect_prefixes(s.gen, tenant, limit, tree, max_nodes), ensure_ascii=False)
+            listed = inspect_prefixes(s.cache, s.gen.tokenizer, tenant, limit, tree, max_nodes)
+            return json.dumps(listed, ensure_ascii=False)
 
     return Response(await run_in_threadpool(listing), media_type="application/json")
 
@@ -123,31 +124,6 @@ def gc_paused() -> Iterator[None]:
             _gc_pause["depth"] -= 1
             if _gc_pause["depth"] == 0 and _gc_pause["was_enabled"]:
                 gc.enable()
-
-
-def preview(head: str, tail: str, elided: bool) -> str:
-    return f"{head} … {tail}" if elided else head
-
-
-def inspect_prefixes(
-    gen: CachedGenerator, tenant: str | None, limit: int, tree: bool, max_nodes: int
-) -> dict:
-    """The most-hit prefixes and the trie's shape with text previews: all of them (tenant None,
-    an admin) or one tenant's, which then sees neither the text nor the namespace keys of others."""
-    decode = gen.tokenizer.decode
-    top = []
-    for p in gen.cache.top_prefixes(limit, tenant=tenant):
-        ids = p.pop("token_ids")
-        p["preview"] = preview(
-            decode(ids[:48], skip_special_tokens=False),
-            decode(ids[-48:], skip_special_tokens=False),
-            len(ids) > 96,
-        )
-        top.append(p)
-    nodes = gen.cache.tree(max_nodes, tenant=tenant) if tree else []
-    for node in nodes:
-        node["preview"] = decode(node.pop("run_ids"), skip_special_tokens=False)
-    return {"prefixes": top, "tree": nodes}
 
 
 def cache_metrics(cache) -> dict[str, tuple[str, dict[str, str], float]]:

@@ -26,11 +26,11 @@ from kvblocks.bench.harness import (
     BenchOptions,
     Check,
     Report,
-    add_harness_args,
+    add_suite,
     fmt_seconds,
     positive_int,
-    publish,
 )
+from kvblocks.errors import UserError
 
 _TOOLS = (
     "search_orders", "refund_payment", "update_address", "reset_password", "open_ticket", "close_ticket",
@@ -64,13 +64,14 @@ def system_prompt(tokenizer, tokens: int) -> str:
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = suites.add_parser(
+    p = add_suite(
+        suites,
         "server",
+        run,
         help="load test of kvblocks serve: concurrent agents sharing a system prompt, cache on vs off",
         description="Concurrent agents against real `kvblocks serve` processes, prefix cache on vs off.",
+        model=True,
     )
-    add_harness_args(p)
-    p.add_argument("--model", default=None, help="model path or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--agents", type=positive_int, default=16, help="concurrent agents (default 16)")
     p.add_argument(
         "--turns", type=positive_int, default=2, help="requests per agent conversation (default 2)"
@@ -84,7 +85,6 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         help="skip the cold round (the first wave of agents on the cache-on server before any warm-up)",
     )
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for both servers")
-    p.set_defaults(func=run)
 
 
 @dataclass(slots=True)
@@ -119,14 +119,12 @@ class Load:
     spans: list[float] = field(default_factory=list)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     from transformers import AutoTokenizer
 
     from kvblocks import models
-    from kvblocks.bench.services import ServiceError, spawn_serve, wait_serve
-    from kvblocks.cli import UserError
+    from kvblocks.bench.fixtures import ServiceError, spawn_serve, wait_serve
 
-    opts = BenchOptions.from_args(args)
     try:
         path = models.resolve(args.model)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -152,8 +150,7 @@ def run(args: argparse.Namespace) -> int:
             for server in servers.values():
                 server.stop()
     report = build_report(args, tokenizer, system, loads, cold, stats)
-    publish([report], opts, "server")
-    return 0
+    return [report]
 
 
 async def drive(opts: BenchOptions, args, tokenizer, system: str, urls: dict[str, str]):

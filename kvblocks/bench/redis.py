@@ -26,18 +26,19 @@ from pathlib import Path
 
 import numpy as np
 
+from kvblocks.bench import fixtures
 from kvblocks.bench.harness import (
     BenchOptions,
     Check,
     Report,
     Variant,
-    add_harness_args,
+    add_suite,
     fmt_seconds,
     measure,
     positive_int,
-    publish,
     set_threads,
 )
+from kvblocks.errors import UserError
 
 BENCHMARKS = ("restore", "ttft", "decode")
 MB = 1e6
@@ -46,13 +47,15 @@ BENCH_SECRET = b"kvblocks-bench-restore-secret-0001"
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = suites.add_parser(
+    p = add_suite(
+        suites,
         "redis",
+        run,
         help="Redis spill tier: restore throughput, time to first token from Redis, decode while spilling",
         description="Benchmarks of the Redis spill tier (RedisTier), each checked against its target.",
+        model=True,
+        only=BENCHMARKS,
     )
-    add_harness_args(p)
-    p.add_argument("--only", action="append", choices=BENCHMARKS, help="run only this benchmark (repeatable)")
     p.add_argument(
         "--redis",
         default=None,
@@ -62,7 +65,6 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--chunk-tokens", type=positive_int, default=64, help="tokens per Redis chunk (default 64)"
     )
-    p.add_argument("--model", default=None, help="model path or hub id (default: SmolLM2-135M-Instruct)")
     r = p.add_argument_group("restore (fetch throughput vs raw GET)")
     r.add_argument(
         "--restore-tokens", type=positive_int, default=1024, help="tokens fetched per run (default 1024)"
@@ -97,12 +99,9 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--decode-repeats", type=positive_int, default=10, help="timed runs per variant (default 10)"
     )
-    p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    opts = BenchOptions.from_args(args)
-    set_threads(opts.threads)
+def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     selected = args.only or list(BENCHMARKS)
     reports: list[Report] = []
     with (
@@ -125,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
         if "ttft" in selected or "decode" in selected:
-            from kvblocks.bench.micro import _load_model
-
-            model, tokenizer = _load_model(args.model)
+            model, tokenizer = fixtures.load_model(args.model)
             if "ttft" in selected:
                 reports.append(
                     bench_ttft(
@@ -156,8 +153,7 @@ def run(args: argparse.Namespace) -> int:
                         args.decode_repeats,
                     )
                 )
-    publish(reports, opts, "redis")
-    return 0
+    return reports
 
 
 @contextmanager
@@ -166,15 +162,12 @@ def redis_url(external: str | None, workdir: Path) -> Iterator[tuple[str, dict]]
     if external:
         yield external, {"key_prefix": f"kvblocks-bench-{uuid.uuid4().hex[:8]}", "ttl_s": 3600.0}
         return
-    from kvblocks.bench.services import ServiceError, start_redis
-    from kvblocks.cli import UserError
-
     try:
-        service = start_redis(workdir / "redis")
-    except ServiceError as exc:
+        server = fixtures.RedisServer(workdir / "redis").start()
+    except fixtures.ServiceError as exc:
         raise UserError(str(exc)) from exc
-    with service:
-        yield service.url, {}
+    with server:
+        yield server.url, {}
 
 
 def random_ids(rng: np.random.Generator, vocab: int, n: int, avoid: int | None = None) -> list[int]:
@@ -191,7 +184,7 @@ def layout_trie(layers: int, heads: int, head_dim: int, capacity: int, spill=Non
     import torch
     from transformers import LlamaConfig
 
-    from kvblocks.adapters.hf import LayerSpec
+    from kvblocks.layout import LayerSpec
     from kvblocks.namespace import Namespace
     from kvblocks.trie import KVCacheTrie
 
@@ -226,7 +219,7 @@ def bench_restore(
     c = tier_kwargs["chunk_tokens"]
     tokens = tokens // c * c
     if tokens == 0:
-        raise _user_error(f"--restore-tokens must be at least one chunk ({c} tokens)")
+        raise UserError(f"--restore-tokens must be at least one chunk ({c} tokens)")
     rng = np.random.default_rng(3)
     ids = np.asarray(random_ids(rng, 32_000, tokens + 1))
     source = KVSource(layers, heads, head_dim, tokens)
@@ -483,7 +476,6 @@ def bench_ttft(
 def process_b(spec: dict) -> dict:
     """The timed side of the TTFT benchmark, run in its own interpreter (see `bench_ttft`)."""
     from kvblocks.adapters import hf
-    from kvblocks.bench.micro import _load_model
     from kvblocks.generator import CachedGenerator
     from kvblocks.redis_tier import RedisTier
     from kvblocks.sampling import SamplingParams, choose
@@ -491,7 +483,7 @@ def process_b(spec: dict) -> dict:
 
     opts = BenchOptions(**spec["opts"], plots=False)
     set_threads(opts.threads)
-    model, tokenizer = _load_model(spec["model"])
+    model, tokenizer = fixtures.load_model(spec["model"])
     system, asked = spec["system"], spec["asked"]
     prompt = system + asked
     capacity = 4 * len(prompt)
@@ -563,7 +555,7 @@ def bench_decode(
     from kvblocks.trie import KVCacheTrie
 
     if new_tokens < 3:
-        raise _user_error("--decode-tokens must be at least 3")
+        raise UserError("--decode-tokens must be at least 3")
     rng = np.random.default_rng(5)
     vocab = model.config.vocab_size
     system = random_ids(rng, vocab, prefix)
@@ -678,14 +670,8 @@ def bench_decode(
     return report
 
 
-def _user_error(message: str) -> Exception:
-    from kvblocks.cli import UserError
-
-    return UserError(message)
-
-
 def process_b_main(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(process_b(json.loads(Path(spec_path).read_text()))))
 
 
-_PROCESS_B = "import sys; from kvblocks.bench.spill import process_b_main; process_b_main(*sys.argv[1:])"
+_PROCESS_B = "import sys; from kvblocks.bench.redis import process_b_main; process_b_main(*sys.argv[1:])"
