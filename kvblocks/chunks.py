@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from kvblocks.layout import KVLayout
-from kvblocks.sealing import Sealer, SealError
+from kvblocks.sealing import TAG_BYTES, Sealer, SealError
 
 FORMAT_VERSION = 2
 
@@ -119,13 +119,17 @@ def decode_record_into(
     length, checksum or seal) or holds a non-finite number raises VerificationError: the caller
     treats it as a miss, never as data. `out` may have been written by then; it must be discarded.
     """
-    try:
-        rec = msgpack.unpackb(raw, raw=False)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
-        raise VerificationError(f"not a msgpack record: {exc}") from exc
+    n = len(tokens)
+    kv_bytes = n * layout.token_bytes()
+    payload_bytes = kv_bytes if sealer is None else 4 * n + kv_bytes + TAG_BYTES
+    rec = _split_record(raw, payload_bytes)
+    if rec is None:  # not shaped as expected: the full parse names what is wrong
+        try:
+            rec = msgpack.unpackb(raw, raw=False)
+        except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
+            raise VerificationError(f"not a msgpack record: {exc}") from exc
     if not isinstance(rec, dict):
         raise VerificationError("record is not a map")
-    n = len(tokens)
     expected_tokens = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     header = {"v": FORMAT_VERSION, "dtype": layout.dtype_name, "shape": layout.shape(n)}
     _check(("version", rec.get("v") == header["v"]))
@@ -138,7 +142,7 @@ def decode_record_into(
     if sealer is not None:
         _check(("algorithm", rec.get("alg") == sealer.algorithm))
         nonce, sealed = rec.get("nonce"), rec.get("ct")
-        if not isinstance(nonce, bytes) or not isinstance(sealed, bytes):
+        if not isinstance(nonce, bytes) or not isinstance(sealed, bytes | memoryview):
             raise VerificationError("sealed record is malformed")
         token_bytes = bytearray(len(expected_tokens))
         try:
@@ -153,7 +157,7 @@ def decode_record_into(
             ("tokens", rec.get("tokens") == expected_tokens),
         )
         payload = rec.get("kv")
-        if not isinstance(payload, bytes) or len(payload) != n * layout.token_bytes():
+        if not isinstance(payload, bytes | memoryview) or len(payload) != kv_bytes:
             raise VerificationError("payload length mismatch")
         if rec.get("sum") != xxhash.xxh3_64_intdigest(payload):
             raise VerificationError("checksum mismatch")
@@ -163,6 +167,36 @@ def decode_record_into(
             offset += target.nbytes
     if not all(all_finite(t) for t in layers):  # a checksum or a seal says who wrote it, not that it is sane
         raise VerificationError("payload holds non-finite numbers")
+
+
+def _split_record(raw: bytes, payload_bytes: int) -> dict | None:
+    """The record's fields with its last one, the payload, as a view of `raw` (no copy), when `raw`
+    is shaped as `encode_record` writes it: a map whose last value is a bin of `payload_bytes`.
+    None otherwise; `msgpack.unpackb` of the whole value then reports what is wrong."""
+    bin_header = _bin_header(payload_bytes)
+    cut = len(raw) - payload_bytes - len(bin_header)
+    if cut <= 0 or raw[cut : cut + len(bin_header)] != bin_header:
+        return None
+    head = msgpack.Unpacker(raw=False)
+    head.feed(memoryview(raw)[:cut])  # copies the small header only
+    try:
+        fields = {head.unpack(): head.unpack() for _ in range(head.read_map_header() - 1)}
+        last = head.unpack()
+    except (msgpack.OutOfData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError):
+        return None
+    if head.tell() != cut or not isinstance(last, str) or last in fields:
+        return None
+    fields[last] = memoryview(raw)[cut + len(bin_header) :]
+    return fields
+
+
+def _bin_header(size: int) -> bytes:
+    """msgpack's header of a bin of `size` bytes (bin 8, 16 or 32)."""
+    if size < 1 << 8:
+        return bytes((0xC4, size))
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
 
 
 def all_finite(t: torch.Tensor) -> bool:

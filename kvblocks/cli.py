@@ -102,7 +102,7 @@ def load_stack(args: argparse.Namespace):
     return model, tokenizer, cache
 
 
-def make_generator(args: argparse.Namespace, model, tokenizer, cache, on_round=None):
+def build_generator(args: argparse.Namespace, model, tokenizer, cache, on_round=None):
     """A CachedGenerator, or a SpeculativeGenerator when --draft is given."""
     from kvblocks import CachedGenerator
 
@@ -127,7 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     model, tokenizer, cache = load_stack(args)
     show = DraftPainter(tokenizer) if args.show_drafts and args.draft else None
-    gen = make_generator(args, model, tokenizer, cache, on_round=show)
+    gen = build_generator(args, model, tokenizer, cache, on_round=show)
     prompts = list(args.prompt)
     if not prompts:
         if sys.stdin.isatty():
@@ -184,7 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.read_timeout <= 0:
         raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
     model, tokenizer, cache = load_stack(args)
-    gen = make_generator(args, model, tokenizer, None if args.no_cache else cache)
+    gen = build_generator(args, model, tokenizer, None if args.no_cache else cache)
     name = args.served_model_name or (models.DEFAULT_MODEL if args.model is None else args.model.rstrip("/"))
     engine = Engine(gen).start()
     config = ServerConfig(

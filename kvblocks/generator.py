@@ -23,7 +23,7 @@ from kvblocks.sampling import (
     SamplingParams,
     TokenLogprob,
     choose,
-    make_generator,
+    seeded_rng,
     token_logprobs,
 )
 from kvblocks.text import Prompt, PromptError, StopTextAssembler, encode_prompt
@@ -189,7 +189,7 @@ class CachedGenerator:
         max_new_tokens = params.max_new_tokens
         if self.max_context is not None:
             max_new_tokens = min(max_new_tokens, self.max_context - len(ids))
-        rng = None if sampling.greedy else make_generator(self.runner.device, params.seed)
+        rng = None if sampling.greedy else seeded_rng(self.runner.device, params.seed)
         text = StopTextAssembler(self.tokenizer, params.stop)
         processor = None
         if params.processes_logits:

@@ -182,9 +182,11 @@ def _plot(client: Client, args: argparse.Namespace, first: dict) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from tqdm import tqdm
 
     times, hit, occ = [], [], []
     before, t0 = first, time.monotonic()
+    bar = tqdm(total=round(args.duration), desc="sampling", unit="s", file=sys.stderr, leave=False)
     try:
         while time.monotonic() - t0 < args.duration:
             time.sleep(args.interval)
@@ -194,10 +196,11 @@ def _plot(client: Client, args: argparse.Namespace, first: dict) -> int:
             hit.append(r["hit_rate"] * 100 if r["queried_tokens"] else float("nan"))
             occ.append(r["occupancy"] * 100)
             before = now
-            print(f"\rsampling {times[-1]:.0f}/{args.duration:g} s", end="", file=sys.stderr)
+            bar.update(min(round(times[-1]), bar.total) - bar.n)
     except KeyboardInterrupt:
         pass
-    print(file=sys.stderr)
+    finally:
+        bar.close()
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(times, hit, label="hit rate (per interval)", marker=".")
     ax.plot(times, occ, label="device pool occupancy", linestyle="--")

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import redis
@@ -83,7 +84,9 @@ class RedisTier:
     evicts them. `secret` (at least 16 bytes, shared by every process of one deployment) makes
     keys keyed hashes and seals values with AES-256-GCM; without it Redis is trusted and a warning
     is logged. `ttl_s` bounds how long a record lives (None: forever). `codec` picks another key
-    and value format (the LMCache one); it excludes `secret`.
+    and value format (the LMCache one); it excludes `secret`. `client_options` go to redis-py's client
+    as they are (TLS certificates, a username, `parser_class`): replies are parsed by hiredis when it
+    is installed, as it is with kvblocks.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class RedisTier:
         queue_size: int = 64,
         cluster: bool | None = None,
         codec: ChunkCodec | None = None,
+        client_options: dict[str, Any] | None = None,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -128,7 +132,7 @@ class RedisTier:
         self._down_until = 0.0
         kwargs = dict(
             socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s, retry=Retry(NoBackoff(), 0)
-        )
+        ) | dict(client_options or {})
         is_cluster = (
             cluster if cluster is not None else url.startswith(("redis+cluster://", "rediss+cluster://"))
         )

@@ -98,7 +98,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
+def seeded_rng(device: torch.device, seed: int | None) -> torch.Generator:
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()

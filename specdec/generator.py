@@ -28,7 +28,8 @@ _NO_DRAFT = Proposal([], None)
 
 @dataclass(slots=True)
 class SpecStats:
-    """Acceptance figures of one request (see DESIGN.md: report alpha, not an "acceptance rate")."""
+    """Acceptance figures of one request (alpha, tokens per call and draft
+    efficiency, not one ambiguous "acceptance rate": docs/ARCHITECTURE.md)."""
 
     gamma: int
     rounds: int = 0

@@ -452,3 +452,22 @@ def test_all_finite_agrees_with_isfinite_on_arbitrary_bytes(dtype, data):
     data = data[: len(data) // size * size]
     t = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
     assert all_finite(t) == bool(torch.isfinite(t).all())
+
+
+def test_a_well_formed_record_is_split_without_copying_its_payload():
+    from kvblocks.chunks import _split_record
+
+    kv = random_kv(LAYOUT, len(TOKENS))
+    raw = encode_record(NS, TOKENS, LAYOUT, kv)
+    kv_bytes = len(TOKENS) * LAYOUT.token_bytes()
+    fields = _split_record(raw, kv_bytes)
+    assert isinstance(fields["kv"], memoryview) and fields["kv"].obj is raw
+    assert fields == msgpack.unpackb(raw, raw=False) | {"kv": fields["kv"]}
+    assert bytes(fields["kv"]) == msgpack.unpackb(raw, raw=False)["kv"]
+    sealed = encode_record(NS, TOKENS, LAYOUT, kv, sealer=Sealer(b"s" * 32))
+    assert isinstance(_split_record(sealed, 4 * len(TOKENS) + kv_bytes + 16)["ct"], memoryview)
+    # anything else goes to the full parse: another length, the payload not last, trailing bytes
+    assert _split_record(raw, kv_bytes - 4) is None
+    moved = msgpack.packb({"kv": msgpack.unpackb(raw)["kv"], "v": 2}, use_bin_type=True)
+    assert _split_record(moved, kv_bytes) is None
+    assert _split_record(raw + b"\0", kv_bytes) is None

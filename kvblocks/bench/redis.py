@@ -209,8 +209,11 @@ def layout_trie(layers: int, heads: int, head_dim: int, capacity: int, spill=Non
 def bench_restore(
     opts: BenchOptions, url: str, tier_kwargs: dict, tokens: int, shape: tuple[int, int, int], repeats: int
 ) -> Report:
-    """Plain and sealed tiers hold the same KV under their own keys; all six variants interleave."""
+    """Plain and sealed tiers hold the same KV under their own keys; a third plain tier reads with
+    redis-py's pure-Python reply parser instead of hiredis; all eight variants interleave."""
     import redis
+    from redis._parsers import _RESP2Parser
+    from redis.utils import HIREDIS_AVAILABLE
 
     from kvblocks.bench.micro import KVSource
     from kvblocks.redis_tier import RedisTier
@@ -223,7 +226,13 @@ def bench_restore(
     rng = np.random.default_rng(3)
     ids = np.asarray(random_ids(rng, 32_000, tokens + 1))
     source = KVSource(layers, heads, head_dim, tokens)
+    if not HIREDIS_AVAILABLE:
+        raise UserError(
+            "the restore benchmark compares hiredis with the pure-Python parser: pip install hiredis"
+        )
+    pure = {"parser_class": _RESP2Parser}
     raw = redis.Redis.from_url(url)
+    raw_pure = redis.Redis.from_url(url, **pure)
     sides = {}
     for form, secret in (("plain", None), ("sealed", BENCH_SECRET)):
         tier = RedisTier(url, **tier_kwargs, secret=secret)
@@ -237,9 +246,15 @@ def bench_restore(
         nbytes = sum(len(v) for v in raw.mget(keys))
         sides[form] = (tier, trie, ns_key, keys, nbytes)
 
-    def raw_get(keys: list[str]):
+    # the same records as the plain side (same namespace), read through a client without hiredis
+    pure_tier = RedisTier(url, **tier_kwargs, client_options=pure)
+    pure_trie = layout_trie(layers, heads, head_dim, tokens, spill=pure_tier)
+    plain_ns, plain_keys = sides["plain"][2], sides["plain"][3]
+    assert pure_trie.namespace.key == plain_ns
+
+    def raw_get(keys: list[str], client=raw):
         def go() -> None:
-            pipe = raw.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             for k in keys:
                 pipe.get(k)
             values = pipe.execute()
@@ -273,7 +288,12 @@ def bench_restore(
             "match on an empty pool, with secret",
         ),
     }
-    variants = []
+    pure_raw_name = "raw GET, pure-Python reply parser"
+    pure_fetch_name = "RedisTier.fetch, pure-Python reply parser"
+    variants = [
+        Variant(pure_raw_name, raw_get(plain_keys, raw_pure)),
+        Variant(pure_fetch_name, fetch(pure_tier, plain_ns)),
+    ]
     for form, (tier, trie, ns_key, keys, _) in sides.items():
         raw_name, fetch_name, match_name = names[form]
         variants += [
@@ -285,7 +305,9 @@ def bench_restore(
     stats = {form: side[0].stats() for form, side in sides.items()}
     for _, trie, *_ in sides.values():
         trie.close()
+    pure_trie.close()
     raw.close()
+    raw_pure.close()
     nbytes = {form: side[4] for form, side in sides.items()}
     (raw_name, fetch_name, match_name), (sraw_name, sfetch_name, smatch_name) = names.values()
     report = Report(
@@ -305,8 +327,17 @@ def bench_restore(
         baseline=raw_name,
     )
     form_of = {name: form for form, triple in names.items() for name in triple}
-    bw = {name: nbytes[form_of[name]] / report.median(name) / 1e9 for name in samples}
+    pures = (pure_raw_name, pure_fetch_name)
+    bw = {name: nbytes[form_of[name]] / report.median(name) / 1e9 for name in samples if name in form_of}
+    bw[pure_raw_name], bw[pure_fetch_name] = (nbytes["plain"] / report.median(n) / 1e9 for n in pures)
     report.checks = [
+        Check(
+            "fetch time, hiredis / pure-Python reply parser",
+            report.ratio(fetch_name, pure_fetch_name),
+            target=0.6,
+        ),
+        Check("raw GET time, hiredis / pure-Python reply parser", report.ratio(raw_name, pure_raw_name)),
+        Check("pure-Python parser: fetch / raw GET throughput", report.ratio(pure_raw_name, pure_fetch_name)),
         Check("raw GET throughput", bw[raw_name], "GB/s"),
         Check("RedisTier.fetch throughput", bw[fetch_name], "GB/s"),
         Check("fetch + promote throughput", bw[match_name], "GB/s"),
@@ -363,7 +394,9 @@ def bench_restore(
         "tokens per second (same tokens, same KV)",
         "'match on an empty pool' adds promotion into the device pool (one scatter per layer); the pool is "
         "emptied by an untimed `evict` before each run",
-        f"redis-py {redis.__version__} without hiredis (pure-Python RESP parser) on every side; "
+        f"redis-py {redis.__version__}; every side parses replies with hiredis (kvblocks installs "
+        "`redis[hiredis]`) except the two 'pure-Python reply parser' variants, which read the plain records "
+        "through clients made with `parser_class=_RESP2Parser`; "
         + "; ".join(
             f"{form} tier counters after the runs: {st['redis_hit_chunks']} chunks hit, "
             f"{st['redis_verify_failures']} verify failures, {st['redis_errors']} errors"

@@ -448,8 +448,8 @@ def bench_workload(
         "timed runs made (1 token: CachedGenerator's decode steps; k tokens: the speculative verify steps), "
         "listed in the costs report",
         "kvblocks runs with its prefix cache (prompts resident from an earlier request, prefill = 1 token); "
-        "transformers has none and prefills every prompt, which the decode rate leaves out (DESIGN.md: "
-        "assisted generation on a prefilled cache is silently wrong)",
+        "transformers has none and prefills every prompt, which the decode rate leaves out (assisted generation "
+        "on a prefilled cache is silently wrong: docs/ARCHITECTURE.md, 'transformers facts')",
         *_hf_notes(w),
     ]
     return [speed, cost_report(w, costs, target, draft_samples)]
