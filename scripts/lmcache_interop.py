@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import IdTokenizer, tiny_llama  # noqa: E402
 from redis_server import RedisServer, free_port  # noqa: E402
 
+from kvblocks.bench.fixtures import terminate  # noqa: E402
+
 NEW_TOKENS = 16
 
 
@@ -114,12 +116,7 @@ class LMCacheServer:
         raise Failed(f"lmcache server not ready after {timeout_s:.0f} s; see {self.log.name}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, 20.0)
         self.log.close()
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from kvblocks.bench.fixtures import cli_env, free_port, kvblocks_command
+from kvblocks.bench.fixtures import cli_env, free_port, kvblocks_command, terminate
 
 SMOLLM2_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TINY_CONTEXT = 256
@@ -53,13 +53,7 @@ class ServerProcess:
 
     def stop(self, timeout: float = 20.0) -> str:
         """SIGTERM (uvicorn's graceful shutdown), SIGKILL if it hangs; returns everything on stderr."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
+        terminate(self.proc, timeout)
         text = self.stderr()
         self.stderr_path.unlink(missing_ok=True)
         return text

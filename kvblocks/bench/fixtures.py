@@ -36,6 +36,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM (a graceful shutdown), then SIGKILL if the process is still there after `timeout_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def load_model(name: str | None, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer) of a local path or the default SmolLM2-135M-Instruct; a bad name is a UserError."""
     from kvblocks import models
@@ -132,12 +143,7 @@ class RedisServer:
             return
         if self.paused:
             self.resume()
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, 5.0)
         self.proc = None
 
     def kill(self) -> None:
@@ -271,13 +277,7 @@ class Service:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else "(no log)"
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout_s)
 
     def __enter__(self) -> Service:
         return self

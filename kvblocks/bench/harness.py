@@ -116,6 +116,18 @@ def can_plot() -> bool:
     return True
 
 
+def int_options(group, prefix: str, options: Sequence[tuple[str, int, str]]) -> None:
+    """`--PREFIX-NAME N` (`--NAME N` without a prefix), a positive integer, for each (name, default,
+    help) in `options`."""
+    for name, default, text in options:
+        flag = f"--{prefix}-{name}" if prefix else f"--{name}"
+        group.add_argument(flag, type=positive_int, default=default, help=f"{text} (default {default:,})")
+
+
+# a layer layout like SmolLM2-135M's, for benchmarks of the pool and the Redis tier without a model
+SMOLLM2_KV_SHAPE = (("layers", 30, "layers"), ("heads", 3, "KV heads"), ("head-dim", 64, "head dim"))
+
+
 def target_override(text: str) -> tuple[str, float]:
     name, sep, value = text.rpartition("=")
     try:

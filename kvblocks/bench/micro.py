@@ -24,13 +24,14 @@ import torch
 
 from kvblocks.bench import fixtures
 from kvblocks.bench.harness import (
+    SMOLLM2_KV_SHAPE,
     BenchOptions,
     Check,
     Report,
     Variant,
     add_suite,
+    int_options,
     measure,
-    positive_int,
     progress,
 )
 from kvblocks.errors import UserError
@@ -54,37 +55,29 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         model=True,
         only=BENCHMARKS,
     )
-    g = p.add_argument_group("gather (re-attach bandwidth)")
-    g.add_argument(
-        "--gather-tokens", type=positive_int, default=1024, help="tokens gathered per run (default 1024)"
-    )
-    g.add_argument(
-        "--gather-capacity", type=positive_int, default=8192, help="pool capacity in tokens (default 8192)"
-    )
-    g.add_argument("--gather-layers", type=positive_int, default=30, help="layers (default 30, SmolLM2)")
-    g.add_argument("--gather-heads", type=positive_int, default=3, help="KV heads (default 3, SmolLM2)")
-    g.add_argument("--gather-head-dim", type=positive_int, default=64, help="head dim (default 64, SmolLM2)")
-    g.add_argument(
-        "--gather-repeats", type=positive_int, default=60, help="timed runs per variant (default 60)"
+    g = p.add_argument_group("gather (re-attach bandwidth; the layout defaults to SmolLM2's)")
+    int_options(
+        g,
+        "gather",
+        [
+            ("tokens", 1024, "tokens gathered per run"),
+            ("capacity", 8192, "pool capacity in tokens"),
+            *SMOLLM2_KV_SHAPE,
+            ("repeats", 60, "timed runs per variant"),
+        ],
     )
     t = p.add_argument_group("trie (match/insert latency and metadata bytes)")
-    t.add_argument(
-        "--trie-resident", type=positive_int, default=1_000_000, help="resident tokens (default 1M)"
-    )
-    t.add_argument(
-        "--trie-prompt", type=positive_int, default=4096, help="prompt tokens per op (default 4096)"
-    )
-    t.add_argument(
-        "--trie-new", type=positive_int, default=128, help="uncached tail of the mostly-hit prompt (128)"
-    )
-    t.add_argument(
-        "--trie-layers", type=positive_int, default=1, help="layers of the tiny KV layout (default 1)"
-    )
-    t.add_argument(
-        "--trie-head-dim", type=positive_int, default=4, help="head dim of the tiny layout (default 4)"
-    )
-    t.add_argument(
-        "--trie-repeats", type=positive_int, default=40, help="timed runs per variant (default 40)"
+    int_options(
+        t,
+        "trie",
+        [
+            ("resident", 1_000_000, "resident tokens"),
+            ("prompt", 4096, "prompt tokens per op"),
+            ("new", 128, "uncached tail of the mostly-hit prompt"),
+            ("layers", 1, "layers of the tiny KV layout"),
+            ("head-dim", 4, "head dim of the tiny layout"),
+            ("repeats", 40, "timed runs per variant"),
+        ],
     )
     t.add_argument(
         "--trie-fill",
@@ -93,25 +86,18 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         help="tokens inserted before measuring, as a multiple of --trie-resident (default 3: steady state)",
     )
     m = p.add_argument_group("ttft (time to first token on the --model)")
-    m.add_argument(
-        "--ttft-cached", type=positive_int, default=1000, help="cached system prompt tokens (default 1000)"
-    )
-    m.add_argument(
-        "--ttft-question", type=positive_int, default=30, help="uncached question tokens (default 30)"
-    )
-    m.add_argument(
-        "--ttft-repeats", type=positive_int, default=15, help="timed runs of kvblocks and ideal (default 15)"
-    )
-    m.add_argument(
-        "--ttft-nocache-repeats",
-        type=positive_int,
-        default=5,
-        help="timed runs of kvblocks and no cache, the slow full prefill (default 5)",
+    int_options(
+        m,
+        "ttft",
+        [
+            ("cached", 1000, "cached system prompt tokens"),
+            ("question", 30, "uncached question tokens"),
+            ("repeats", 15, "timed runs of kvblocks and ideal"),
+            ("nocache-repeats", 5, "timed runs of kvblocks and no cache, the slow full prefill"),
+        ],
     )
     f = p.add_argument_group("fingerprint (model_fingerprint of the --model above)")
-    f.add_argument(
-        "--fingerprint-repeats", type=positive_int, default=7, help="timed runs per variant (default 7)"
-    )
+    int_options(f, "fingerprint", [("repeats", 7, "timed runs per variant")])
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:

@@ -28,12 +28,14 @@ import numpy as np
 
 from kvblocks.bench import fixtures
 from kvblocks.bench.harness import (
+    SMOLLM2_KV_SHAPE,
     BenchOptions,
     Check,
     Report,
     Variant,
     add_suite,
     fmt_seconds,
+    int_options,
     measure,
     positive_int,
     set_threads,
@@ -65,39 +67,36 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--chunk-tokens", type=positive_int, default=64, help="tokens per Redis chunk (default 64)"
     )
-    r = p.add_argument_group("restore (fetch throughput vs raw GET)")
-    r.add_argument(
-        "--restore-tokens", type=positive_int, default=1024, help="tokens fetched per run (default 1024)"
-    )
-    r.add_argument("--restore-layers", type=positive_int, default=30, help="layers (default 30, SmolLM2)")
-    r.add_argument("--restore-heads", type=positive_int, default=3, help="KV heads (default 3, SmolLM2)")
-    r.add_argument("--restore-head-dim", type=positive_int, default=64, help="head dim (default 64, SmolLM2)")
-    r.add_argument(
-        "--restore-repeats", type=positive_int, default=60, help="timed runs per variant (default 60)"
+    r = p.add_argument_group("restore (fetch throughput vs raw GET; the layout defaults to SmolLM2's)")
+    int_options(
+        r,
+        "restore",
+        [
+            ("tokens", 1024, "tokens fetched per run"),
+            *SMOLLM2_KV_SHAPE,
+            ("repeats", 60, "timed runs per variant"),
+        ],
     )
     t = p.add_argument_group("ttft (process B restoring a shared prefix from Redis)")
-    t.add_argument(
-        "--ttft-prefix", type=positive_int, default=1000, help="shared prefix tokens (default 1000)"
+    int_options(
+        t,
+        "ttft",
+        [
+            ("prefix", 1000, "shared prefix tokens"),
+            ("question", 30, "uncached question tokens"),
+            ("repeats", 8, "timed runs per variant"),
+        ],
     )
-    t.add_argument(
-        "--ttft-question", type=positive_int, default=30, help="uncached question tokens (default 30)"
-    )
-    t.add_argument("--ttft-repeats", type=positive_int, default=8, help="timed runs per variant (default 8)")
     d = p.add_argument_group("decode (per-token latency with background spilling)")
-    d.add_argument(
-        "--decode-tokens", type=positive_int, default=32, help="tokens generated per run (default 32)"
-    )
-    d.add_argument(
-        "--decode-prefix", type=positive_int, default=1000, help="cached prefix before each question (1000)"
-    )
-    d.add_argument(
-        "--decode-spill",
-        type=positive_int,
-        default=512,
-        help="tokens of an earlier request spilled in the background during each run (default 512)",
-    )
-    d.add_argument(
-        "--decode-repeats", type=positive_int, default=10, help="timed runs per variant (default 10)"
+    int_options(
+        d,
+        "decode",
+        [
+            ("tokens", 32, "tokens generated per run"),
+            ("prefix", 1000, "cached prefix before each question"),
+            ("spill", 512, "tokens of an earlier request spilled in the background during each run"),
+            ("repeats", 10, "timed runs per variant"),
+        ],
     )
 
 

@@ -28,7 +28,7 @@ from kvblocks.bench.harness import (
     Report,
     add_suite,
     fmt_seconds,
-    positive_int,
+    int_options,
 )
 from kvblocks.errors import UserError
 
@@ -72,13 +72,17 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         description="Concurrent agents against real `kvblocks serve` processes, prefix cache on vs off.",
         model=True,
     )
-    p.add_argument("--agents", type=positive_int, default=16, help="concurrent agents (default 16)")
-    p.add_argument(
-        "--turns", type=positive_int, default=2, help="requests per agent conversation (default 2)"
+    int_options(
+        p,
+        "",
+        [
+            ("agents", 16, "concurrent agents"),
+            ("turns", 2, "requests per agent conversation"),
+            ("system-tokens", 1000, "shared system prompt"),
+            ("max-tokens", 8, "max_tokens per request"),
+            ("rounds", 1, "timed rounds per server"),
+        ],
     )
-    p.add_argument("--system-tokens", type=positive_int, default=1000, help="shared system prompt (1000)")
-    p.add_argument("--max-tokens", type=positive_int, default=8, help="max_tokens per request (default 8)")
-    p.add_argument("--rounds", type=positive_int, default=1, help="timed rounds per server (default 1)")
     p.add_argument(
         "--no-cold",
         action="store_true",

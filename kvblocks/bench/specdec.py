@@ -33,8 +33,8 @@ from kvblocks.bench.harness import (
     Report,
     Variant,
     add_suite,
+    int_options,
     measure,
-    positive_int,
 )
 from kvblocks.errors import UserError
 
@@ -77,40 +77,32 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         model=True,
         only=BENCHMARKS,
     )
-    p.add_argument(
-        "--repeats", type=positive_int, default=3, help="timed runs of each generation variant (3)"
-    )
-    p.add_argument(
-        "--cost-repeats",
-        type=positive_int,
-        default=15,
-        help="timed runs of a point-mass drafter's proposal and of each forward in the sweep (15)",
-    )
-    p.add_argument(
-        "--self-layers",
-        type=positive_int,
-        default=4,
-        help="layers of the self-drafter (default 4, see sweep)",
-    )
-    p.add_argument("--self-gamma", type=positive_int, default=1, help="drafts per round, self (default 1)")
-    p.add_argument(
-        "--lookup-gamma", type=positive_int, default=8, help="drafts per round, lookup (default 8)"
-    )
-    p.add_argument("--trie-gamma", type=positive_int, default=8, help="drafts per round, trie (default 8)")
-    p.add_argument("--self-tokens", type=positive_int, default=48, help="new tokens per prompt, self (48)")
-    p.add_argument(
-        "--lookup-tokens", type=positive_int, default=64, help="new tokens per prompt, lookup (64)"
-    )
-    p.add_argument("--trie-tokens", type=positive_int, default=48, help="new tokens per prompt, trie (48)")
-    p.add_argument(
-        "--prompts", type=positive_int, default=2, help="prompts per run, self workload (default 2)"
+    int_options(
+        p,
+        "",
+        [
+            ("repeats", 3, "timed runs of each generation variant"),
+            (
+                "cost-repeats",
+                15,
+                "timed runs of a point-mass drafter's proposal and of each forward in the sweep",
+            ),
+            ("self-layers", 4, "layers of the self-drafter (see sweep)"),
+            ("self-gamma", 1, "drafts per round, self"),
+            ("lookup-gamma", 8, "drafts per round, lookup"),
+            ("trie-gamma", 8, "drafts per round, trie"),
+            ("self-tokens", 48, "new tokens per prompt, self"),
+            ("lookup-tokens", 64, "new tokens per prompt, lookup"),
+            ("trie-tokens", 48, "new tokens per prompt, trie"),
+            ("prompts", 2, "prompts per run, self workload"),
+            ("sweep-tokens", 32, "new tokens per prompt, sweep"),
+        ],
     )
     p.add_argument(
         "--sweep-layers",
         default="2,4,8,16,24,29",
         help="self-drafter layer counts the sweep measures (default 2,4,8,16,24,29)",
     )
-    p.add_argument("--sweep-tokens", type=positive_int, default=32, help="new tokens per prompt, sweep (32)")
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
