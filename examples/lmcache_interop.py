@@ -11,6 +11,8 @@ A. fleet -> kvblocks: the "fleet" computes a prompt's KV with one plain forward 
 B. kvblocks -> fleet: kvblocks generates from another prompt, writing its chunks through to Redis.
    The "fleet" computes the LMCache keys on its own, reads the values and unpacks them: they are
    bit-exact the KV of a plain forward pass.
+C. kvblocks -> kvblocks: a second, empty kvblocks cache (another process or machine would do the
+   same) generates from B's prompt and finds its full chunks in Redis.
 
 LMCache values carry no checksum or tag, so kvblocks checks only their size and finiteness; the
 tier refuses to start unless `redis_is_trusted=True` says nothing untrusted can write to Redis.
@@ -31,6 +33,8 @@ Output (abbreviated):
     B: kvblocks wrote 2 chunks in LMCache's format
     B: chunk 0 at key HuggingFaceTB/SmolLM2-135M-Instruct@01000100@0@eb34bb5f...: bit-exact
     B: chunk 1 at key HuggingFaceTB/SmolLM2-135M-Instruct@01000100@0@8fdb3e52...: bit-exact
+    C: a second cache found 512 of 583 prompt tokens in Redis (cached_tokens 512, 2 chunk hits)
+    C: same tokens as the first cache: yes
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ import torch
 
 import kvblocks
 from kvblocks import models
-from kvblocks.adapters import hf
 from kvblocks.adapters.lmcache import LMCacheRedisTier, chunk_hashes, from_lmcache, object_key, to_lmcache
 
 FACTS = [
@@ -67,10 +70,17 @@ def prompt_ids(tokenizer, tag: str, topic: str, min_tokens: int) -> list[int]:
 
 
 def plain_kv(model, ids: list[int], end: int) -> list[torch.Tensor]:
-    """Per-layer `[end, 2, H, D]` KV of `ids[:end]` from one forward pass without kvblocks."""
+    """Per-layer `[end, 2, H, D]` KV of `ids[:end]` from one plain transformers forward pass.
+
+    transformers keeps each layer's keys and values as `[batch, heads, tokens, head_dim]`
+    (`past_key_values.layers[i].keys`); LMCache's layout wants tokens first.
+    """
     with torch.inference_mode():
         past = model(torch.tensor([ids]), use_cache=True).past_key_values
-    return [torch.stack(kv, dim=1) for kv in hf.extract(past, hf.describe_layers(model), 0, end)]
+    return [
+        torch.stack((layer.keys[0, :, :end], layer.values[0, :, :end]), dim=0).permute(2, 0, 1, 3)
+        for layer in past.layers
+    ]
 
 
 def main() -> None:
@@ -125,7 +135,7 @@ def main() -> None:
     ids_b = prompt_ids(tokenizer, tag, "returns", 2 * c + c // 4)
     tier.flush()
     before = tier.stats()["redis_written_chunks"]
-    gen.generate(ids_b, max_new_tokens=args.max_tokens, temperature=0.0)
+    r_b = gen.generate(ids_b, max_new_tokens=args.max_tokens, temperature=0.0)
     tier.flush()  # writes run in the background
     written = tier.stats()["redis_written_chunks"] - before
     print(f"B: kvblocks wrote {written} chunks in LMCache's format")
@@ -146,7 +156,23 @@ def main() -> None:
             for got, want in zip(from_lmcache(blob, heads, dim), expected)
         )
         print(f"B: chunk {i} at key {key[:70]}...: {'bit-exact' if exact else 'DIFFERENT'}")
-    cache.close()
+    cache.close()  # flushes queued writes, then closes the connection
+
+    # ---- C: a second kvblocks cache reads what the first one wrote ---------------------------
+    # Another process or machine would do the same: a fresh trie over the same Redis finds B's
+    # prompt there and prefills only the tokens after its last full chunk.
+    tier2 = LMCacheRedisTier(args.redis, model_name=args.model_name, chunk_tokens=c, redis_is_trusted=True)
+    cache2 = kvblocks.KVCacheTrie.for_model(model, capacity_tokens=8 * c, spill=tier2)
+    r2 = kvblocks.CachedGenerator(model, tokenizer, cache2).generate(
+        ids_b, max_new_tokens=args.max_tokens, temperature=0.0
+    )
+    s2 = cache2.stats()
+    print(
+        f"C: a second cache found {s2['spill_hit_tokens']} of {r2.prompt_tokens} prompt tokens in Redis "
+        f"(cached_tokens {r2.cached_tokens}, {tier2.stats()['redis_hit_chunks']} chunk hits)"
+    )
+    print(f"C: same tokens as the first cache: {'yes' if r2.token_ids == r_b.token_ids else 'NO'}")
+    cache2.close()
     fleet.close()
 
 

@@ -7,8 +7,9 @@ Redis, are verified and re-attached, and only the rest is prefilled. Its second 
 question after the same system prompt) then hits the device cache. Each request prints its cached
 tokens by tier; the end checks that both processes generated the same tokens.
 
-With --redis-secret-file (16+ bytes, the same for every process of a deployment) keys are keyed
-hashes and values are sealed with AES-256-GCM; without it Redis is trusted (a warning says so).
+With --secret-file (or $KVBLOCKS_REDIS_SECRET; 16+ bytes, the same for every process of a
+deployment, `kvblocks serve --redis-secret-file` included) keys are keyed hashes and values are
+sealed with AES-256-GCM; without it Redis is trusted (a warning says so).
 Every run uses a fresh cache salt, so the first process always starts cold even when the Redis
 already holds an earlier run's chunks.
 
@@ -16,7 +17,7 @@ Run (needs a Redis or Valkey server; default model SmolLM2-135M-Instruct, or --m
 
     redis-server --port 6379 --save '' &
     python examples/redis_two_processes.py --redis redis://127.0.0.1:6379/0
-    head -c 32 /dev/urandom > secret && python examples/redis_two_processes.py --redis redis://127.0.0.1:6379/0 --redis-secret-file secret
+    head -c 32 /dev/urandom > secret && python examples/redis_two_processes.py --redis redis://127.0.0.1:6379/0 --secret-file secret
 
 Output (abbreviated):
 
@@ -54,12 +55,11 @@ def run_process(role: int, args: argparse.Namespace, salt: str) -> dict:
 
     import kvblocks
     from kvblocks import models
+    from kvblocks.sealing import read_secret
 
     torch.set_num_threads(1)
-    secret = None
-    if args.redis_secret_file:
-        with open(args.redis_secret_file, "rb") as f:
-            secret = f.read().strip()
+    # As `kvblocks serve` reads it: the file's bytes (whitespace stripped), else $KVBLOCKS_REDIS_SECRET
+    secret = read_secret(args.secret_file)
     model, tokenizer = models.load(args.model)
     tier = kvblocks.RedisTier(args.redis, chunk_tokens=args.chunk_tokens, secret=secret)
     cache = kvblocks.KVCacheTrie.for_model(model, capacity_tokens=8192, spill=tier)
@@ -88,7 +88,12 @@ def run_process(role: int, args: argparse.Namespace, salt: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis", required=True, help="Redis URL, e.g. redis://127.0.0.1:6379/0")
-    parser.add_argument("--redis-secret-file", default=None, help="file holding a 16+ byte secret")
+    parser.add_argument(
+        "--secret-file",
+        "--redis-secret-file",
+        default=None,
+        help="file holding a 16+ byte secret (default $KVBLOCKS_REDIS_SECRET, else none)",
+    )
     parser.add_argument("--model", default=None, help="local model folder (default SmolLM2-135M-Instruct)")
     parser.add_argument("--chunk-tokens", type=int, default=64, help="tokens per Redis chunk")
     parser.add_argument("--max-tokens", type=int, default=16, help="reply length limit")

@@ -65,7 +65,7 @@ def main() -> None:
         parser.error(f"--agents must be in 1..{len(QUESTIONS)}")
     torch.set_num_threads(1)
 
-    model, tokenizer = models.load(args.model)
+    model, tokenizer = models.load(args.model, "float32", "cpu")  # None: the default model
     cache = kvblocks.KVCacheTrie.for_model(model, capacity_tokens=args.capacity)
     gen = kvblocks.CachedGenerator(model, tokenizer, cache)
     system = {"role": "system", "content": SYSTEM_PROMPT}

@@ -1,17 +1,30 @@
-"""Prometheus metrics: counters and histograms, rendered in the text exposition format.
+"""Prometheus metrics through prometheus_client: the engine's request counters and latency histograms,
+and a collector that reads the prefix cache's stats at scrape time.
 
-Counters only go up; rates (hit rate, tokens/s) are for the reader to compute from deltas.
+Each `Metrics` owns a `CollectorRegistry` (never the process-wide default), so several engines or apps
+in one process do not clash. Counters only go up; rates (hit rate, tokens/s) are for the reader to
+compute from deltas.
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvblocks.trie import KVCacheTrie
+
+__all__ = ["CONTENT_TYPE_LATEST", "CacheCollector", "Metrics"]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-HELP = {
+# Named as exposed: prometheus_client's Counter keeps `_total` for the sample and names the family
+# without it (it also adds a `_created` gauge per counter and histogram, the time it was made).
+COUNTERS = {
     "kvblocks_requests_total": "Finished generation requests.",
     "kvblocks_requests_failed_total": "Requests that failed inside the engine.",
     "kvblocks_requests_cancelled_total": "Requests abandoned by their client (disconnects).",
@@ -21,74 +34,131 @@ HELP = {
     "kvblocks_spec_drafted_tokens_total": "Speculative draft tokens proposed.",
     "kvblocks_spec_accepted_tokens_total": "Speculative draft tokens accepted.",
     "kvblocks_spec_rounds_total": "Speculative draft/verify rounds (target calls).",
+}
+HISTOGRAMS = {
     "kvblocks_time_to_first_token_seconds": "Time from request arrival to its first token, queueing included.",
     "kvblocks_inter_token_seconds": "Time between consecutive tokens of a stream.",
 }
 
 
-@dataclass(slots=True)
-class Histogram:
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
-    total: float = 0.0
-    n: int = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.n += 1
-
-
 class Metrics:
+    """The engine's counters and histograms, plus any collector registered beside them."""
+
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.counters: dict[str, float] = {name: 0 for name in HELP if name.endswith("_total")}
-        self.histograms: dict[str, Histogram] = {
-            name: Histogram() for name in HELP if name.endswith("_seconds")
+        self.registry = CollectorRegistry()
+        self._counters = {name: Counter(name, doc, registry=self.registry) for name, doc in COUNTERS.items()}
+        self._histograms = {
+            name: Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+            for name, doc in HISTOGRAMS.items()
         }
 
     def inc(self, name: str, value: float = 1) -> None:
-        with self._lock:
-            self.counters[name] = self.counters.get(name, 0) + value
+        self._counters[name].inc(value)
 
     def observe(self, name: str, value: float) -> None:
-        with self._lock:
-            self.histograms.setdefault(name, Histogram()).observe(value)
+        self._histograms[name].observe(value)
 
-    def render(self, extra_counters: dict[str, tuple[str, dict[str, str], float]] | None = None) -> str:
-        """Prometheus text. `extra_counters` maps a sample name to (help, labels, value)."""
-        lines: list[str] = []
-        with self._lock:
-            for name, value in sorted(self.counters.items()):
-                lines += [
-                    f"# HELP {name} {HELP.get(name, name)}",
-                    f"# TYPE {name} counter",
-                    f"{name} {_sample(value)}",
-                ]
-            for name, h in sorted(self.histograms.items()):
-                lines += [f"# HELP {name} {HELP.get(name, name)}", f"# TYPE {name} histogram"]
-                cumulative = 0
-                for bound, count in zip(h.buckets, h.counts):
-                    cumulative += count
-                    lines.append(f'{name}_bucket{{le="{bound:g}"}} {cumulative}')
-                lines.append(f'{name}_bucket{{le="+Inf"}} {h.n}')
-                lines += [f"{name}_sum {h.total:.6f}", f"{name}_count {h.n}"]
-        grouped: dict[str, list[tuple[dict[str, str], float]]] = {}
-        helps: dict[str, str] = {}
-        for name, (help_text, labels, value) in (extra_counters or {}).items():
-            base = name.split("{", 1)[0]
-            grouped.setdefault(base, []).append((labels, value))
-            helps[base] = help_text
-        for base, samples in grouped.items():
-            kind = "counter" if base.endswith("_total") else "gauge"
-            lines += [f"# HELP {base} {helps[base]}", f"# TYPE {base} {kind}"]
-            for labels, value in samples:
-                label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-                sample = f"{base}{{{label_text}}}" if label_text else base
-                lines.append(f"{sample} {_sample(value)}")
-        return "\n".join(lines) + "\n"
+    def register(self, collector: Collector) -> None:
+        """Add a collector (anything with `collect()`) to this registry, read at every scrape."""
+        self.registry.register(collector)
+
+    @property
+    def counters(self) -> dict[str, int | float]:
+        """The engine's counter values by their exposed name (`kvblocks_requests_total`); whole counts
+        as ints, so that `/v1/cache/stats` shows `2`, not prometheus_client's `2.0`."""
+        return {
+            sample.name: int(sample.value) if sample.value.is_integer() else sample.value
+            for counter in self._counters.values()
+            for family in counter.collect()
+            for sample in family.samples
+            if sample.name.endswith("_total")
+        }
+
+    def samples(self) -> dict[str, float]:
+        """Every sample in the registry by name, labels left out: histograms' `_count` and `_sum` included."""
+        return {s.name: s.value for family in self.registry.collect() for s in family.samples if not s.labels}
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text exposition format (`CONTENT_TYPE_LATEST`)."""
+        return generate_latest(self.registry)
 
 
-def _sample(value: float) -> str:
-    """A sample value in full: `:g` would print 1234567 as 1.23457e+06 and stall a counter's rate."""
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+# The cache's stats as exposed: (family name, help, key in `KVCacheTrie.stats()`). Counter families
+# are named without `_total`: prometheus_client appends it to the sample.
+CACHE_COUNTERS = (
+    ("kvblocks_prefix_cache_queries", "Prefix-cache lookups.", "queries"),
+    ("kvblocks_prefix_cache_inserted_tokens", "Tokens stored in the device pool.", "inserted_tokens"),
+    ("kvblocks_prefix_cache_evicted_tokens", "Tokens evicted from the device pool.", "evicted_tokens"),
+)
+CACHE_GAUGES = (
+    ("kvblocks_prefix_cache_resident_tokens", "Tokens resident in the device pool.", "resident_tokens"),
+    ("kvblocks_prefix_cache_resident_bytes", "KV bytes resident in the device pool.", "resident_bytes"),
+    ("kvblocks_prefix_cache_capacity_tokens", "Device pool capacity in tokens.", "capacity_tokens"),
+    ("kvblocks_prefix_cache_pinned_tokens", "Pinned tokens.", "pinned_tokens"),
+    ("kvblocks_prefix_cache_locked_tokens", "Tokens locked by running requests.", "locked_tokens"),
+)
+REDIS_COUNTERS = (
+    ("kvblocks_redis_errors", "Redis operations that failed (read or write).", "redis_errors"),
+    ("kvblocks_redis_verify_failures", "Redis values rejected by verification.", "redis_verify_failures"),
+    ("kvblocks_redis_written_chunks", "Chunks written to Redis.", "redis_written_chunks"),
+    ("kvblocks_redis_write_drops", "Chunk writes dropped (queue full or Redis down).", "redis_write_drops"),
+)
+
+KV_EVENT_COUNTERS = (
+    ("kvblocks_kv_events_batches", "KV event batches published.", "kv_events_batches"),
+    ("kvblocks_kv_events_stored_blocks", "Blocks reported stored (BlockStored).", "kv_events_stored_blocks"),
+    (
+        "kvblocks_kv_events_removed_blocks",
+        "Blocks reported removed (BlockRemoved).",
+        "kv_events_removed_blocks",
+    ),
+    (
+        "kvblocks_kv_events_shared_blocks",
+        "Blocks reported held by the Redis tier.",
+        "kv_events_shared_blocks",
+    ),
+    (
+        "kvblocks_kv_events_dropped_jobs",
+        "Cache changes dropped by a full events queue.",
+        "kv_events_dropped_jobs",
+    ),
+    (
+        "kvblocks_kv_events_resyncs",
+        "Full snapshots published (a subscriber joined, or after drops).",
+        "kv_events_resyncs",
+    ),
+    ("kvblocks_kv_events_replays", "Replay requests answered.", "kv_events_replays"),
+)
+
+
+class CacheCollector(Collector):
+    """The prefix cache's stats as counters and gauges, read at scrape time (one `stats()` call, so
+    one consistent snapshot); queried and hit tokens are labelled by tier: `device`, and `redis`
+    when the cache spills. Redis and KV-event counters appear when the cache has that tier or publisher."""
+
+    def __init__(self, cache: KVCacheTrie) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.cache.stats()
+        spills = "redis_lookups" in s
+        queried = CounterMetricFamily(
+            "kvblocks_prefix_cache_queried_tokens", "Prompt tokens looked up, per tier.", labels=["tier"]
+        )
+        hits = CounterMetricFamily(
+            "kvblocks_prefix_cache_hit_tokens", "Prompt tokens served from cache, per tier.", labels=["tier"]
+        )
+        queried.add_metric(["device"], s["queried_tokens"])
+        hits.add_metric(["device"], s["hit_tokens"] - s["spill_hit_tokens"])
+        if spills:
+            queried.add_metric(["redis"], s["redis_lookup_chunks"] * self.cache.spill.chunk_tokens)
+            hits.add_metric(["redis"], s["spill_hit_tokens"])
+        yield queried
+        yield hits
+        events = "kv_events_batches" in s
+        for name, doc, key in (
+            CACHE_COUNTERS + (REDIS_COUNTERS if spills else ()) + (KV_EVENT_COUNTERS if events else ())
+        ):
+            yield CounterMetricFamily(name, doc, value=s[key])
+        for name, doc, key in CACHE_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=s[key])

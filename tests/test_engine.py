@@ -190,8 +190,8 @@ def test_metrics_record_tokens_and_latencies_of_finished_requests(engine):
     assert m.counters["kvblocks_requests_total"] == 1
     assert m.counters["kvblocks_prompt_tokens_total"] == 5
     assert m.counters["kvblocks_generation_tokens_total"] == 5
-    assert m.histograms["kvblocks_time_to_first_token_seconds"].n == 1
-    assert m.histograms["kvblocks_inter_token_seconds"].n == 4
+    assert m.samples()["kvblocks_time_to_first_token_seconds_count"] == 1
+    assert m.samples()["kvblocks_inter_token_seconds_count"] == 4
 
 
 def test_requests_arriving_together_share_a_prompt_prefilled_by_the_first(engine, cache):

@@ -138,7 +138,7 @@ def test_redis_two_processes_restore_the_prefix_sealed_and_match(redis_url, tmp_
     out = run_example(
         "redis_two_processes.py",
         "--redis", redis_url,
-        "--redis-secret-file", str(secret),
+        "--secret-file", str(secret),
         "--model", str(tiny_model_dir()),
         "--chunk-tokens", "16",
         "--max-tokens", "4",
@@ -169,7 +169,7 @@ def test_speculative_decoding_with_lookup_and_trie_drafters_equals_plain_greedy(
     assert stats["trie"][0] > 0 and stats["trie"][1] == 0  # the cache holds the whole reply
 
 
-def test_lmcache_interop_reads_the_fleets_chunks_and_writes_chunks_it_reads(redis_url):
+def test_lmcache_interop_fleet_to_kvblocks_kvblocks_to_fleet_and_between_caches(redis_url):
     out = run_example(
         "lmcache_interop.py", "--redis", redis_url, "--model", str(tiny_model_dir()),
         "--chunk-tokens", "16", "--max-tokens", "4",
@@ -185,3 +185,8 @@ def test_lmcache_interop_reads_the_fleets_chunks_and_writes_chunks_it_reads(redi
     assert written and int(written[1]) >= 2, out
     chunks = re.findall(r"B: chunk \d+ at key \S+: (\S+)", out)
     assert len(chunks) >= 2 and set(chunks) == {"bit-exact"}, out
+    found = re.search(
+        r"C: a second cache found (\d+) of \d+ prompt tokens in Redis \(cached_tokens (\d+), (\d+)", out
+    )
+    assert found and int(found[1]) == int(found[2]) == 16 * int(found[3]) == 16 * len(chunks), out
+    assert "C: same tokens as the first cache: yes" in out

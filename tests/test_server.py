@@ -16,7 +16,6 @@ import pytest
 from server_proc import scrape, start_server, stop_cleanly, wait_idle
 
 from kvblocks import CachedGenerator, KVCacheTrie
-from kvblocks.metrics import Metrics
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "sk-test-from-env"
@@ -286,11 +285,3 @@ def test_metrics_counters_and_histograms_move_after_requests(http, client):
     assert "# TYPE kvblocks_requests_total counter" in text
     assert "# TYPE kvblocks_inter_token_seconds histogram" in text
     assert "# TYPE kvblocks_prefix_cache_resident_tokens gauge" in text
-
-
-def test_metrics_text_prints_large_values_in_full():
-    metrics = Metrics()
-    metrics.inc("kvblocks_prompt_tokens_total", 123_456_789)
-    text = metrics.render({"kvblocks_prefix_cache_resident_bytes": ("Bytes.", {}, 9_876_543_210)})
-    assert "\nkvblocks_prompt_tokens_total 123456789\n" in text
-    assert "\nkvblocks_prefix_cache_resident_bytes 9876543210\n" in text

@@ -11,11 +11,12 @@ from contextlib import contextmanager
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from kvblocks.explain import explain
 from kvblocks.inspection import inspect_prefixes
+from kvblocks.metrics import CONTENT_TYPE_LATEST
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.schemas import ExplainRequest
 from kvblocks.server.state import caller, scope_of, served
@@ -31,8 +32,8 @@ async def health(request: Request):
 @router.get("/metrics")
 async def metrics(request: Request):
     s = served(request)
-    text = await run_in_threadpool(lambda: s.engine.metrics.render(cache_metrics(s.cache)))
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    body = await run_in_threadpool(s.engine.metrics.render)  # the cache collector takes the trie's lock
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/cache/stats")
@@ -47,7 +48,7 @@ async def cache_stats(request: Request):
         "uptime_s": time.time() - s.started,
         "engine": {"active": s.engine.active, "queued": s.engine.queued},
         "cache": stats,
-        "counters": dict(s.engine.metrics.counters),
+        "counters": s.engine.metrics.counters,
     }
 
 
@@ -124,39 +125,3 @@ def gc_paused() -> Iterator[None]:
             _gc_pause["depth"] -= 1
             if _gc_pause["depth"] == 0 and _gc_pause["was_enabled"]:
                 gc.enable()
-
-
-def cache_metrics(cache) -> dict[str, tuple[str, dict[str, str], float]]:
-    """Cache counters and gauges for /metrics, hit and queried tokens labelled by tier."""
-    if cache is None:
-        return {}
-    s = cache.stats()
-    device_hits = s["hit_tokens"] - s["spill_hit_tokens"]
-    out = {
-        "kvblocks_prefix_cache_queries_total": ("Prefix-cache lookups.", {}, s["queries"]),
-        'kvblocks_prefix_cache_queried_tokens_total{tier="device"}': (
-            "Prompt tokens looked up, per tier.", {"tier": "device"}, s["queried_tokens"]),
-        'kvblocks_prefix_cache_hit_tokens_total{tier="device"}': (
-            "Prompt tokens served from cache, per tier.", {"tier": "device"}, device_hits),
-        "kvblocks_prefix_cache_inserted_tokens_total": ("Tokens stored in the device pool.", {}, s["inserted_tokens"]),
-        "kvblocks_prefix_cache_evicted_tokens_total": ("Tokens evicted from the device pool.", {}, s["evicted_tokens"]),
-        "kvblocks_prefix_cache_resident_tokens": ("Tokens resident in the device pool.", {}, s["resident_tokens"]),
-        "kvblocks_prefix_cache_resident_bytes": ("KV bytes resident in the device pool.", {}, s["resident_bytes"]),
-        "kvblocks_prefix_cache_capacity_tokens": ("Device pool capacity in tokens.", {}, s["capacity_tokens"]),
-        "kvblocks_prefix_cache_pinned_tokens": ("Pinned tokens.", {}, s["pinned_tokens"]),
-        "kvblocks_prefix_cache_locked_tokens": ("Tokens locked by running requests.", {}, s["locked_tokens"]),
-    }  # fmt: skip
-    if "redis_lookups" in s:
-        chunk = cache.spill.chunk_tokens
-        out |= {
-            'kvblocks_prefix_cache_queried_tokens_total{tier="redis"}': (
-                "Prompt tokens looked up, per tier.", {"tier": "redis"}, s["redis_lookup_chunks"] * chunk),
-            'kvblocks_prefix_cache_hit_tokens_total{tier="redis"}': (
-                "Prompt tokens served from cache, per tier.", {"tier": "redis"}, s["spill_hit_tokens"]),
-            "kvblocks_redis_errors_total": ("Redis operations that failed (read or write).", {}, s["redis_errors"]),
-            "kvblocks_redis_verify_failures_total": (
-                "Redis values rejected by verification.", {}, s["redis_verify_failures"]),
-            "kvblocks_redis_written_chunks_total": ("Chunks written to Redis.", {}, s["redis_written_chunks"]),
-            "kvblocks_redis_write_drops_total": ("Chunk writes dropped (queue full or Redis down).", {}, s["redis_write_drops"]),
-        }  # fmt: skip
-    return out

@@ -1,0 +1,169 @@
+"""/metrics as Prometheus' own parser reads it: families, types, labels, and values that move with traffic."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import IdTokenizer, tiny_llama
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+from redis_server import RedisServer
+from server_proc import start_server, stop_cleanly, tiny_model_dir, wait_idle
+
+from kvblocks import CachedGenerator, KVCacheTrie, RedisTier
+from kvblocks.metrics import CacheCollector, Metrics
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def http():
+    server = start_server(
+        "--model", str(tiny_model_dir()), "--served-model-name", MODEL, "--capacity", "4096"
+    )
+    try:
+        with server.client() as client:
+            yield client
+    finally:
+        stop_cleanly(server)
+
+
+def families(client: httpx.Client) -> dict:
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == CONTENT_TYPE_LATEST
+    return {f.name: f for f in text_string_to_metric_families(response.text)}
+
+
+def value(fams: dict, family: str, sample: str, **labels: str) -> float:
+    found = [s.value for s in fams[family].samples if s.name == sample and s.labels == labels]
+    assert len(found) == 1, (family, sample, labels, fams[family].samples)
+    return found[0]
+
+
+def complete(client: httpx.Client, prompt: str) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]
+
+
+def test_metrics_families_have_prometheus_types_and_tier_labels(http):
+    fams = families(http)
+    expected = {
+        "kvblocks_requests": "counter",
+        "kvblocks_prompt_tokens": "counter",
+        "kvblocks_cached_prompt_tokens": "counter",
+        "kvblocks_generation_tokens": "counter",
+        "kvblocks_requests_cancelled": "counter",
+        "kvblocks_time_to_first_token_seconds": "histogram",
+        "kvblocks_inter_token_seconds": "histogram",
+        "kvblocks_prefix_cache_queries": "counter",
+        "kvblocks_prefix_cache_hit_tokens": "counter",
+        "kvblocks_prefix_cache_queried_tokens": "counter",
+        "kvblocks_prefix_cache_evicted_tokens": "counter",
+        "kvblocks_prefix_cache_resident_tokens": "gauge",
+        "kvblocks_prefix_cache_capacity_tokens": "gauge",
+    }
+    assert {name: fams[name].type for name in expected} == expected
+    assert {tuple(s.labels.items()) for s in fams["kvblocks_prefix_cache_hit_tokens"].samples} == {
+        (("tier", "device"),)
+    }
+    assert (
+        value(fams, "kvblocks_prefix_cache_capacity_tokens", "kvblocks_prefix_cache_capacity_tokens") == 4096
+    )
+    assert not any("redis" in name for name in fams)  # no spill tier configured, no Redis series
+    bounds = [
+        s.labels["le"] for s in fams["kvblocks_time_to_first_token_seconds"].samples if "le" in s.labels
+    ]
+    assert bounds[-1] == "+Inf" and len(bounds) == 13
+
+
+def test_metrics_count_requests_cached_tokens_and_latencies(http):
+    wait_idle(http)
+    before = families(http)
+    prompts = ["The prefix cache keeps", "The prefix cache keeps", "An unrelated prompt about tiers"]
+    usages = [complete(http, p) for p in prompts]
+    wait_idle(http)
+    after = families(http)
+
+    def moved(family: str, sample: str, **labels: str) -> float:
+        return value(after, family, sample, **labels) - value(before, family, sample, **labels)
+
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    generated = sum(u["completion_tokens"] for u in usages)
+    assert cached > 0  # the repeated prompt hit the cache
+    assert moved("kvblocks_requests", "kvblocks_requests_total") == len(prompts)
+    assert moved("kvblocks_prompt_tokens", "kvblocks_prompt_tokens_total") == prompt_tokens
+    assert moved("kvblocks_cached_prompt_tokens", "kvblocks_cached_prompt_tokens_total") == cached
+    assert moved("kvblocks_generation_tokens", "kvblocks_generation_tokens_total") == generated
+    assert moved("kvblocks_prefix_cache_queries", "kvblocks_prefix_cache_queries_total") == len(prompts)
+    hits = "kvblocks_prefix_cache_hit_tokens"
+    assert moved(hits, f"{hits}_total", tier="device") == cached
+    queried = "kvblocks_prefix_cache_queried_tokens"
+    assert moved(queried, f"{queried}_total", tier="device") == prompt_tokens
+
+    ttft = "kvblocks_time_to_first_token_seconds"
+    assert moved(ttft, f"{ttft}_count") == len(prompts)
+    assert moved(ttft, f"{ttft}_sum") > 0
+    assert value(after, ttft, f"{ttft}_bucket", le="+Inf") == value(after, ttft, f"{ttft}_count")
+    cumulative = [s.value for s in after[ttft].samples if s.name == f"{ttft}_bucket"]
+    assert cumulative == sorted(cumulative)
+    itl = "kvblocks_inter_token_seconds"
+    assert moved(itl, f"{itl}_count") == generated - len(prompts)
+
+    counters = http.get("/v1/cache/stats").json()["counters"]
+    assert type(counters["kvblocks_requests_total"]) is int  # a count, not prometheus_client's float
+    assert counters["kvblocks_requests_total"] == value(after, "kvblocks_requests", "kvblocks_requests_total")
+    assert counters["kvblocks_prompt_tokens_total"] == value(
+        after, "kvblocks_prompt_tokens", "kvblocks_prompt_tokens_total"
+    )
+
+
+def test_metrics_objects_keep_separate_registries_and_print_large_values_exactly():
+    a, b = Metrics(), Metrics()
+    a.inc("kvblocks_prompt_tokens_total", 123_456_789_012)
+    b.inc("kvblocks_prompt_tokens_total", 5)
+    a.observe("kvblocks_time_to_first_token_seconds", 0.02)
+    parsed = {f.name: f for f in text_string_to_metric_families(a.render().decode())}
+    assert value(parsed, "kvblocks_prompt_tokens", "kvblocks_prompt_tokens_total") == 123_456_789_012
+    assert a.counters["kvblocks_prompt_tokens_total"] == 123_456_789_012
+    assert b.counters["kvblocks_prompt_tokens_total"] == 5
+    assert a.samples()["kvblocks_time_to_first_token_seconds_count"] == 1
+    assert b.samples()["kvblocks_time_to_first_token_seconds_count"] == 0
+    with pytest.raises(KeyError):
+        a.inc("kvblocks_no_such_counter_total")
+
+
+def test_a_spilling_cache_reports_its_redis_tier_and_writer_counters(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()  # fails, not skips, without Redis
+    model, chunk = tiny_llama(), 8
+    prompt = " ".join(str(t) for t in range(3, 43))  # 40 tokens: four whole chunks before the last one
+    tiers = [RedisTier(server.url, chunk_tokens=chunk) for _ in range(2)]
+    try:
+        writer = KVCacheTrie.for_model(model, capacity_tokens=1000, spill=tiers[0])
+        CachedGenerator(model, IdTokenizer(), writer).generate(prompt, max_new_tokens=2)
+        tiers[0].flush(timeout_s=5)
+        reader = KVCacheTrie.for_model(model, capacity_tokens=1000, spill=tiers[1])  # cold: only Redis has it
+        result = CachedGenerator(model, IdTokenizer(), reader).generate(prompt, max_new_tokens=2)
+        scraped = []
+        for cache in (writer, reader):
+            metrics = Metrics()
+            metrics.register(CacheCollector(cache))
+            scraped.append({f.name: f for f in text_string_to_metric_families(metrics.render().decode())})
+    finally:
+        for tier in tiers:
+            tier.close()
+        server.stop()
+    wrote, read = scraped
+    written = value(wrote, "kvblocks_redis_written_chunks", "kvblocks_redis_written_chunks_total")
+    assert wrote["kvblocks_redis_written_chunks"].type == "counter" and written >= 4
+    hits, queried = "kvblocks_prefix_cache_hit_tokens", "kvblocks_prefix_cache_queried_tokens"
+    assert result.cached_tokens == 4 * chunk
+    assert value(read, hits, f"{hits}_total", tier="redis") == result.cached_tokens
+    assert value(read, hits, f"{hits}_total", tier="device") == 0
+    assert value(read, queried, f"{queried}_total", tier="redis") % chunk == 0
+    assert value(read, queried, f"{queried}_total", tier="redis") >= result.cached_tokens
+    for name in ("kvblocks_redis_errors", "kvblocks_redis_verify_failures", "kvblocks_redis_write_drops"):
+        assert value(read, name, f"{name}_total") == 0
