@@ -183,7 +183,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.read_timeout <= 0:
         raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
-    model, tokenizer, cache = load_stack(args)
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        raise UserError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    if args.kv_event_block_size < 1:
+        raise UserError(f"--kv-event-block-size must be at least 1, got {args.kv_event_block_size}")
+    if args.kv_events_endpoint and args.no_cache:
+        raise UserError("--kv-events-endpoint reports what the cache holds: drop --no-cache")
+    publisher = None
+    if args.kv_events_endpoint:
+        from kvblocks.kv_events import KVEventPublisher
+
+        try:
+            publisher = KVEventPublisher(
+                args.kv_events_endpoint,
+                replay_endpoint=args.kv_events_replay_endpoint,
+                block_size=args.kv_event_block_size,
+            )
+        except ValueError as exc:
+            raise UserError(f"KV events: {exc}") from exc
+    try:  # the events address is bound first, so a busy port fails before a long model load
+        model, tokenizer, cache = load_stack(args)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
+    if publisher is not None:
+        cache.attach_events(publisher)
     gen = build_generator(args, model, tokenizer, None if args.no_cache else cache)
     name = args.served_model_name or (models.DEFAULT_MODEL if args.model is None else args.model.rstrip("/"))
     engine = Engine(gen).start()
@@ -202,6 +227,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"kvblocks: serving {name} on http://{args.host}:{args.port} "
         f"(cache {stats['capacity_tokens']} tokens, {stats['capacity_bytes'] / 2**20:.0f} MiB"
         f"{', redis ' + args.redis if args.redis else ''}{', draft ' + args.draft if args.draft else ''}"
+        f"{', KV events on ' + args.kv_events_endpoint if args.kv_events_endpoint else ''}"
         f"{', API key required' if keys else ''})",
         file=sys.stderr,
         flush=True,
@@ -358,6 +384,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=TOOL_PARSERS,
         help="how tool calls are written by the model (default: detected from its chat template)",
+    )
+    sv.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish KV events in vLLM's format (ZMQ PUB, msgpack) on this address, which the server "
+        "binds, for cache-aware routers (vllm-router --policy kv_aware --kv-event-source URL=ENDPOINT)",
+    )
+    sv.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="serve missed KV event batches on this address (vllm-router --kv-event-replay-source)",
+    )
+    sv.add_argument(
+        "--kv-event-block-size",
+        type=int,
+        default=16,
+        metavar="TOKENS",
+        help="tokens per block in KV events; match the router's --kv-event-block-size (default 16)",
     )
     sv.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     sv.add_argument("--no-cache", action="store_true", help="no prefix reuse: prefill every prompt in full")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvblocks.generator import CachedGenerator, Piece
-from kvblocks.metrics import Metrics
+from kvblocks.metrics import CacheCollector, Metrics
 
 
 @dataclass(eq=False)
@@ -31,6 +31,16 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     stream: Iterator[Piece] | None = None
     last_token_at: float = 0.0
+    tokens: int = 0  # prompt ids plus tokens generated so far (the request's KV footprint)
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What the engine holds right now, as routers ask for it (`/get_load`)."""
+
+    running: int
+    waiting: int
+    tokens: int  # prompt plus generated tokens of the running and waiting requests
 
 
 class Engine:
@@ -39,6 +49,8 @@ class Engine:
     ) -> None:
         self.generator = generator
         self.metrics = metrics or Metrics()
+        if generator.cache is not None:
+            self.metrics.register(CacheCollector(generator.cache))
         self.max_active = max_active
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._active: list[Request] = []
@@ -56,7 +68,8 @@ class Engine:
         self._thread.join(timeout)
 
     def submit(self, prompt, emit: Callable[[Piece | BaseException], None], **options) -> Request:
-        request = Request(prompt, options, emit, id=next(self._ids))
+        ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+        request = Request(prompt, options, emit, id=next(self._ids), tokens=len(prompt) if ids else 0)
         self._inbox.put(request)
         return request
 
@@ -67,6 +80,14 @@ class Engine:
     @property
     def active(self) -> int:
         return len(self._active)
+
+    def load(self) -> Load:
+        """A snapshot taken from any thread: the engine thread may admit or finish requests meanwhile,
+        so the counts are each exact at the moment they are read, not jointly."""
+        running = list(self._active)
+        with self._inbox.mutex:
+            waiting = [r for r in self._inbox.queue if r is not None]
+        return Load(len(running), len(waiting), sum(r.tokens for r in running + waiting))
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -118,6 +139,7 @@ class Engine:
         else:  # queueing included: this is what the client waits for
             self.metrics.observe("kvblocks_time_to_first_token_seconds", now - request.submitted)
         request.last_token_at = now
+        request.tokens += len(piece.token_ids)
         if piece.result is not None:
             self._finish(request)
             self._record(piece)

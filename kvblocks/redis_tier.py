@@ -9,6 +9,7 @@ error; after a failure the tier stays quiet for `retry_interval_s`, then reconne
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -257,6 +258,29 @@ class RedisTier:
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.005)
         return self._queue.unfinished_tasks == 0
+
+    def clear(self, batch: int = 500) -> int:
+        """Delete every record under this tier's key prefix, every model's and tenant's (an admin's
+        `/flush_cache?spill=true`); returns how many. Queued writes land first. Raises RuntimeError
+        when Redis fails, and ValueError for a foreign format, whose keys other programs read."""
+        if not self.codec.delete_invalid:
+            raise ValueError(
+                "the spill tier holds another program's records (LMCache format); delete them there"
+            )
+        self.flush()
+        deleted = 0
+        try:
+            client = self._connection()
+            keys = client.scan_iter(match=f"{self.key_prefix}:*", count=batch)
+            while chunk := list(itertools.islice(keys, batch)):
+                pipe = client.pipeline(transaction=False)
+                for key in chunk:
+                    pipe.unlink(key)
+                deleted += sum(pipe.execute())
+        except REDIS_FAILURES as exc:
+            self._mark_down()
+            raise RuntimeError(f"Redis at {self.url} failed while deleting records: {exc}") from exc
+        return deleted
 
     def server_warnings(self) -> list[str]:
         """Deployment problems worth a line at start: today, a Redis that can grow without bound."""

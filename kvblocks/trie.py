@@ -20,6 +20,7 @@ from kvblocks.pool import KVPool
 from kvblocks.radix import TOKEN_DTYPE, Match, Node, RadixTree
 
 if TYPE_CHECKING:
+    from kvblocks.kv_events import KVEventPublisher
     from kvblocks.redis_tier import Fetched, RedisTier
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -158,6 +159,7 @@ class KVCacheTrie:
         self.spill = spill
         if spill is not None:
             spill.bind(layout, self._pool.device, self._read_kv, namespace.key)
+        self.events: KVEventPublisher | None = None
 
     @classmethod
     def for_model(
@@ -377,6 +379,8 @@ class KVCacheTrie:
                 self._pool.release(slots)
                 raise
             self._tree.extend(m, ids[start : start + k], slots)
+            if self.events is not None:
+                self.events.stored(ids[: start + k], start)
             for c in self._counters, tenant:
                 c.inserted_tokens += k
             return start, k
@@ -412,6 +416,9 @@ class KVCacheTrie:
             self._tenant_counters[ns.tenant].evicted_tokens += count
         if self.spill is not None and self.spill.write_mode == "back":
             self.spill.on_evict(ns_key, ids, len(ids) - count, lambda a, b: self._gather(slots[a:b]))
+        if self.events is not None:  # complete Redis chunks stay restorable (the shared tier)
+            chunk = self.spill.chunk_tokens if self.spill is not None else len(ids) + 1
+            self.events.evicted(ids, len(ids) - count, len(ids) // chunk * chunk)
 
     def pin(self, token_ids: TokenIds, *, salt: Salt = None) -> int:
         """Exempt the resident prefix of `token_ids` from eviction; returns the pinned length L.
@@ -491,12 +498,35 @@ class KVCacheTrie:
             }
         if tenant is None and self.spill is not None:
             out |= self.spill.stats()
+        if tenant is None and self.events is not None:
+            out |= self.events.stats()
+        return out
+
+    def attach_events(self, events: KVEventPublisher) -> None:
+        """Publish KV events (`kvblocks.kv_events`) for what this cache stores and evicts from now on;
+        the publisher starts by announcing what is resident already."""
+        with self._lock:
+            events.bind(self.namespace.key, (self._lock, self._event_nodes))
+            self.events = events
+
+    def _event_nodes(self) -> list[tuple[int, np.ndarray]]:
+        """Every node, parents first, as (its parent's index in the list, -1 under a namespace's root;
+        a copy of its tokens). The events publisher reads it under the lock to republish the state."""
+        out: list[tuple[int, np.ndarray]] = []
+        for root in self._tree.roots.values():
+            stack = [(-1, child) for child in root.children.values()]
+            while stack:
+                parent, node = stack.pop()
+                out.append((parent, node.tokens.copy()))
+                stack.extend((len(out) - 1, child) for child in node.children.values())
         return out
 
     def close(self) -> None:
-        """Flush and close the spill tier (queued writes finish first)."""
+        """Flush and close the spill tier (queued writes finish first) and the events publisher."""
         if self.spill is not None:
             self.spill.close()
+        if self.events is not None:
+            self.events.close()
 
     @property
     def token_bytes(self) -> int:
@@ -536,3 +566,11 @@ class KVCacheTrie:
                 index = indices[held] = self._pool.index(slots[length - held : length])
             kv.append(self._pool.gather(layer, index))
         return hf.build_cache(self.config, self.specs, kv, length)
+
+    def clear(self) -> int:
+        """Evict every unlocked, unpinned token (what `/flush_cache` asks for); returns how many went.
+        Running requests keep their locked prefixes and pins stay: unpin a prefix to let it go."""
+        with self._lock:
+            if self.events is not None:
+                self.events.cleared()
+            return self._evict(self._pool.capacity)

@@ -103,6 +103,33 @@ def test_accepted_defaults_of_unsupported_parameters_are_not_refused(client):
     assert r.choices[0].message.content is not None
 
 
+ROUTER_FIELDS = {  # what sglang-router 0.3.2 and vllm-router 0.1.17 add to every request they forward
+    "skip_special_tokens": True,
+    "no_stop_trim": False,
+    "continue_final_message": False,
+    "return_hidden_states": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "include_reasoning": True,
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_the_fields_routers_add_are_accepted_at_their_defaults_without_lenient(http, path):
+    body = {"model": MODEL, "max_tokens": 2, **ROUTER_FIELDS}
+    body |= {"messages": chat("hi")} if "chat" in path else {"prompt": "hi"}
+    response = http.post(path, json=body)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(("param", "value"), [(k, not v) for k, v in ROUTER_FIELDS.items()])
+def test_router_fields_asking_for_something_else_are_refused_by_name(http, param, value):
+    body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 2, param: value}
+    assert f"'{param}' = {str(value).lower()} is not supported" in refused(
+        http, "/v1/chat/completions", body, param
+    )
+
+
 def test_suffix_on_completions_is_refused_by_name(http):
     refused(http, "/v1/completions", {"model": MODEL, "prompt": "a", "suffix": "b"}, "suffix")
 

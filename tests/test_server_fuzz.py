@@ -81,7 +81,6 @@ def server_stays_healthy(server, http):
 
 LONG_TEXT = "lorem ipsum " * TINY_CONTEXT
 BAD_BODIES = {
-    "chat missing model": (CHAT, {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     "chat missing messages": (CHAT, {"model": MODEL}, 400, "messages"),
     "chat empty messages": (CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
     "chat messages not a list": (CHAT, {"model": MODEL, "messages": "hi"}, 400, "messages"),

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvblocks import grammar, tools
 from kvblocks.engine import Engine
-from kvblocks.server import cache_routes, openai_routes
+from kvblocks.server import cache_routes, openai_routes, worker_routes
 from kvblocks.server.errors import APIError, validation_error
 from kvblocks.server.guard import GuardConfig, RequestGuard
 from kvblocks.server.state import Served, ServerConfig
@@ -44,6 +44,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.state.served = Served(engine, config)
     app.include_router(openai_routes.router)
     app.include_router(cache_routes.router)
+    app.include_router(worker_routes.router)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -12,7 +12,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from kvblocks.server.guard import error_response
-from kvblocks.server.schemas import ACCEPTED_DEFAULTS, REFUSED
+from kvblocks.server.schemas import ACCEPTED_DEFAULTS, REFUSED, ROUTER_DEFAULTS
 
 log = logging.getLogger("kvblocks.server")
 M = TypeVar("M", bound=BaseModel)
@@ -68,6 +68,16 @@ def screen(data: dict, model: type[BaseModel], lenient: bool) -> dict:
         if key in REFUSED and value not in ACCEPTED_DEFAULTS.get(key, [None]):
             raise APIError(
                 400, f"'{key}' is not supported: {REFUSED[key]}", param=key, code="unsupported_parameter"
+            )
+        if key in ROUTER_DEFAULTS and key not in known:
+            if value in ROUTER_DEFAULTS[key]:
+                continue
+            raise APIError(
+                400,
+                f"'{key}' = {json.dumps(value)} is not supported: kvblocks only honours "
+                f"{' or '.join(json.dumps(v) for v in ROUTER_DEFAULTS[key])} here",
+                param=key,
+                code="unsupported_parameter",
             )
         if key not in known:
             if lenient:

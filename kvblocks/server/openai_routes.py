@@ -242,8 +242,13 @@ def budget(s: Served, ids: list[int], requested: int | None, none_is_all: bool =
     return requested
 
 
-def check_model(s: Served, name: str) -> None:
-    if name != s.config.model_name:
+# What a request that names no model means: the served model. sglang-router forwards such requests
+# with the placeholder "unknown" in `model`.
+NO_MODEL = (None, "unknown")
+
+
+def check_model(s: Served, name: str | None) -> None:
+    if name not in NO_MODEL and name != s.config.model_name:
         raise APIError(
             404,
             f"the model '{name}' does not exist; this server serves '{s.config.model_name}'",

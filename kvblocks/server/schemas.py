@@ -1,7 +1,8 @@
 """Request schemas of the OpenAI-compatible API, and the one rule: honoured or refused by name.
 
 Every field a request model declares is honoured. `REFUSED` lists the OpenAI parameters this
-server cannot honour, each with the reason given in its 400. Any other key is unknown and is
+server cannot honour, each with the reason given in its 400; `ROUTER_DEFAULTS` the fields routers add
+to every request, dropped when they ask for nothing different. Any other key is unknown and is
 refused the way OpenAI refuses it ("Unrecognized request argument supplied: X"), or ignored with
 a logged warning when the server runs with `--lenient`.
 """
@@ -32,6 +33,20 @@ ACCEPTED_DEFAULTS = {
     "modalities": [["text"]],
     "store": [False, None],
     "service_tier": ["auto", "default", None],
+}
+
+# Fields sglang-router and vllm-router add to every request they forward, whatever the client sent,
+# with the values that ask for what kvblocks does anyway: dropped when they carry one of these values,
+# refused by name otherwise. kvblocks does not split reasoning from content, which changes nothing for
+# a model that does not reason (SmolLM2); it always skips special tokens in the text it returns.
+ROUTER_DEFAULTS = {
+    "skip_special_tokens": [True, None],
+    "no_stop_trim": [False, None],
+    "continue_final_message": [False, None],
+    "return_hidden_states": [False, None],
+    "separate_reasoning": [True, None],
+    "stream_reasoning": [True, None],
+    "include_reasoning": [True, None],
 }
 
 MAX_STOPS = 16
@@ -137,7 +152,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 class _Sampling(_Model):
     """Parameters shared by chat and completions (OpenAI's, then vLLM's extras)."""
 
-    model: str
+    model: str | None = None  # None: the served model (vLLM's rule; routers forward requests without it)
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = 1.0
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
