@@ -23,6 +23,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="1GiB",
         help="device KV pool size: tokens (e.g. 200000) or bytes with a unit (e.g. 512MiB, 2GiB); default 1GiB",
     )
+    p.add_argument(
+        "--eviction",
+        choices=EVICTION_POLICIES,
+        default="gdsf",
+        help="what leaves a full pool first: gdsf (frequency x recompute cost, aged; default) or lru "
+        "(least recently used); see BENCHMARKS.md",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--redis", default=None, metavar="URL", help="spill tier, e.g. redis://127.0.0.1:6379/0")
     p.add_argument("--redis-chunk-tokens", type=int, default=64, help="tokens per Redis chunk (default 64)")
@@ -43,6 +50,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # kvblocks.tools.PARSERS, without importing it here
+EVICTION_POLICIES = ("gdsf", "lru")  # kvblocks.eviction.POLICIES, without importing the package here
 DEFAULT_REDIS_TTL_S = 24 * 3600.0  # kvblocks.redis_tier.DEFAULT_TTL_S, without importing torch here
 
 DRAFT_HELP = (
@@ -96,7 +104,7 @@ def load_stack(args: argparse.Namespace):
             print(warning, file=sys.stderr, flush=True)
     try:
         model, tokenizer = models.load(args.model, args.dtype, args.device)
-        cache = KVCacheTrie.for_model(model, **capacity, spill=spill)
+        cache = KVCacheTrie.for_model(model, **capacity, spill=spill, eviction=args.eviction)
     except (models.ModelLoadError, UnsupportedModelError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     return model, tokenizer, cache

@@ -270,7 +270,7 @@ class KVEventPublisher:
     def _busy(self) -> bool:
         return bool(self._queue.unfinished_tasks) or self._lost.is_set() or self._resyncing
 
-    def close(self, timeout_s: float = 2.0) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
         """Publish what is queued, stop the thread and close the sockets."""
         self._stop.set()
         if self._thread.is_alive():

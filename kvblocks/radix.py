@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvblocks.eviction import LRU, EvictionPolicy
+
 TOKEN_DTYPE = np.int32
 SLOT_DTYPE = np.int32
 _EMPTY = np.zeros(0, dtype=TOKEN_DTYPE)
@@ -28,6 +30,7 @@ class Node:
     pin_ref: int = 0
     last_access: int = 0
     hits: int = 0
+    stamp: float = 0.0  # the eviction policy's value at the last touch (`kvblocks.eviction`)
 
     @property
     def is_root(self) -> bool:
@@ -62,7 +65,8 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 class RadixTree:
     """Token-granular prefix tree with one root per namespace."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: EvictionPolicy | None = None) -> None:
+        self.policy: EvictionPolicy = LRU() if policy is None else policy
         self.roots: dict[Hashable, Node] = {}
         self.resident_tokens = 0
         self.pinned_tokens = 0
@@ -97,6 +101,7 @@ class RadixTree:
             return Match(Node(_EMPTY, np.zeros(0, dtype=SLOT_DTYPE), None), 0, 0, ())
         pos, offset, runs = 0, 0, []
         now = self._tick() if touch else 0
+        stamp = self.policy.stamp()
         while pos < len(ids):
             child = node.children.get(int(ids[pos]))
             if child is None:
@@ -107,6 +112,7 @@ class RadixTree:
             if touch:
                 child.last_access = now
                 child.hits += 1
+                child.stamp = stamp
             runs.append(child.slots[:k])
             node, offset, pos = child, k, pos + k
             if k < len(run):
@@ -170,6 +176,7 @@ class RadixTree:
             pin_ref=node.pin_ref,
             last_access=node.last_access,
             hits=node.hits,
+            stamp=node.stamp,
         )
         parent.children[int(upper.tokens[0])] = upper
         node.tokens = node.tokens[offset:].copy()
@@ -190,10 +197,12 @@ class RadixTree:
             node.tokens = np.concatenate([node.tokens, tokens.astype(TOKEN_DTYPE)])
             node.slots = np.concatenate([node.slots, slots.astype(SLOT_DTYPE)])
             node.last_access = now
+            node.stamp = self.policy.stamp()
             self.resident_tokens += len(tokens)
             return node
         child = Node(tokens.astype(TOKEN_DTYPE, copy=True), slots.astype(SLOT_DTYPE, copy=True), node)
         child.last_access = now
+        child.stamp = self.policy.stamp()
         assert int(tokens[0]) not in node.children
         node.children[int(tokens[0])] = child
         self._leaves.discard(node)
@@ -227,18 +236,21 @@ class RadixTree:
         return total
 
     def evict(self, num_tokens: int, before_trim: Callable[[Node, int], None] | None = None) -> np.ndarray:
-        """Free at least `num_tokens` (fewer if too much is locked or pinned), least recent leaves first.
+        """Free at least `num_tokens` (fewer if too much is locked or pinned), leaves in the order of
+        the tree's eviction policy (`kvblocks.eviction`).
 
         A leaf is trimmed from its tail, so eviction is token-granular and what stays is still a
         prefix of something that was inserted. `before_trim(node, n)` runs before the last `n`
         tokens of `node` go (the spill tier's write-back copies them then).
         """
-        heap = [(n.last_access, id(n), n) for n in self._leaves if n.evictable()]
+        policy = self.policy
+        heap = [(policy.key(n, self.depth(n)), id(n), n) for n in self._leaves if n.evictable()]
         heapq.heapify(heap)
         freed: list[np.ndarray] = []
         remaining = num_tokens
         while remaining > 0 and heap:
-            _, _, node = heapq.heappop(heap)
+            key, _, node = heapq.heappop(heap)
+            policy.evicted(key)
             take = min(remaining, len(node.tokens))
             if before_trim is not None:
                 before_trim(node, take)
@@ -256,8 +268,17 @@ class RadixTree:
             if not parent.is_root and not parent.children:
                 self._leaves.add(parent)
                 if parent.evictable():
-                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                    heapq.heappush(heap, (policy.key(parent, self.depth(parent)), id(parent), parent))
         return np.concatenate(freed) if freed else np.zeros(0, dtype=SLOT_DTYPE)
+
+    @staticmethod
+    def depth(node: Node) -> int:
+        """Tokens from the root to the end of `node`."""
+        total = 0
+        while node is not None:
+            total += len(node.tokens)
+            node = node.parent
+        return total
 
     def _tick(self) -> int:
         self._clock += 1

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvblocks.adapters import hf
+from kvblocks.eviction import EvictionPolicy, make_policy
 from kvblocks.explain import EvictionLedger
 from kvblocks.layout import KVLayout, LayerSpec
 from kvblocks.namespace import Namespace, Scope, namespace_for
@@ -143,13 +144,14 @@ class KVCacheTrie:
         device: torch.device | str,
         max_pinned_tokens: int | None = None,
         spill: RedisTier | None = None,
+        eviction: str | EvictionPolicy | None = None,
     ) -> None:
         self.config = config
         self.specs = list(specs)
         self.namespace = namespace
         layout = KVLayout(dtype, tuple(specs))
         self._pool = KVPool(layout, capacity_tokens, device)
-        self._tree = RadixTree()
+        self._tree = RadixTree(make_policy(eviction))
         self._lock = threading.RLock()
         self._counters = Counters()
         self._tenant_counters: defaultdict[str, Counters] = defaultdict(Counters)
@@ -170,12 +172,14 @@ class KVCacheTrie:
         capacity_bytes: int | None = None,
         max_pinned_tokens: int | None = None,
         spill: RedisTier | None = None,
+        eviction: str | EvictionPolicy | None = None,
     ) -> KVCacheTrie:
         """Probe the model's cache layout and preallocate a pool on its device and dtype.
 
         Capacity is `capacity_tokens`, or `capacity_bytes` of KV (default 1 GiB) divided by the
         bytes one token takes across all layers. `spill` adds a shared tier below the device
-        pool (`RedisTier`).
+        pool (`RedisTier`). `eviction` orders what leaves a full pool: a `kvblocks.eviction`
+        policy or its name (`lru`, `gdsf`; default `gdsf`).
         """
         if capacity_tokens is not None and capacity_bytes is not None:
             raise ValueError("give capacity_tokens or capacity_bytes, not both")
@@ -193,6 +197,7 @@ class KVCacheTrie:
             device=param.device,
             max_pinned_tokens=max_pinned_tokens,
             spill=spill,
+            eviction=eviction,
         )
 
     # ---- lookups ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import numpy as np
 import pytest
 from conftest import IdTokenizer, tiny_llama
 
@@ -32,6 +33,9 @@ def sizes(**overrides) -> dict:
         cb_page_size=8,
         cb_max_batch_tokens=256,
         cb_blocks=None,
+        zipf=0.0,
+        eviction="gdsf",
+        also_eviction=[],
     )
     return base | overrides
 
@@ -112,12 +116,27 @@ def test_multi_turn_and_pressure_run_and_report_their_ideals():
     assert rows["deepcopy recipe"].hit_rate < rows["ideal"].hit_rate  # it only reuses the system prompt
     assert rows["kvblocks"].same_tokens_as_ideal == 9
     pressure = wl.bench_workload(
-        model, IdTokenizer(), "pressure", sizes(skip=skip, prompts_per_group=4), QUIET
+        model, IdTokenizer(), "pressure", sizes(skip=skip, prompts_per_group=4, also_eviction=["lru"]), QUIET
     )
     assert list(pressure.ideal_lines) == ["offline optimal, same capacity", "unbounded ideal"]
     optimum, unbounded = pressure.ideal_lines.values()
     assert optimum < unbounded
-    assert {r.variant: r for r in pressure.rows}["kvblocks"].hit_rate <= optimum + 1e-12
+    rows = {r.variant: r for r in pressure.rows}
+    for lane in ("kvblocks", "kvblocks, lru"):  # one lane per eviction policy, both exact
+        assert rows[lane].hit_rate <= optimum + 1e-12
+        assert rows[lane].same_tokens_as_ideal == rows[lane].requests
+    names = [c.name for c in pressure.checks]
+    assert "kvblocks, lru hit rate / offline optimal, same capacity" in names
+    assert not any(n.startswith("kvblocks, lru /") for n in names)  # not compared as a baseline
+
+
+def test_zipf_popularity_skews_which_system_prompt_requests_pick():
+    uniform = wl.shared_prompt(4, 50, 8, 2, 1, vocab=1024)
+    skewed = wl.shared_prompt(4, 50, 8, 2, 1, vocab=1024, zipf=1.5)
+    assert np.bincount(uniform.system_of).tolist() == [50] * 4
+    counts = np.bincount(skewed.system_of, minlength=4)
+    assert counts.sum() == 200 and counts[0] > counts[1] > counts[3]
+    assert len(skewed.turns) == 200 and wl.offline_optimal(skewed, 16)  # Belady takes any popularity
 
 
 def test_cli_writes_json_markdown_and_plots(tmp_path, capsys):

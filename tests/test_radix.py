@@ -2,8 +2,8 @@
 
 The reference is a dict of resident keys `(namespace, token prefix) -> slot`. It learns what
 eviction removed from the slots `evict` returns, and checks that choice: only unprotected tokens,
-exactly as many as asked (or all that are evictable), never a gap in a resident prefix, least
-recently used leaves first.
+exactly as many as asked (or all that are evictable), never a gap in a resident prefix, leaves in
+the order of the tree's eviction policy (LRU, then GDSF in a second machine).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
+from kvblocks.eviction import LRU, EvictionPolicy, GreedyDualFrequency
 from kvblocks.radix import Node, RadixTree, common_prefix_len
 
 NS = "ns"
@@ -220,14 +221,21 @@ class RadixMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.tree = RadixTree()
+        self.tree = RadixTree(self.make_policy())
         self.resident: dict[tuple[str, tuple[int, ...]], int] = {}
         self.free_slots: list[int] = []
         self.next_slot = 0
         self.locks: list[tuple[str, Node]] = []
         self.pins: list[tuple[str, Node]] = []
 
+    def make_policy(self) -> EvictionPolicy:
+        return LRU()
+
     # ---- reference helpers ----
+
+    def key(self, node: Node):
+        """Where the tree's eviction policy puts `node`: lower keys go first."""
+        return self.tree.policy.key(node, self.tree.depth(node))
 
     def ref_match_length(self, namespace: str, ids: np.ndarray) -> int:
         n = 0
@@ -350,17 +358,18 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(num_tokens=st.integers(0, 8))
     def evict(self, num_tokens):
         protected = self.protected()
-        evictable_leaves = {id(node): node.last_access for _, _, node in self.walk() if node.evictable()}
+        evictable_leaves = {id(node): self.key(node) for _, _, node in self.walk() if node.evictable()}
         slot_owner = {slot: key for key, slot in self.resident.items()}
         slot_node = {int(s): node for _, _, node in self.walk() for s in node.slots}
         freed = self.tree.evict(num_tokens).tolist()
 
         assert len(freed) == len(set(freed))
         assert len(freed) == min(num_tokens, len(self.resident) - len(protected))
-        evicted_nodes = {id(slot_node[s]): slot_node[s].last_access for s in freed}
+        evicted_nodes = {id(slot_node[s]): evictable_leaves.get(id(slot_node[s])) for s in freed}
         untouched = [t for i, t in evictable_leaves.items() if i not in evicted_nodes]
-        if evicted_nodes and untouched:
-            assert max(evicted_nodes.values()) <= min(untouched), "a fresher leaf went first"
+        first = [k for k in evicted_nodes.values() if k is not None]  # leaves before this eviction
+        if first and untouched:
+            assert max(first) <= min(untouched), "a leaf the policy ranks higher went first"
         for slot in freed:
             key = slot_owner[slot]
             assert key not in protected, f"evicted locked or pinned token {key}"
@@ -411,3 +420,14 @@ class RadixMachine(RuleBasedStateMachine):
 
 TestRadixMachine = RadixMachine.TestCase
 TestRadixMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class GreedyDualRadixMachine(RadixMachine):
+    """The same rules under GDSF; a short attention scale makes depth change the order."""
+
+    def make_policy(self) -> EvictionPolicy:
+        return GreedyDualFrequency(attention_tokens=4)
+
+
+TestGreedyDualRadixMachine = GreedyDualRadixMachine.TestCase
+TestGreedyDualRadixMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

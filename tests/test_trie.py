@@ -371,7 +371,7 @@ def test_salted_namespaces_never_share(model):
 
 def test_stats_count_queries_hits_inserts_evictions_and_release_locks(model):
     ids, other = seq(1, 10), seq(2, 6)
-    trie = KVCacheTrie.for_model(model, capacity_tokens=12)
+    trie = KVCacheTrie.for_model(model, capacity_tokens=12, eviction="lru")
     trie.insert(ids, prefill(model, ids))
     held = trie.match([*ids, 77])
     with trie.match([*ids[:4], 5]) as hit:

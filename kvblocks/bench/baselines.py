@@ -89,13 +89,18 @@ class Kvblocks(Server):
 
     name = "kvblocks"
 
-    def __init__(self, model, tokenizer, capacity_tokens: int) -> None:
+    def __init__(
+        self, model, tokenizer, capacity_tokens: int, eviction: str | None = None, name: str | None = None
+    ) -> None:
         self.model, self.tokenizer, self.capacity = model, tokenizer, capacity_tokens
+        self.eviction = eviction
+        if name is not None:
+            self.name = name
         self.trie: KVCacheTrie | None = None
         self.gen: CachedGenerator | None = None
 
     def reset(self) -> None:
-        self.trie = KVCacheTrie.for_model(self.model, capacity_tokens=self.capacity)
+        self.trie = KVCacheTrie.for_model(self.model, capacity_tokens=self.capacity, eviction=self.eviction)
         self.gen = CachedGenerator(self.model, self.tokenizer, self.trie)
 
     def serve(self, request: Request, clock: Clock) -> Served:

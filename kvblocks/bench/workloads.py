@@ -58,6 +58,7 @@ from kvblocks.bench.harness import (
     positive_int,
 )
 from kvblocks.errors import UserError
+from kvblocks.eviction import DEFAULT_POLICY, POLICIES
 
 OPTIONAL = ("no-reuse", "deepcopy", "cb", "cb-batch")
 CB_BATCH = "transformers CB, all at once"
@@ -141,19 +142,26 @@ def shared_prompt(
     vocab: int,
     seed: int = 0,
     order: str = "arrival",
+    zipf: float = 0.0,
 ) -> Workload:
     """Requests arrive shuffled; `order="sorted"` sorts the prompts instead (descending, as
-    transformers' `add_requests` does), so requests with one system prompt come back to back."""
+    transformers' `add_requests` does), so requests with one system prompt come back to back.
+    With `zipf` > 0 the groups*per_group requests pick their system prompt with probability
+    proportional to 1/rank**zipf instead of `per_group` each (skewed popularity)."""
     rng = np.random.default_rng(seed)
     systems = _sequences(rng, vocab, groups, system)
     questions = _sequences(rng, vocab, groups * per_group, question)
     order_ids = [int(i) for i in rng.permutation(groups * per_group)]
+    system_of = [i // per_group for i in range(groups * per_group)]
+    if zipf > 0:
+        weights = 1.0 / np.arange(1, groups + 1) ** zipf
+        system_of = [int(g) for g in rng.choice(groups, size=groups * per_group, p=weights / weights.sum())]
     if order == "sorted":
-        order_ids.sort(key=lambda i: systems[i // per_group] + questions[i], reverse=True)
+        order_ids.sort(key=lambda i: systems[system_of[i]] + questions[i], reverse=True)
     return Workload(
         "shared-prompt",
         systems,
-        [i // per_group for i in range(groups * per_group)],
+        system_of,
         [Turn(i, tuple(questions[i])) for i in order_ids],
         output,
         vocab,
@@ -430,6 +438,8 @@ class Setup:
     deepcopy_prefixes: int | None
     cb: BatchingConfig
     skip: frozenset[str]
+    eviction: str = "gdsf"  # the kvblocks lane's policy
+    also_eviction: tuple[str, ...] = ()  # more kvblocks lanes, one per policy, named "kvblocks, POLICY"
 
 
 @dataclass(slots=True)
@@ -450,8 +460,10 @@ def run_workload(
 ) -> tuple[dict[str, Lane], AllAtOnce | None]:
     """Interleaved run of every server; returns the lanes by name and CB's all-at-once run."""
     clock = CLOCKS[opts.clock]
-    kv = Kvblocks(model, tokenizer, setup.capacity_tokens)
+    kv = Kvblocks(model, tokenizer, setup.capacity_tokens, setup.eviction)
     servers: list[Server] = [Ideal(model), kv]
+    for policy in setup.also_eviction:
+        servers.append(Kvblocks(model, tokenizer, setup.capacity_tokens, policy, f"kvblocks, {policy}"))
     if "no-reuse" not in setup.skip:
         servers.append(NoReuse(model))
     if "deepcopy" not in setup.skip:
@@ -649,7 +661,11 @@ def checks(rows: list[Row], lanes: dict[str, Lane], ideals: dict[str, float], bo
     out: list[Check] = []
     labels = list(ideals)
     if bounded:
-        out += [Check(f"kvblocks hit rate / {label}", kv.hit_rate / ideals[label]) for label in labels]
+        for r in rows:
+            if r.variant == "kvblocks" or r.variant.startswith("kvblocks, "):
+                out += [
+                    Check(f"{r.variant} hit rate / {label}", r.hit_rate / ideals[label]) for label in labels
+                ]
     else:
         out.append(Check("kvblocks hit rate / ideal", kv.hit_rate / ideals[labels[0]], "", 0.99, True))
     out.append(Check("kvblocks TTFT / ideal, ratio of medians", kv.ttft_p50_s / ideal.ttft_p50_s, "", 1.10))
@@ -664,7 +680,7 @@ def checks(rows: list[Row], lanes: dict[str, Lane], ideals: dict[str, float], bo
             )
         )
     for r in rows:
-        if r.variant in ("kvblocks", "ideal"):
+        if r.variant in ("kvblocks", "ideal") or r.variant.startswith("kvblocks, "):
             continue
         if r.variant != CB_BATCH:
             out.append(
@@ -763,10 +779,31 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         default=0.5,
         help="cache capacity as a fraction of all system prompt tokens (default 0.5: half of them)",
     )
+    p.add_argument(
+        "--zipf",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="skewed popularity: each request picks system prompt k with probability ~ 1/k**S "
+        "(default 0: every prompt equally often)",
+    )
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the token ids and arrival order (default 0)")
+    p.add_argument(
+        "--eviction",
+        choices=list(POLICIES),
+        default=DEFAULT_POLICY,
+        help="the kvblocks lane's eviction policy",
+    )
+    p.add_argument(
+        "--also-eviction",
+        action="append",
+        default=[],
+        choices=list(POLICIES),
+        help="add a kvblocks lane with this eviction policy, named 'kvblocks, POLICY' (repeatable)",
+    )
     p.add_argument(
         "--skip",
         action="append",
@@ -842,6 +879,7 @@ def make_workload(kind: str, sizes: dict, vocab: int) -> Workload:
         vocab,
         sizes["seed"],
         sizes.get("order", "arrival"),
+        sizes.get("zipf", 0.0),
     )
     if kind == "pressure":
         w.name = "pressure"
@@ -880,7 +918,9 @@ def bench_workload(model, tokenizer, kind: str, sizes: dict, opts: BenchOptions)
         prefixes = None
         blocks = math.ceil(capacity / page) + request_pages
     cb = BatchingConfig(page, sizes.get("cb_blocks") or blocks, sizes["cb_max_batch_tokens"])
-    setup = Setup(plan, capacity, prefixes, cb, frozenset(sizes.get("skip") or ()))
+    policy = sizes.get("eviction", "gdsf")
+    others = tuple(p for p in sizes.get("also_eviction") or () if p != policy)
+    setup = Setup(plan, capacity, prefixes, cb, frozenset(sizes.get("skip") or ()), policy, others)
     lanes, batch = run_workload(model, tokenizer, w, setup, opts)
     kv = lanes["kvblocks"].server
     token_bytes = kv.trie.token_bytes if isinstance(kv, Kvblocks) and kv.trie is not None else 0
@@ -914,7 +954,7 @@ def bench_workload(model, tokenizer, kind: str, sizes: dict, opts: BenchOptions)
 
 def _params(kind: str, sizes: dict, model, opts: BenchOptions, requests: int, capacity: int) -> dict:
     keys = {
-        "shared-prompt": ("groups", "prompts_per_group", "system", "question", "output", "order"),
+        "shared-prompt": ("groups", "prompts_per_group", "system", "question", "output", "order", "eviction"),
         "pressure": (
             "groups",
             "prompts_per_group",
@@ -923,8 +963,10 @@ def _params(kind: str, sizes: dict, model, opts: BenchOptions, requests: int, ca
             "output",
             "order",
             "capacity_fraction",
+            "zipf",
+            "eviction",
         ),
-        "multi-turn": ("conversations", "turns", "systems", "system", "user", "output"),
+        "multi-turn": ("conversations", "turns", "systems", "system", "user", "output", "eviction"),
     }[kind]
     name = getattr(model.config, "name_or_path", "") or model.config.model_type
     return (
