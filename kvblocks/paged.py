@@ -1,0 +1,226 @@
+"""Packed forwards over the KV pool: many requests in one forward, K/V read through slot lists.
+
+This is the attention path the batched engine (issue 12) is built on; the server does not use it
+yet. A packed forward takes segments, one per request: the request's new tokens (a decode token,
+a chunk of prefill, or a speculative verification chunk) and the pool slots of every position the
+request has so far, its new tokens' slots last. The tokens of all segments go through the model as
+one sequence `[1, T]` with each token's own position id, so the linear layers see every request's
+rows at once. Attention is the one place where requests must stay apart: `paged_attention`
+(registered with transformers' `AttentionInterface`) writes each layer's new K/V into the pool at
+the new tokens' slots, then, segment by segment, reads that request's K/V from the pool through its
+slot list and attends causally (and within the sliding window on windowed layers). Nothing is
+copied per request between steps and no cache grows by `torch.cat`: a request's KV is its slot list,
+the shared prefix's slots included, exactly as the trie holds them.
+
+`install(model)` makes the model's attention implementation a dispatcher: calls that carry a
+`kvblocks_paged` batch take the paged path, every other call goes to the implementation the model
+had (sdpa, eager, ...) with the same arguments, so ordinary forwards are unchanged.
+
+Only models whose attention layers hand post-rotary K/V to the attention interface and whose
+positions come from `position_ids` can run packed (the rotary decoder families: llama, qwen2,
+qwen3, mistral, phi3, gemma2, gemma3); `supports(model)` says which, and the others stay on the
+one-request path. Attention sinks are refused by name.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvblocks.pool import KVPool
+
+NAME = "kvblocks_paged"
+# Model types whose packed forward is tested equal to one request at a time (tests/test_paged.py).
+SUPPORTED = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"})
+_KNOWN_KWARGS = frozenset({"position_ids", "use_cache", "output_attentions", "is_causal", "cache_position"})
+
+_install_lock = threading.Lock()
+_wrapped: dict[str, str] = {}  # dispatcher name -> the implementation it falls back to
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One request's share of a packed forward: its new `token_ids` and the slots of all of its
+    positions (`len(slots) >= len(token_ids)`; the new tokens' slots are the last ones).
+    `keep` rows of logits come back for it: its last `keep` new tokens."""
+
+    token_ids: Sequence[int]
+    slots: np.ndarray
+    keep: int = 1
+
+    @property
+    def start(self) -> int:
+        """Position of the first new token."""
+        return len(self.slots) - len(self.token_ids)
+
+
+class PagedBatch:
+    """The layout of one packed forward, built once and read by every layer."""
+
+    def __init__(self, pool: KVPool, segments: Sequence[Segment]) -> None:
+        if not segments:
+            raise ValueError("a packed forward needs at least one segment")
+        self.pool = pool
+        device = pool.device
+        self.bounds: list[tuple[int, int]] = []  # each segment's rows in the packed sequence
+        positions, writes = [], []
+        row = 0
+        for s in segments:
+            n = len(s.token_ids)
+            if n == 0 or len(s.slots) < n or not 1 <= s.keep <= n:
+                raise ValueError(
+                    f"a segment needs new tokens, a slot for each position and 1 <= keep <= new tokens; "
+                    f"got {n} tokens, {len(s.slots)} slots, keep={s.keep}"
+                )
+            self.bounds.append((row, row + n))
+            positions.append(np.arange(s.start, len(s.slots)))
+            writes.append(s.slots[s.start :])
+            row += n
+        self.segments = list(segments)
+        self.tokens = row
+        ids = [t for s in segments for t in s.token_ids]
+        self.input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        self.position_ids = torch.from_numpy(np.concatenate(positions).astype(np.int64))[None].to(device)
+        self.write_index = pool.index(np.concatenate(writes))
+        self.read_index = [pool.index(s.slots) for s in segments]
+        # query row i of a segment (absolute position start + i) sees key j when j <= start + i
+        self.positions = [torch.arange(s.start, len(s.slots), device=device) for s in segments]
+        self.keys = [torch.arange(len(s.slots), device=device) for s in segments]
+        self._masks: dict[int | None, list[torch.Tensor]] = {}
+
+    def masks(self, window: int | None) -> list[torch.Tensor]:
+        """Boolean `[new, all]` masks per segment: causal, and within `window` tokens if given."""
+        if window not in self._masks:
+            out = []
+            for q, k in zip(self.positions, self.keys):
+                allowed = k[None, :] <= q[:, None]
+                if window is not None:
+                    allowed &= k[None, :] > q[:, None] - window
+                out.append(allowed)
+            self._masks[window] = out
+        return self._masks[window]
+
+    def keep_rows(self) -> torch.Tensor:
+        """Rows of the packed sequence whose logits are returned, segment by segment."""
+        rows = [torch.arange(b - s.keep, b) for (_, b), s in zip(self.bounds, self.segments)]
+        return torch.cat(rows).to(self.pool.device)
+
+
+def paged_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
+    """The attention interface's signature: `query [1, Hq, T, D]`, `key/value [1, Hkv, T, D]` of the
+    packed new tokens (rotary applied). Returns `([1, T, Hq, D], None)`."""
+    batch: PagedBatch | None = kwargs.pop(NAME, None)
+    if batch is None:  # an ordinary forward: the model's own implementation, same arguments
+        if sliding_window is not None:
+            kwargs["sliding_window"] = sliding_window
+        if softcap is not None:
+            kwargs["softcap"] = softcap
+        function = _fallback(module)
+        return function(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    extra = set(kwargs) - _KNOWN_KWARGS
+    if extra:
+        raise NotImplementedError(f"packed attention does not handle {sorted(extra)}")
+    if dropout:
+        raise NotImplementedError("packed attention runs in inference only (dropout must be 0)")
+    layer = module.layer_idx
+    pool = batch.pool
+    if pool.layers[layer] is None:
+        raise NotImplementedError(f"layer {layer} keeps no KV in the pool")
+    new = torch.stack((key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1)  # [T, 2, Hkv, D]
+    pool.layers[layer].index_copy_(0, batch.write_index, new.to(pool.dtype))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]
+    out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
+    for (a, b), index, mask in zip(batch.bounds, batch.read_index, batch.masks(sliding_window)):
+        kv = pool.layers[layer].index_select(0, index).to(query.dtype)  # [L, 2, Hkv, D]
+        k = kv[:, 0].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, L, D]
+        v = kv[:, 1].transpose(0, 1).repeat_interleave(groups, dim=0)
+        q = query[0, :, a:b]  # [Hq, n, D]
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[a:b] = torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1)
+    return out[None], None
+
+
+def _fallback(module):
+    """The attention function the model had before `install`: a registered one, or the eager
+    function of the module's own modeling file (each family has its own)."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = _wrapped[module.config._attn_implementation]
+    if original in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[original]
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def supports(model) -> bool:
+    """True when `model` can run packed forwards (its family is in SUPPORTED)."""
+    return getattr(model.config, "model_type", None) in SUPPORTED
+
+
+def install(model) -> None:
+    """Route the model's attention through `paged_attention`, which falls back to the model's own
+    implementation for every call that is not a packed forward. Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if not supports(model):
+        raise NotImplementedError(
+            f"packed forwards are not supported for model type '{model.config.model_type}'"
+        )
+    current = model.config._attn_implementation
+    if current.startswith(NAME):
+        return
+    name = f"{NAME}_{current}"
+    with _install_lock:
+        if name not in _wrapped:
+            AttentionInterface.register(name, paged_attention)
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+            _wrapped[name] = current
+    model.set_attn_implementation(name)
+
+
+class PagedRunner:
+    """Packed forwards of one model over one pool (the trie's, or a pool of its own)."""
+
+    def __init__(self, model, pool: KVPool) -> None:
+        install(model)
+        self.model = model
+        self.pool = pool
+        self.lock = threading.Lock()
+
+    @torch.inference_mode()
+    def forward(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """Run the segments' new tokens as one forward; their K/V land in their slots. Returns each
+        segment's logits `[keep, vocab]`."""
+        batch = PagedBatch(self.pool, segments)
+        with self.lock:
+            out = self.model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                logits_to_keep=batch.keep_rows(),
+                **{NAME: batch},
+            )
+        logits = out.logits[0]
+        bounds = np.cumsum([0] + [s.keep for s in segments])
+        return [logits[bounds[i] : bounds[i + 1]] for i in range(len(segments))]

@@ -1,0 +1,133 @@
+"""Packed forwards over the pool (kvblocks.paged) equal one request at a time with a DynamicCache.
+
+Three requests run as a mixed schedule: a prompt prefilled in two chunks, a prompt that shares
+the first prompt's leading tokens by pointing at its slots (computed in the same forward), a third
+prompt arriving later, and decode tokens of the others in the same forwards. Every returned logit
+row must equal the solo run's at the same position: within 1e-10 in float64, and the greedy tokens
+must be the same in float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import VOCAB, tiny_model
+
+from kvblocks import paged
+from kvblocks.adapters import hf
+from kvblocks.layout import KVLayout
+from kvblocks.paged import PagedRunner, Segment
+from kvblocks.pool import KVPool
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"]
+DECODE = 4
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    first = rng.integers(0, VOCAB, 20).tolist()
+    second = first[:6] + rng.integers(0, VOCAB, 7).tolist()  # shares 6 tokens with the first
+    return [first, second, rng.integers(0, VOCAB, 9).tolist()]
+
+
+@torch.inference_mode()
+def solo(model, ids: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """Logits of the last prompt position and of each greedy decode step, one request alone."""
+    cache = hf.empty_cache(model.config)
+    logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
+    rows, tokens = [logits], []
+    for _ in range(DECODE):
+        tokens.append(int(logits.argmax()))
+        logits = model(input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True).logits[
+            0, -1
+        ]
+        rows.append(logits)
+    return rows, tokens
+
+
+def packed(model, ps: list[list[int]]) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
+    """The same requests through packed forwards, mixing chunks, shared slots and decodes."""
+    pool = KVPool(KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))), 256, "cpu")
+    runner = PagedRunner(model, pool)
+    first, second, third = ps
+    slots = [pool.alloc(len(first)), None, pool.alloc(len(third))]
+    slots[1] = np.concatenate([slots[0][:6], pool.alloc(len(second) - 6)])  # the shared prefix's slots
+    rows: list[list[torch.Tensor]] = [[], [], []]
+    tokens: list[list[int]] = [[], [], []]
+    held = [0, 0, 0]  # positions with KV in the pool
+
+    def segment(i: int, new: list[int], keep: int = 1) -> Segment:
+        held[i] += len(new)
+        if held[i] > len(slots[i]):  # decode tokens get a fresh slot each
+            slots[i] = np.concatenate([slots[i], pool.alloc(held[i] - len(slots[i]))])
+        return Segment(new, slots[i][: held[i]], keep)
+
+    def record(i: int, logits: torch.Tensor) -> None:
+        rows[i].append(logits[-1])
+        tokens[i].append(int(logits[-1].argmax()))
+
+    held[1] = 6  # its first 6 positions are the first request's, written by the first chunk below
+    out = runner.forward([segment(0, first[:12]), segment(1, second[6:])])
+    record(1, out[1])
+    out = runner.forward([segment(0, first[12:], keep=2), segment(1, tokens[1][-1:])])
+    record(0, out[0])
+    record(1, out[1])
+    out = runner.forward([segment(2, third), segment(0, tokens[0][-1:])])
+    record(2, out[0])
+    record(0, out[1])
+    while any(len(t) <= DECODE for t in tokens):
+        live = [i for i in range(3) if len(tokens[i]) <= DECODE]
+        out = runner.forward([segment(i, tokens[i][-1:]) for i in live])
+        for i, logits in zip(live, out):
+            record(i, logits)
+    return rows, [t[:DECODE] for t in tokens]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_forwards_equal_one_request_at_a_time_in_float64(arch):
+    model = tiny_model(arch, torch.float64)
+    ps = prompts()
+    reference = [solo(model, p) for p in ps]
+    rows, tokens = packed(model, ps)
+    for i, (ref_rows, ref_tokens) in enumerate(reference):
+        assert tokens[i] == ref_tokens, (arch, i)
+        assert len(rows[i]) == len(ref_rows) == DECODE + 1
+        worst = max(float((a - b).abs().max()) for a, b in zip(rows[i], ref_rows))
+        assert worst < 1e-10, (arch, i, worst)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_forwards_give_the_same_greedy_tokens_in_float32(arch):
+    model = tiny_model(arch, torch.float32)
+    ps = prompts(seed=1)
+    _, tokens = packed(model, ps)
+    assert tokens == [solo(model, p)[1] for p in ps], arch
+
+
+def test_ordinary_forwards_are_unchanged_after_install():
+    model, twin = tiny_model("llama", torch.float32), tiny_model("llama", torch.float32)
+    paged.install(model)
+    paged.install(model)  # idempotent
+    assert model.config._attn_implementation == "kvblocks_paged_sdpa"
+    ids = torch.tensor([prompts()[0]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, twin(ids).logits)
+    (rows, tokens), (twin_rows, twin_tokens) = solo(model, prompts()[2]), solo(twin, prompts()[2])
+    assert tokens == twin_tokens and all(torch.equal(a, b) for a, b in zip(rows, twin_rows))
+
+
+def test_unsupported_models_and_bad_segments_are_refused():
+    gpt2 = tiny_model("gpt2")
+    assert not paged.supports(gpt2)
+    with pytest.raises(NotImplementedError, match="model type 'gpt2'"):
+        paged.install(gpt2)
+    model = tiny_model("llama", torch.float64)
+    pool = KVPool(KVLayout(torch.float64, tuple(hf.describe_layers(model))), 16, "cpu")
+    runner = PagedRunner(model, pool)
+    with pytest.raises(ValueError, match="at least one segment"):
+        runner.forward([])
+    with pytest.raises(ValueError, match="a slot for each position"):
+        runner.forward([Segment([1, 2, 3], pool.alloc(2))])
+    with pytest.raises(ValueError, match="keep"):
+        runner.forward([Segment([1], pool.alloc(1), keep=2)])
