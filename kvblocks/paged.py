@@ -86,23 +86,26 @@ class PagedBatch:
         self.input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         self.position_ids = torch.from_numpy(np.concatenate(positions).astype(np.int64))[None].to(device)
         self.write_index = pool.index(np.concatenate(writes))
-        self.read_index = [pool.index(s.slots) for s in segments]
-        # query row i of a segment (absolute position start + i) sees key j when j <= start + i
-        self.positions = [torch.arange(s.start, len(s.slots), device=device) for s in segments]
-        self.keys = [torch.arange(len(s.slots), device=device) for s in segments]
-        self._masks: dict[int | None, list[torch.Tensor]] = {}
+        self._slots = [s.slots for s in segments]
+        self._starts = [s.start for s in segments]
+        self._views: dict[int | None, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def masks(self, window: int | None) -> list[torch.Tensor]:
-        """Boolean `[new, all]` masks per segment: causal, and within `window` tokens if given."""
-        if window not in self._masks:
+    def views(self, window: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per segment, the slots its new tokens read and a boolean `[new, read]` mask: causal, and on
+        a windowed layer only the last `window` positions of each token (the slots before those are
+        not read at all: a trie prefix need not hold windowed layers' KV that far back)."""
+        if window not in self._views:
             out = []
-            for q, k in zip(self.positions, self.keys):
-                allowed = k[None, :] <= q[:, None]
+            for slots, start in zip(self._slots, self._starts):
+                first = 0 if window is None else max(0, start - window + 1)
+                q = torch.arange(start, len(slots), device=self.pool.device)[:, None]
+                k = torch.arange(first, len(slots), device=self.pool.device)[None, :]
+                allowed = k <= q
                 if window is not None:
-                    allowed &= k[None, :] > q[:, None] - window
-                out.append(allowed)
-            self._masks[window] = out
-        return self._masks[window]
+                    allowed &= k > q - window
+                out.append((self.pool.index(slots[first:]), allowed))
+            self._views[window] = out
+        return self._views[window]
 
     def keep_rows(self) -> torch.Tensor:
         """Rows of the packed sequence whose logits are returned, segment by segment."""
@@ -146,7 +149,7 @@ def paged_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     groups = query.shape[1] // key.shape[1]
     out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
-    for (a, b), index, mask in zip(batch.bounds, batch.read_index, batch.masks(sliding_window)):
+    for (a, b), (index, mask) in zip(batch.bounds, batch.views(sliding_window)):
         kv = pool.layers[layer].index_select(0, index).to(query.dtype)  # [L, 2, Hkv, D]
         k = kv[:, 0].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, L, D]
         v = kv[:, 1].transpose(0, 1).repeat_interleave(groups, dim=0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import VOCAB, tiny_model
+from tiny_models import VOCAB, WINDOW, tiny_model
 
 from kvblocks import paged
 from kvblocks.adapters import hf
@@ -131,3 +131,21 @@ def test_unsupported_models_and_bad_segments_are_refused():
         runner.forward([Segment([1, 2, 3], pool.alloc(2))])
     with pytest.raises(ValueError, match="keep"):
         runner.forward([Segment([1], pool.alloc(1), keep=2)])
+
+
+def test_windowed_layers_never_read_slots_before_their_window():
+    """A trie prefix need not hold a windowed layer's KV beyond the window: poisoned with NaN, the
+    slots before it change nothing (mistral: every layer has the window)."""
+    model = tiny_model("mistral", torch.float64)
+    ids = prompts()[0]
+    pool = KVPool(KVLayout(torch.float64, tuple(hf.describe_layers(model))), 64, "cpu")
+    runner = PagedRunner(model, pool)
+    slots = pool.alloc(len(ids) + 1)
+    first = runner.forward([Segment(ids, slots[: len(ids)])])[0][-1]
+    token = int(first.argmax())
+    stale = pool.index(slots[: len(ids) + 1 - WINDOW])
+    for layer in pool.layers:
+        layer.index_fill_(0, stale, float("nan"))
+    after = runner.forward([Segment([token], slots)])[0][-1]
+    rows, _ = solo(model, ids)
+    assert float((after - rows[1]).abs().max()) < 1e-10
