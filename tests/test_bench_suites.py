@@ -143,6 +143,13 @@ def test_server_suite_runs_cache_on_and_off_servers_on_a_tiny_model(tmp_path, ca
     assert found["cold first wave: hit rate"] <= found["cold first wave: ideal hit rate"]
 
 
+def test_packed_suite_decodes_the_same_tokens_both_ways_on_a_tiny_model(tmp_path, capsys):
+    args = ["packed", "--model", str(tiny_model_dir()), "--requests", "3", "--context", "24", "--steps", "2"]
+    found = checks(run_suite(tmp_path, capsys, *args), "packed-decode")
+    assert found["requests whose greedy tokens differ"] == 0
+    assert found["decode throughput, packed / one at a time"] > 0
+
+
 def test_suites_reject_bad_sizes_with_one_line(capsys):
     assert main(["bench", "specdec", "--only", "trie", "--trie-gamma", "8", "--trie-tokens", "10"]) == 2
     assert "at least 2 x (gamma + 1)" in capsys.readouterr().err

@@ -10,7 +10,17 @@ import argparse
 def bench_parser() -> argparse.ArgumentParser:
     """`kvblocks bench SUITE ...`; the suites import torch, so the top-level CLI builds this parser only
     when the `bench` command runs."""
-    from kvblocks.bench import constrained, fleet, inspection, micro, redis, server, specdec, workloads
+    from kvblocks.bench import (
+        constrained,
+        fleet,
+        inspection,
+        micro,
+        packed,
+        redis,
+        server,
+        specdec,
+        workloads,
+    )
 
     p = argparse.ArgumentParser(
         prog="kvblocks bench",
@@ -18,6 +28,6 @@ def bench_parser() -> argparse.ArgumentParser:
         "missed (--no-fail only reports).",
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
-    for suite in (micro, workloads, redis, specdec, server, fleet, inspection, constrained):
+    for suite in (micro, workloads, redis, specdec, server, fleet, packed, inspection, constrained):
         suite.add_parser(suites)
     return p
