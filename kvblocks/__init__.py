@@ -19,6 +19,7 @@ _EXPORTS = {
     "Hit": "kvblocks.trie",
     "KVCacheTrie": "kvblocks.trie",
     "PinLimitError": "kvblocks.trie",
+    "PoolFullError": "kvblocks.trie",
     "Namespace": "kvblocks.namespace",
     "Scope": "kvblocks.namespace",
     "GenerationParams": "kvblocks.params",
@@ -40,6 +41,7 @@ __all__ = [
     "ParamError",
     "Piece",
     "PinLimitError",
+    "PoolFullError",
     "PromptError",
     "PromptTooLongError",
     "RedisTier",
@@ -67,4 +69,4 @@ if TYPE_CHECKING:
     from kvblocks.redis_tier import RedisTier
     from kvblocks.sampling import SamplingParams, TokenLogprob
     from kvblocks.text import PromptError
-    from kvblocks.trie import Hit, KVCacheTrie, PinLimitError
+    from kvblocks.trie import Hit, KVCacheTrie, PinLimitError, PoolFullError

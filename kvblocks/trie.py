@@ -18,7 +18,7 @@ from kvblocks.explain import EvictionLedger
 from kvblocks.layout import KVLayout, LayerSpec
 from kvblocks.namespace import Namespace, Scope, namespace_for
 from kvblocks.pool import KVPool
-from kvblocks.radix import TOKEN_DTYPE, Match, Node, RadixTree
+from kvblocks.radix import SLOT_DTYPE, TOKEN_DTYPE, Match, Node, RadixTree
 
 if TYPE_CHECKING:
     from kvblocks.kv_events import KVEventPublisher
@@ -47,6 +47,10 @@ def as_token_array(token_ids: TokenIds) -> np.ndarray:
 
 class PinLimitError(ValueError):
     """Pinning this prefix would exceed the trie's cap on pinned tokens."""
+
+
+class PoolFullError(MemoryError):
+    """The pool cannot hand out the slots asked for: everything resident is locked or pinned."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -536,6 +540,59 @@ class KVCacheTrie:
     @property
     def token_bytes(self) -> int:
         return self._pool.token_bytes
+
+    # ---- slots of running requests (packed forwards, kvblocks.paged) -------------------------
+
+    @property
+    def pool(self) -> KVPool:
+        """The device pool; a packed forward writes a running request's KV into slots from `reserve`."""
+        return self._pool
+
+    def reserve(self, n: int) -> np.ndarray:
+        """`n` free pool slots for a running request's own tokens, evicting unlocked, unpinned tokens
+        to make room; the caller owns them until it passes them to `adopt` or `release_slots`.
+        Raises PoolFullError (nothing taken) when too much is locked or pinned."""
+        with self._lock:
+            if n > self._pool.num_free:
+                self._evict(n - self._pool.num_free)
+            if n > self._pool.num_free:
+                raise PoolFullError(f"{n} slots asked for, {self._pool.num_free} free after eviction")
+            return self._pool.alloc(n)
+
+    def release_slots(self, slots: np.ndarray) -> None:
+        """Give back slots from `reserve` that hold nothing worth keeping (a rejected draft's, a
+        cancelled request's)."""
+        with self._lock:
+            self._pool.release(np.asarray(slots, dtype=SLOT_DTYPE))
+
+    def adopt(self, token_ids: TokenIds, slots: np.ndarray, start: int, *, salt: Salt = None) -> int:
+        """Store a request's KV without copying it: `slots[i]` holds position `i` of `token_ids` in
+        this pool. Positions before `start` are the tree's own (the request's locked hit, which the
+        caller still holds); the slots from `start` on are the caller's (from `reserve`) and all pass
+        to the cache: those of positions another request stored meanwhile are freed, the rest become
+        the tree's. Returns how many tokens were attached."""
+        ids = as_token_array(token_ids)
+        slots = np.asarray(slots, dtype=SLOT_DTYPE)
+        if len(slots) != len(ids) or not 0 <= start <= len(ids):
+            raise ValueError(f"{len(ids)} tokens need as many slots and 0 <= start <= {len(ids)}")
+        ns = self.namespace.with_salt(salt)
+        with self._lock:
+            m = self._tree.match(ns.key, ids)
+            if m.length < start:
+                raise ValueError(f"only {m.length} of the {start} tokens before `start` are resident")
+            self._pool.release(slots[start : m.length])
+            if m.length == len(ids):
+                return 0
+            self._namespaces.setdefault(ns.key, ns)
+            self._tree.extend(m, ids[m.length :], slots[m.length :])
+            count = len(ids) - m.length
+            if self.events is not None:
+                self.events.stored(ids, m.length)
+            for c in self._counters, self._tenant_counters[ns.tenant]:
+                c.inserted_tokens += count
+        if self.spill is not None:
+            self.spill.on_insert(ns.key, ids, m.length)
+        return count
 
     # ---- internals -------------------------------------------------------------------------
 

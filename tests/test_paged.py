@@ -19,6 +19,7 @@ from kvblocks.adapters import hf
 from kvblocks.layout import KVLayout
 from kvblocks.paged import PagedRunner, Segment
 from kvblocks.pool import KVPool
+from kvblocks.trie import KVCacheTrie, PoolFullError
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"]
 DECODE = 4
@@ -149,3 +150,74 @@ def test_windowed_layers_never_read_slots_before_their_window():
     after = runner.forward([Segment([token], slots)])[0][-1]
     rows, _ = solo(model, ids)
     assert float((after - rows[1]).abs().max()) < 1e-10
+
+
+# ---- a request's slots pass to the trie (insert as bookkeeping) --------------------------------
+
+
+def kv_of(model, cache, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return hf.extract(cache, hf.describe_layers(model), 0, length)
+
+
+def test_a_request_computed_in_pool_slots_passes_to_the_trie_without_a_copy():
+    model = tiny_model("llama", torch.float64)
+    trie = KVCacheTrie.for_model(model, capacity_tokens=96)
+    runner = PagedRunner(model, trie.pool)
+    first, second, _ = prompts()
+    slots = trie.reserve(len(first) + 1)
+    token = int(runner.forward([Segment(first, slots[:-1])])[0][-1].argmax())
+    runner.forward([Segment([token], slots)])  # one decode step: its KV lands in the last slot
+    free = trie.pool.num_free
+    assert trie.adopt([*first, token], slots, 0) == len(first) + 1
+    assert trie.pool.num_free == free and trie.stats()["resident_tokens"] == len(first) + 1
+
+    # the second request hits the shared 6 tokens and reads them from the trie's own slots
+    hit = trie.match(second)
+    assert hit.length == 6
+    own = trie.reserve(len(second) - 6)
+    logits = runner.forward([Segment(second[6:], np.concatenate([hit._slots, own]))])[0][-1]
+    assert float((logits - solo(model, second)[0][0]).abs().max()) < 1e-10
+    assert trie.adopt(second, np.concatenate([hit._slots, own]), 6) == len(second) - 6
+    hit.release()
+
+    # what the trie holds is the KV a one-request run computes, position by position
+    for ids in ([*first, token], second):
+        with trie.match([*ids, 0]) as found:
+            assert found.length == len(ids)
+            cached = kv_of(model, found.to_hf_cache(), len(ids))
+        reference = hf.empty_cache(model.config)
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([ids]), past_key_values=reference, use_cache=True)
+        for (k, v), (rk, rv) in zip(cached, kv_of(model, reference, len(ids))):
+            assert float((k - rk).abs().max()) < 1e-10 and float((v - rv).abs().max()) < 1e-10
+
+
+def test_adopting_tokens_another_request_stored_frees_the_duplicate_slots():
+    model = tiny_model("llama", torch.float64)
+    trie = KVCacheTrie.for_model(model, capacity_tokens=64)
+    runner = PagedRunner(model, trie.pool)
+    ids = prompts()[2]
+    a, b = trie.reserve(len(ids)), trie.reserve(len(ids))
+    runner.forward([Segment(ids, a), Segment(ids, b)])  # the same prompt computed twice at once
+    assert trie.adopt(ids, a, 0) == len(ids)
+    assert trie.adopt(ids, b, 0) == 0  # already resident: b's slots go back to the pool
+    assert trie.pool.num_free == 64 - len(ids) == 64 - trie.stats()["resident_tokens"]
+    with pytest.raises(ValueError, match="as many slots"):
+        trie.adopt(ids, a[:3], 0)
+    with pytest.raises(ValueError, match="before `start` are resident"):
+        trie.adopt([*prompts()[0]], trie.reserve(20), 5)
+
+
+def test_reserve_evicts_what_it_may_and_refuses_what_is_locked():
+    model = tiny_model("llama", torch.float64)
+    trie = KVCacheTrie.for_model(model, capacity_tokens=32)
+    ids = prompts()[0]
+    slots = trie.reserve(len(ids))
+    PagedRunner(model, trie.pool).forward([Segment(ids, slots)])
+    trie.adopt(ids, slots, 0)
+    assert len(trie.reserve(20)) == 20  # evicts 8 of the 20 resident tokens
+    assert trie.stats()["evicted_tokens"] == 8
+    with trie.match(ids) as hit:  # the 12 left are locked now
+        assert hit.length == 12
+        with pytest.raises(PoolFullError, match="1 slots asked for, 0 free"):
+            trie.reserve(1)
