@@ -110,6 +110,29 @@ def load_stack(args: argparse.Namespace):
     return model, tokenizer, cache
 
 
+def build_engine(args: argparse.Namespace, gen):
+    """`Engine` (one request per forward), or `BatchEngine` with --max-batch-size above 1 where the
+    packed path serves the model; otherwise a line on stderr says why it runs one at a time."""
+    from kvblocks import paged
+    from kvblocks.engine import Engine
+
+    if args.max_batch_size == 1:
+        return Engine(gen)
+    why = None
+    if gen.cache is None:
+        why = "--no-cache"
+    elif not paged.supports(gen.model):
+        why = f"model type '{gen.model.config.model_type}' has no packed attention path yet"
+    elif args.draft:
+        why = "--draft (speculative decoding runs one request at a time)"
+    if why is not None:
+        print(f"kvblocks: --max-batch-size {args.max_batch_size} ignored: {why}", file=sys.stderr, flush=True)
+        return Engine(gen)
+    from kvblocks.batch_engine import BatchEngine
+
+    return BatchEngine(gen, max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
+
+
 def build_generator(args: argparse.Namespace, model, tokenizer, cache, on_round=None):
     """A CachedGenerator, or a SpeculativeGenerator when --draft is given."""
     from kvblocks import CachedGenerator
@@ -183,7 +206,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvblocks import models
-    from kvblocks.engine import Engine
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
 
     keys = load_api_keys(args)
@@ -191,6 +213,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.read_timeout <= 0:
         raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
+    if args.max_batch_size < 1 or args.max_batch_tokens < args.max_batch_size:
+        raise UserError(
+            f"need --max-batch-size >= 1 and --max-batch-tokens >= --max-batch-size, "
+            f"got {args.max_batch_size} and {args.max_batch_tokens}"
+        )
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
         raise UserError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     if args.kv_event_block_size < 1:
@@ -219,7 +246,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache.attach_events(publisher)
     gen = build_generator(args, model, tokenizer, None if args.no_cache else cache)
     name = args.served_model_name or (models.DEFAULT_MODEL if args.model is None else args.model.rstrip("/"))
-    engine = Engine(gen).start()
+    engine = build_engine(args, gen).start()
     config = ServerConfig(
         name,
         keys,
@@ -414,6 +441,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per block in KV events; match the router's --kv-event-block-size (default 16)",
     )
     sv.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    sv.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests per packed forward (continuous batching over the KV pool); 1 (default): one "
+        "request per forward, as before",
+    )
+    sv.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=512,
+        metavar="T",
+        help="tokens per packed forward: decode tokens first, then prefill chunks (default 512)",
+    )
     sv.add_argument("--no-cache", action="store_true", help="no prefix reuse: prefill every prompt in full")
     sv.set_defaults(func=cmd_serve)
 

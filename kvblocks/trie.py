@@ -559,6 +559,15 @@ class KVCacheTrie:
                 raise PoolFullError(f"{n} slots asked for, {self._pool.num_free} free after eviction")
             return self._pool.alloc(n)
 
+    def hold(self, token_ids: TokenIds, *, salt: Salt = None) -> Hit:
+        """Lock the whole resident prefix of `token_ids` (no token left out, nothing counted as a
+        lookup): a running request keeps what it just adopted from being evicted under it."""
+        ids = as_token_array(token_ids)
+        ns = self.namespace.with_salt(salt)
+        with self._lock:
+            m = self._tree.match(ns.key, ids, create=False)
+            return Hit(self, ns, m, m.length)
+
     def release_slots(self, slots: np.ndarray) -> None:
         """Give back slots from `reserve` that hold nothing worth keeping (a rejected draft's, a
         cancelled request's)."""

@@ -1,0 +1,468 @@
+"""The batched engine: continuous batching of running requests over the shared KV pool.
+
+`BatchEngine` has `Engine`'s interface (submit, load, metrics, start, stop) and the same emitted
+pieces, but each loop iteration is one packed forward (`kvblocks.paged`) over every running
+request: decode tokens first, then chunks of prefill, under `max_batch_tokens`, for at most
+`max_batch_size` requests. A request's KV is a slot list: its locked cached prefix (the trie's own
+slots, never copied) plus slots it reserves for its own tokens. When its prompt is computed, the
+prompt's slots pass to the trie (`adopt`, no copy) so requests admitted later hit it; when it ends,
+its reply's do. Waiting requests are admitted longest cached prefix first, except that one waiting
+longer than `max_wait_steps` loop iterations goes first. When the pool runs out of slots, the
+youngest other running request is preempted: its private slots are freed, it keeps its sampling
+and text state and resumes later by prefilling what it had (mostly a cache hit of its own prompt).
+
+Requests the packed path does not serve (speculative decoding, prompt log-probabilities, models
+`kvblocks.paged` does not support, no cache) run as in `Engine`: one `CachedGenerator.stream`
+step per loop iteration, between the packed forwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvblocks import paged
+from kvblocks.engine import Load, Request
+from kvblocks.generator import CachedGenerator, GenerationResult, Piece
+from kvblocks.metrics import CacheCollector, Metrics
+from kvblocks.params import GenerationParams
+from kvblocks.sampling import LogitsProcessor, choose, seeded_rng, token_logprobs
+from kvblocks.text import StopTextAssembler
+from kvblocks.trie import Hit, PoolFullError
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request on the packed path: its tokens, its KV slots and its output state."""
+
+    request: Request
+    ids: list[int]
+    params: GenerationParams
+    salt: Any
+    max_new_tokens: int
+    text: StopTextAssembler
+    rng: Any
+    processor: LogitsProcessor | None
+    cached_tokens: int = 0
+    sequence: list[int] = field(default_factory=list)  # prompt + generated
+    hit: Hit | None = None  # the locked resident prefix: slots[:start] are the trie's
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    start: int = 0  # slots from here on are this request's own (reserved)
+    computed: int = 0  # positions of `sequence` whose KV is in `slots`
+    generated: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    committed_prompt: bool = False
+    admitted_at: int = 0
+    waited: int = 0
+    ttft_s: float = 0.0
+    started: bool = False
+
+
+class BatchEngine:
+    def __init__(
+        self,
+        generator: CachedGenerator,
+        metrics: Metrics | None = None,
+        max_active: int = 64,
+        max_batch_size: int = 16,
+        max_batch_tokens: int = 512,
+        max_wait_steps: int = 64,
+        join_min_tokens: int = 32,
+    ) -> None:
+        if generator.cache is None or not paged.supports(generator.model):
+            raise ValueError("the batched engine needs a prefix cache and a model kvblocks.paged supports")
+        if max_batch_size < 1 or max_batch_tokens < max_batch_size:
+            raise ValueError(
+                f"need max_batch_size >= 1 and max_batch_tokens >= max_batch_size, "
+                f"got {max_batch_size} and {max_batch_tokens}"
+            )
+        self.generator = generator
+        self.cache = generator.cache
+        self.metrics = metrics or Metrics()
+        self.metrics.register(CacheCollector(self.cache))
+        self.max_active = max_active
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_wait_steps = max_wait_steps
+        self.join_min_tokens = join_min_tokens
+        self.runner = paged.PagedRunner(generator.model, self.cache.pool)
+        self._inbox: queue.Queue[Request | None] = queue.Queue()
+        self._waiting: list[Sequence] = []
+        self._running: list[Sequence] = []
+        self._fallback: list[Request] = []
+        self._ids = itertools.count()
+        self._step_no = 0
+        self.preemptions = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvblocks-batch-engine", daemon=True)
+
+    # ---- Engine's interface ----------------------------------------------------------------------
+
+    def start(self) -> BatchEngine:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    def submit(self, prompt, emit: Callable[[Piece | BaseException], None], **options) -> Request:
+        ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+        request = Request(prompt, options, emit, id=next(self._ids), tokens=len(prompt) if ids else 0)
+        self._inbox.put(request)
+        return request
+
+    @property
+    def queued(self) -> int:
+        return self._inbox.qsize() + len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._running) + len(self._fallback)
+
+    def load(self) -> Load:
+        running = [s.request for s in list(self._running)] + list(self._fallback)
+        waiting = [s.request for s in list(self._waiting)]
+        with self._inbox.mutex:
+            waiting += [r for r in self._inbox.queue if r is not None]
+        return Load(len(running), len(waiting), sum(r.tokens for r in running + waiting))
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._take(block=not (self._running or self._waiting or self._fallback))
+            self._admit()
+            self._step_packed()
+            for request in list(self._fallback):
+                self._step_fallback(request)
+        for s in list(self._running) + list(self._waiting):
+            self._drop(s)
+        for request in list(self._fallback):
+            self._end_fallback(request)
+
+    def _take(self, block: bool) -> None:
+        """Move submitted requests to the waiting list (or the fallback path)."""
+        while True:
+            try:
+                request = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if request is None:
+                return
+            if request.cancelled.is_set():
+                self.metrics.inc("kvblocks_requests_cancelled_total")
+                continue
+            try:
+                s = self._sequence(request)
+            except Exception as exc:  # a bad prompt or parameter: the client gets the error
+                self.metrics.inc("kvblocks_requests_failed_total")
+                request.emit(exc)
+                continue
+            if s is None:
+                request.stream = self.generator.stream(request.prompt, **request.options)
+                self._fallback.append(request)
+            else:
+                self._waiting.append(s)
+
+    def _sequence(self, request: Request) -> Sequence | None:
+        """The packed path's state for `request`, or None when it needs the one-request path."""
+        options = dict(request.options)
+        params = options.pop("params", None)
+        salt = options.pop("salt", None)
+        if options or type(self.generator) is not CachedGenerator:
+            return None
+        if params is None:
+            params = GenerationParams()
+        if params.prompt_logprobs is not None:
+            return None
+        gen = self.generator
+        gen.check_params(params)
+        ids = gen.encode(request.prompt)
+        max_new = params.max_new_tokens
+        if gen.max_context is not None:
+            max_new = min(max_new, gen.max_context - len(ids))
+        processor = None
+        if params.processes_logits:
+            eos = () if params.ignore_eos else gen.eos_ids
+            processor = LogitsProcessor(params, ids, eos, gen.vocab_size, gen.runner.device)
+        return Sequence(
+            request,
+            ids,
+            params,
+            salt,
+            max_new,
+            StopTextAssembler(gen.tokenizer, params.stop),
+            None if params.sampling.greedy else seeded_rng(gen.runner.device, params.seed),
+            processor,
+            sequence=list(ids),
+            logprobs=None if params.logprobs is None else [],
+        )
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Longest cached prefix first; a request passed over `max_wait_steps` times goes first."""
+        if not self._waiting:
+            return
+        room = min(self.max_batch_size, self.max_active) - len(self._running)
+        if room <= 0:
+            for s in self._waiting:
+                s.waited += 1
+            return
+        for s in list(self._waiting):
+            if s.request.cancelled.is_set():
+                self._waiting.remove(s)
+                self.metrics.inc("kvblocks_requests_cancelled_total")
+        starved = [s for s in self._waiting if s.waited >= self.max_wait_steps]
+        cached = {id(s): self.cache.cached_length(s.sequence, salt=s.salt) for s in self._waiting}
+        rest = sorted(
+            (s for s in self._waiting if s.waited < self.max_wait_steps), key=lambda s: -cached[id(s)]
+        )
+        for s in starved + rest:
+            if room == 0:
+                break
+            if s.waited < self.max_wait_steps and self._joins(s, cached[id(s)]):
+                continue
+            self._waiting.remove(s)
+            self._lock_prefix(s)
+            s.admitted_at = self._step_no
+            self._running.append(s)
+            room -= 1
+        for s in self._waiting:
+            s.waited += 1
+
+    def _joins(self, s: Sequence, cached: int) -> bool:
+        """Whether `s` waits for a running request that is computing a prompt `s` shares beyond what
+        is cached (at least `join_min_tokens` more): once that prompt is committed, `s` hits it
+        instead of computing it a second time."""
+        ids = np.asarray(s.sequence)
+        for r in self._running:
+            if r.committed_prompt or r.salt != s.salt:
+                continue
+            n = min(len(r.ids), len(ids))
+            shared = int(np.argmin(np.asarray(r.ids[:n]) == ids[:n])) if n else 0
+            if n and bool(np.all(np.asarray(r.ids[:n]) == ids[:n])):
+                shared = n
+            if shared - cached >= self.join_min_tokens:
+                return True
+        return False
+
+    def _lock_prefix(self, s: Sequence) -> None:
+        s.hit = self.cache.match(s.sequence, salt=s.salt)
+        if not s.started:
+            s.cached_tokens = s.hit.length
+            s.started = True
+        s.slots = s.hit._slots.copy()
+        s.start = s.computed = s.hit.length
+
+    # ---- one packed forward ------------------------------------------------------------------------
+
+    def _step_packed(self) -> None:
+        self._step_no += 1
+        for s in list(self._running):
+            if s.request.cancelled.is_set():
+                self.metrics.inc("kvblocks_requests_cancelled_total")
+                self._drop(s)
+        budget = self.max_batch_tokens
+        batch: list[tuple[Sequence, int]] = []
+        # decodes first (one token each), then prefill chunks in admission order
+        order = sorted(self._running, key=lambda s: (len(s.sequence) - s.computed > 1, s.admitted_at))
+        for s in order:
+            take = min(len(s.sequence) - s.computed, budget)
+            if take <= 0 or s not in self._running:
+                continue
+            if not self._reserve(s, take, batch):
+                continue
+            batch.append((s, take))
+            budget -= take
+        if not batch:
+            return
+        segments = [
+            paged.Segment(s.sequence[s.computed : s.computed + n], s.slots[: s.computed + n])
+            for s, n in batch
+        ]
+        try:
+            outputs = self.runner.forward(segments)
+        except Exception as exc:  # a failed forward fails the requests in it, not the loop
+            for s, _ in batch:
+                self.metrics.inc("kvblocks_requests_failed_total")
+                self._drop(s)
+                s.request.emit(exc)
+            return
+        for (s, n), logits in zip(batch, outputs):
+            s.computed += n
+            if s.computed == len(s.sequence):
+                self._next_token(s, logits[-1])
+
+    def _reserve(self, s: Sequence, n: int, batch: list[tuple[Sequence, int]]) -> bool:
+        """Slots for `n` more positions of `s`; preempts the youngest other running request (not one
+        already in this batch) while the pool is full. False when nothing can make room."""
+        need = s.computed + n - len(s.slots)
+        while need > 0:
+            try:
+                s.slots = np.concatenate([s.slots, self.cache.reserve(need)])
+                return True
+            except PoolFullError:
+                taken = {id(t) for t, _ in batch}
+                victims = [t for t in self._running if t is not s and id(t) not in taken]
+                if not victims:
+                    return False
+                self._preempt(max(victims, key=lambda t: t.admitted_at))
+        return True
+
+    def _preempt(self, s: Sequence) -> None:
+        """Free `s`'s own slots and lock; it waits again with its output state and resumes later."""
+        self.preemptions += 1
+        self._release(s)
+        self._running.remove(s)
+        s.computed = 0
+        self._waiting.insert(0, s)
+
+    def _release(self, s: Sequence) -> None:
+        if len(s.slots) > s.start:
+            self.cache.release_slots(s.slots[s.start :])
+        s.slots = s.slots[: s.start]
+        if s.hit is not None:
+            s.hit.release()
+            s.hit = None
+
+    # ---- tokens and pieces ----------------------------------------------------------------------
+
+    def _next_token(self, s: Sequence, logits) -> None:
+        request = s.request
+        params = s.params
+        row = logits if s.processor is None else s.processor(logits)
+        token = choose(row, params.sampling, s.rng)
+        if s.processor is not None:
+            s.processor.accept(token)
+        now = time.perf_counter()
+        if not s.generated:
+            s.ttft_s = now - request.submitted
+            self._commit_prompt(s)
+        s.generated.append(token)
+        s.sequence.append(token)
+        request.tokens += 1
+        logprobs = None
+        if s.logprobs is not None:
+            logprobs = token_logprobs(logits[None], [token], params.logprobs)
+            s.logprobs.extend(logprobs)
+        if request.last_token_at:
+            self.metrics.observe("kvblocks_inter_token_seconds", now - request.last_token_at)
+        else:
+            self.metrics.observe("kvblocks_time_to_first_token_seconds", now - request.submitted)
+        request.last_token_at = now
+        finish = None
+        pending = ""
+        if token in self.generator.eos_ids and not params.ignore_eos:
+            finish = "stop"
+        else:
+            pending = s.text.push(token, may_stop=len(s.generated) > params.min_tokens)
+            if s.text.stopped or (s.processor is not None and s.processor.done):
+                finish = "stop"
+            elif len(s.generated) >= s.max_new_tokens:
+                finish = "length"
+        if finish is None:
+            request.emit(Piece(pending, [token], logprobs=logprobs))
+            return
+        self._finish(s)
+        result = GenerationResult(
+            token_ids=s.generated,
+            text=s.text.text,
+            prompt_tokens=len(s.ids),
+            cached_tokens=s.cached_tokens,
+            ttft_s=s.ttft_s,
+            total_s=now - request.submitted,
+            finish_reason=finish,
+            prompt_ids=s.ids,
+            logprobs=s.logprobs,
+        )
+        piece = Piece(pending + s.text.flush(), [token], result, logprobs=logprobs)
+        self._record(piece)
+        request.emit(piece)
+
+    def _commit_prompt(self, s: Sequence) -> None:
+        """The prompt's slots pass to the trie as soon as it is computed; the request keeps them
+        locked (a fresh lock over the whole prompt: the trie's slots from now on, which are other
+        slots where another request stored the same tokens meanwhile)."""
+        if s.committed_prompt:
+            return
+        s.committed_prompt = True
+        n = s.computed
+        self.cache.adopt(s.sequence[:n], s.slots[:n], s.start, salt=s.salt)
+        held = self.cache.hold(s.sequence[:n], salt=s.salt)
+        s.hit.release()
+        s.hit = held
+        s.slots = held._slots.copy()
+        s.start = len(s.slots)
+
+    def _finish(self, s: Sequence) -> None:
+        """The computed tokens (prompt and reply, not the last sampled one) pass to the trie."""
+        self._running.remove(s)
+        n = s.computed
+        if n > s.start:
+            self.cache.adopt(s.sequence[:n], s.slots[:n], s.start, salt=s.salt)
+            s.slots = s.slots[: s.start]  # all passed to the trie
+        self._release(s)
+
+    def _drop(self, s: Sequence) -> None:
+        """A cancelled or failed request: its own slots go back, its lock is released."""
+        if s in self._running:
+            self._running.remove(s)
+        if s in self._waiting:
+            self._waiting.remove(s)
+        self._release(s)
+
+    def _record(self, piece: Piece) -> None:
+        r = piece.result
+        m = self.metrics
+        m.inc("kvblocks_requests_total")
+        m.inc("kvblocks_prompt_tokens_total", r.prompt_tokens)
+        m.inc("kvblocks_cached_prompt_tokens_total", r.cached_tokens)
+        m.inc("kvblocks_generation_tokens_total", len(r.token_ids))
+
+    # ---- the one-request path -------------------------------------------------------------------
+
+    def _step_fallback(self, request: Request) -> None:
+        if request.cancelled.is_set():
+            self.metrics.inc("kvblocks_requests_cancelled_total")
+            self._end_fallback(request)
+            return
+        try:
+            piece = next(request.stream)
+        except StopIteration:
+            self._end_fallback(request)
+            return
+        except Exception as exc:
+            self.metrics.inc("kvblocks_requests_failed_total")
+            self._end_fallback(request)
+            request.emit(exc)
+            return
+        now = time.perf_counter()
+        name = (
+            "kvblocks_inter_token_seconds"
+            if request.last_token_at
+            else "kvblocks_time_to_first_token_seconds"
+        )
+        self.metrics.observe(name, now - (request.last_token_at or request.submitted))
+        request.last_token_at = now
+        request.tokens += len(piece.token_ids)
+        if piece.result is not None:
+            self._end_fallback(request)
+            self._record(piece)
+        request.emit(piece)
+
+    def _end_fallback(self, request: Request) -> None:
+        if request.stream is not None:
+            request.stream.close()
+        if request in self._fallback:
+            self._fallback.remove(request)

@@ -1,0 +1,217 @@
+"""BatchEngine: requests batched into packed forwards give what `Engine` gives them one at a time.
+
+Both engines get the same concurrent requests (shared prefixes, chunked prefills under a small
+token budget, queueing beyond the batch size); every request's tokens, text, finish reason and
+logprobs must match, and afterwards every pool slot is either free or resident in the trie, with
+no lock left (free + resident = capacity). A pool too small for all of them forces preemptions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import IdTokenizer
+from tiny_models import VOCAB, tiny_model
+
+from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie
+from kvblocks.batch_engine import BatchEngine
+from kvblocks.engine import Engine
+
+
+def workload(seed: int = 0, n: int = 6) -> list[list[int]]:
+    """Prompts in two families sharing 12 and 8 leading tokens, plus loners."""
+    rng = np.random.default_rng(seed)
+    shared = [rng.integers(0, VOCAB, 12).tolist(), rng.integers(0, VOCAB, 8).tolist()]
+    out = []
+    for i in range(n):
+        head = shared[i % 2] if i < 4 else []
+        out.append(head + rng.integers(0, VOCAB, int(rng.integers(3, 14))).tolist())
+    return out
+
+
+def run_all(engine, prompts, params: list[GenerationParams], cancel: int | None = None) -> list[dict]:
+    """Submit everything at once; collect each request's pieces until its result (or error)."""
+    done = [threading.Event() for _ in prompts]
+    out: list[dict] = [
+        {"tokens": [], "text": "", "result": None, "error": None, "logprobs": []} for _ in prompts
+    ]
+
+    def emitter(i):
+        def emit(item):
+            if isinstance(item, BaseException):
+                out[i]["error"] = item
+                done[i].set()
+                return
+            out[i]["tokens"] += item.token_ids
+            out[i]["text"] += item.text
+            out[i]["logprobs"] += [(lp.token, round(lp.logprob, 9)) for lp in item.logprobs or []]
+            if item.result is not None:
+                out[i]["result"] = item.result
+                done[i].set()
+            if cancel == i and len(out[i]["tokens"]) == 2:
+                handles[i].cancelled.set()
+                done[i].set()
+
+        return emit
+
+    handles = [engine.submit(p, emitter(i), params=pr) for i, (p, pr) in enumerate(zip(prompts, params))]
+    for event in done:
+        assert event.wait(60), "a request never finished"
+    return out
+
+
+def summary(results: list[dict], skip: int | None = None) -> list[tuple]:
+    return [
+        (r["tokens"], r["text"], r["result"].finish_reason, r["logprobs"])
+        for i, r in enumerate(results)
+        if i != skip
+    ]
+
+
+def no_leaks(cache: KVCacheTrie) -> None:
+    stats = cache.stats()
+    assert stats["locked_tokens"] == 0
+    assert cache.pool.num_free + stats["resident_tokens"] == stats["capacity_tokens"]
+
+
+def both(model, prompts, params, capacity=4096, cancel=None, **batch) -> tuple[list, list, BatchEngine]:
+    one = Engine(
+        CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, capacity_tokens=4096))
+    ).start()
+    cache = KVCacheTrie.for_model(model, capacity_tokens=capacity)
+    batched = BatchEngine(CachedGenerator(model, IdTokenizer(), cache), **batch).start()
+    try:
+        return run_all(one, prompts, params), run_all(batched, prompts, params, cancel), batched
+    finally:
+        one.stop()
+        batched.stop()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+def test_batched_requests_equal_one_at_a_time_with_chunked_prefill_and_queueing(arch):
+    model = tiny_model(arch, torch.float64)
+    prompts = workload()
+    params = [GenerationParams(max_new_tokens=6)] * len(prompts)
+    alone, batched, engine = both(
+        model, prompts, params, max_batch_size=4, max_batch_tokens=16, join_min_tokens=4
+    )
+    assert summary(batched) == summary(alone)
+    no_leaks(engine.cache)
+    # the second request of each family waited for the first to commit the shared prefix, then hit it
+    assert [r["result"].cached_tokens for r in batched[2:4]] == [12, 8]
+
+
+def test_sampling_stops_penalties_and_logprobs_match_the_one_request_path():
+    model = tiny_model("llama", torch.float64)
+    prompts = workload(seed=1)
+    params = [
+        GenerationParams(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=7, logprobs=2),
+        GenerationParams(max_new_tokens=8, stop=[" 5"], repetition_penalty=1.3),
+        GenerationParams(max_new_tokens=8, temperature=1.2, seed=3, presence_penalty=0.5),
+        GenerationParams(max_new_tokens=8, logit_bias={7: 5.0}, min_tokens=2),
+        GenerationParams(max_new_tokens=3),
+        GenerationParams(max_new_tokens=8, temperature=0.7, top_k=5, seed=11, logprobs=0),
+    ]
+    alone, batched, engine = both(model, prompts, params, max_batch_size=3, max_batch_tokens=12)
+    assert summary(batched) == summary(alone)
+    no_leaks(engine.cache)
+
+
+def test_a_full_pool_preempts_the_youngest_request_which_resumes_with_the_same_output():
+    model = tiny_model("llama", torch.float64)
+    prompts = workload(seed=2)
+    params = [GenerationParams(max_new_tokens=10)] * len(prompts)
+    alone, batched, engine = both(model, prompts, params, capacity=48, max_batch_size=6, max_batch_tokens=64)
+    assert summary(batched) == summary(alone)
+    assert engine.preemptions > 0
+    no_leaks(engine.cache)
+
+
+def test_a_cancelled_request_frees_its_slots_and_the_others_finish():
+    model = tiny_model("llama", torch.float64)
+    prompts = workload(seed=3)
+    params = [GenerationParams(max_new_tokens=8)] * len(prompts)
+    one = Engine(
+        CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, capacity_tokens=4096))
+    ).start()
+    cache = KVCacheTrie.for_model(model, capacity_tokens=4096)
+    engine = BatchEngine(CachedGenerator(model, IdTokenizer(), cache), max_batch_size=6).start()
+    try:
+        alone = run_all(one, prompts, params)
+        batched = run_all(engine, prompts, params, cancel=1)
+        assert summary(batched, skip=1) == summary(alone, skip=1)
+        deadline = time.monotonic() + 30
+        while engine.active:  # the loop sees the cancellation at its next step
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert batched[1]["result"] is None and len(batched[1]["tokens"]) >= 2
+        no_leaks(cache)  # before stop(): the cancellation itself gave everything back
+    finally:
+        one.stop()
+        engine.stop()
+
+
+def test_requests_the_packed_path_does_not_serve_take_the_one_request_path():
+    model = tiny_model("llama", torch.float64)
+    prompts = workload(seed=4, n=3)
+    params = [GenerationParams(max_new_tokens=4, prompt_logprobs=1)] + [
+        GenerationParams(max_new_tokens=4)
+    ] * 2
+    alone, batched, engine = both(model, prompts, params, max_batch_size=2, max_batch_tokens=32)
+    assert summary(batched) == summary(alone)
+    assert batched[0]["result"].prompt_logprobs is not None
+    no_leaks(engine.cache)
+
+
+def test_bad_settings_and_unsupported_models_are_refused():
+    model = tiny_model("llama", torch.float64)
+    with pytest.raises(ValueError, match="max_batch_tokens >= max_batch_size"):
+        BatchEngine(CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, 64)), max_batch_size=8,
+                    max_batch_tokens=4)  # fmt: skip
+    with pytest.raises(ValueError, match="needs a prefix cache"):
+        BatchEngine(CachedGenerator(model, IdTokenizer(), None))
+    gpt2 = tiny_model("gpt2")
+    with pytest.raises(ValueError, match=r"kvblocks\.paged supports"):
+        BatchEngine(CachedGenerator(gpt2, IdTokenizer(), KVCacheTrie.for_model(gpt2, 64)))
+
+
+# ---- kvblocks serve --max-batch-size: real processes, the openai SDK ----------------------------
+
+
+def test_serve_with_a_batch_size_answers_concurrent_agents_as_the_one_at_a_time_server_does():
+    import concurrent.futures
+
+    import openai
+    from server_proc import start_server, stop_cleanly, tiny_model_dir, wait_idle
+
+    model_dir = str(tiny_model_dir())
+    system = "You are a careful assistant. " * 20
+    questions = [f"Question number {i}: what is {i} plus {i}?" for i in range(8)]
+    answers = {}
+    for size in ("1", "4"):
+        server = start_server("--model", model_dir, "--served-model-name", "tiny", "--max-batch-size", size)
+        try:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+            def ask(q, client=client):
+                r = client.chat.completions.create(
+                    model="tiny", max_tokens=8, temperature=0,
+                    messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+                )  # fmt: skip
+                return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+            ask(questions[0])  # the system prompt is cached before the concurrent agents arrive
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                answers[size] = list(pool.map(ask, questions))
+            with server.client() as http:
+                stats = wait_idle(http)
+            assert stats["cache"]["resident_tokens"] > 0
+            assert "ignored" not in server.stderr()  # the batched engine served it
+        finally:
+            stop_cleanly(server)
+    assert [a for a, _ in answers["4"]] == [a for a, _ in answers["1"]]
+    assert all(cached > 0 for _, cached in answers["4"])  # every agent hit the shared system prompt
