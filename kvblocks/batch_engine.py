@@ -100,6 +100,7 @@ class BatchEngine:
         self._ids = itertools.count()
         self._step_no = 0
         self.preemptions = 0
+        self.one_at_a_time = 0  # requests that took the one-request path
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvblocks-batch-engine", daemon=True)
 
@@ -171,6 +172,7 @@ class BatchEngine:
             if s is None:
                 request.stream = self.generator.stream(request.prompt, **request.options)
                 self._fallback.append(request)
+                self.one_at_a_time += 1
             else:
                 self._waiting.append(s)
 
@@ -191,6 +193,8 @@ class BatchEngine:
         max_new = params.max_new_tokens
         if gen.max_context is not None:
             max_new = min(max_new, gen.max_context - len(ids))
+        if len(ids) + max_new > self.cache.pool.capacity - self.cache.pinned_tokens:
+            return None  # it cannot fit in the pool beside the pinned prefixes: its own DynamicCache
         processor = None
         if params.processes_logits:
             eos = () if params.ignore_eos else gen.eos_ids
@@ -316,6 +320,10 @@ class BatchEngine:
                 taken = {id(t) for t, _ in batch}
                 victims = [t for t in self._running if t is not s and id(t) not in taken]
                 if not victims:
+                    if not batch and len(self._running) == 1:  # alone, and pins fill the rest
+                        self._drop(s)
+                        self.metrics.inc("kvblocks_requests_failed_total")
+                        s.request.emit(PoolFullError("the KV pool is full of pinned prefixes"))
                     return False
                 self._preempt(max(victims, key=lambda t: t.admitted_at))
         return True

@@ -544,6 +544,10 @@ class KVCacheTrie:
     # ---- slots of running requests (packed forwards, kvblocks.paged) -------------------------
 
     @property
+    def pinned_tokens(self) -> int:
+        return self._tree.pinned_tokens
+
+    @property
     def pool(self) -> KVPool:
         """The device pool; a packed forward writes a running request's KV into slots from `reserve`."""
         return self._pool

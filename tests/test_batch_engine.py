@@ -128,6 +128,17 @@ def test_a_full_pool_preempts_the_youngest_request_which_resumes_with_the_same_o
     alone, batched, engine = both(model, prompts, params, capacity=48, max_batch_size=6, max_batch_tokens=64)
     assert summary(batched) == summary(alone)
     assert engine.preemptions > 0
+    assert engine.one_at_a_time == 0  # every request fit the 48-slot pool on its own
+    no_leaks(engine.cache)
+
+
+def test_a_request_larger_than_the_pool_runs_on_its_own_cache():
+    model = tiny_model("llama", torch.float64)
+    prompts = [workload(seed=5)[0] * 3]  # 45+ tokens, with 10 new, in a 32-slot pool
+    params = [GenerationParams(max_new_tokens=10)]
+    alone, batched, engine = both(model, prompts, params, capacity=32, max_batch_size=2, max_batch_tokens=16)
+    assert summary(batched) == summary(alone)
+    assert engine.one_at_a_time == 1
     no_leaks(engine.cache)
 
 
@@ -163,7 +174,7 @@ def test_requests_the_packed_path_does_not_serve_take_the_one_request_path():
     ] * 2
     alone, batched, engine = both(model, prompts, params, max_batch_size=2, max_batch_tokens=32)
     assert summary(batched) == summary(alone)
-    assert batched[0]["result"].prompt_logprobs is not None
+    assert batched[0]["result"].prompt_logprobs is not None and engine.one_at_a_time == 1
     no_leaks(engine.cache)
 
 
