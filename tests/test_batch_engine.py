@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import IdTokenizer
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from tiny_models import VOCAB, tiny_model
 
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie
@@ -226,3 +229,81 @@ def test_serve_with_a_batch_size_answers_concurrent_agents_as_the_one_at_a_time_
             stop_cleanly(server)
     assert [a for a, _ in answers["4"]] == [a for a, _ in answers["1"]]
     assert all(cached > 0 for _, cached in answers["4"])  # every agent hit the shared system prompt
+
+
+# ---- slot ownership under any interleaving: a state machine driving the loop by hand --------------
+
+
+class SlotOwnership(RuleBasedStateMachine):
+    """submit / cancel / step in any order against a small pool (preemptions happen); after every
+    rule each pool slot is free, resident in the trie, or owned by exactly one running request,
+    and nothing is locked but what running requests hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        model = _machine_model()
+        self.cache = KVCacheTrie.for_model(model, capacity_tokens=32)
+        self.engine = BatchEngine(CachedGenerator(model, IdTokenizer(), self.cache), max_batch_size=3,
+                                  max_batch_tokens=12, join_min_tokens=2)  # fmt: skip
+        self.requests = []
+        self.finished = set()
+
+    @rule(family=st.integers(0, 2), extra=st.integers(1, 12), new=st.integers(1, 8))
+    def submit(self, family, extra, new):
+        ids = [10 + family] * 6 + [(family * 31 + extra * 7 + i) % VOCAB for i in range(extra)]
+        i = len(self.requests)
+        emit = lambda item, i=i: self.finished.add(i) if getattr(item, "result", None) else None  # noqa: E731
+        self.requests.append(self.engine.submit(ids, emit, params=GenerationParams(max_new_tokens=new)))
+        self.engine._take(block=False)
+
+    @rule(data=st.data())
+    def cancel(self, data):
+        live = [r for i, r in enumerate(self.requests) if i not in self.finished]
+        if live:
+            data.draw(st.sampled_from(live)).cancelled.set()
+
+    @rule()
+    def step(self):
+        self.engine._admit()
+        self.engine._step_packed()
+
+    @invariant()
+    def every_slot_has_one_owner(self):
+        owned = [s.slots[s.start :] for s in self.engine._running]
+        private = np.concatenate(owned) if owned else np.zeros(0, dtype=np.int32)
+        assert len(set(private.tolist())) == len(private), "two requests own one slot"
+        free = set(self.cache.pool._free[: self.cache.pool.num_free].tolist())
+        assert not free & set(private.tolist()), "a running request owns a free slot"
+        stats = self.cache.stats()
+        assert self.cache.pool.num_free + stats["resident_tokens"] + len(private) == stats["capacity_tokens"]
+        held = sum(s.start for s in self.engine._running)
+        assert (stats["locked_tokens"] == 0) == (held == 0)
+
+    def teardown(self):
+        PREEMPTED.append(self.engine.preemptions)
+        for r in self.requests:
+            r.cancelled.set()
+        for _ in range(3):
+            self.step()
+        assert not self.engine._running
+        no_leaks(self.cache)
+
+
+_models: list = []
+PREEMPTED: list[int] = []  # preemptions per example, to check that the machine exercises them
+
+
+def _machine_model():
+    if not _models:
+        _models.append(tiny_model("llama", torch.float32))
+    return _models[0]
+
+
+TestSlotOwnership = SlotOwnership.TestCase
+TestSlotOwnership.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_the_slot_machine_preempts_in_some_examples():
+    PREEMPTED.clear()
+    TestSlotOwnership().runTest()
+    assert sum(n > 0 for n in PREEMPTED) >= 3, PREEMPTED
