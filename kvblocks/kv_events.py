@@ -32,6 +32,7 @@ by every resident block, so a router that joins late or missed events converges 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -178,6 +179,7 @@ class KVEventPublisher:
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         max_jobs_per_batch: int = 256,
+        bind_retry_s: float = 0.5,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
@@ -207,12 +209,19 @@ class KVEventPublisher:
         self._pub.set_hwm(hwm)
         self._replay = self._ctx.socket(zmq.ROUTER) if replay_endpoint else None
         for socket, address in ((self._pub, endpoint), (self._replay, replay_endpoint)):
-            try:
-                if socket is not None:
+            if socket is None:
+                continue
+            deadline = time.monotonic() + bind_retry_s
+            while True:
+                try:
                     socket.bind(address)
-            except zmq.ZMQError as exc:
-                self._close_sockets()
-                raise ValueError(f"cannot bind {address}: {zmq.strerror(exc.errno)}") from exc
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno == zmq.EADDRINUSE and time.monotonic() < deadline:
+                        time.sleep(0.02)  # released by a publisher this process just closed?
+                        continue
+                    self._close_sockets()
+                    raise ValueError(f"cannot bind {address}: {zmq.strerror(exc.errno)}") from exc
         self._thread = threading.Thread(target=self._run, name="kvblocks-kv-events", daemon=True)
 
     # ---- wiring (called by KVCacheTrie.attach_events) ---------------------------------------
@@ -435,9 +444,14 @@ class KVEventPublisher:
             self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def _close_sockets(self) -> None:
-        self._pub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        """Unbind, then close. ZMQ releases an address on its I/O thread a moment after this returns,
+        so a new bind of the same address in this process may have to wait briefly (`bind_retry_s`)."""
+        for socket, address in ((self._pub, self.endpoint), (self._replay, self.replay_endpoint)):
+            if socket is None or socket.closed:
+                continue
+            with contextlib.suppress(zmq.ZMQError):  # never bound (a failed start) or already gone
+                socket.unbind(address)
+            socket.close(linger=0)
 
     def _count(self, **deltas: int) -> None:
         with self._count_lock:

@@ -88,7 +88,14 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip the cold round (the first wave of agents on the cache-on server before any warm-up)",
     )
-    p.add_argument("--server-arg", action="append", default=[], help="extra argument for both servers")
+    p.add_argument("--server-arg", action="append", default=[], help="extra argument for every server")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        metavar="N",
+        help="also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)",
+    )
 
 
 @dataclass(slots=True)
@@ -143,6 +150,9 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
         try:
             servers["on"] = spawn_serve(common, Path(tmp), "cache-on")
             servers["off"] = spawn_serve([*common, "--no-cache"], Path(tmp), "cache-off")
+            if args.batch_size > 1:
+                batched = [*common, "--max-batch-size", str(args.batch_size)]
+                servers["batched"] = spawn_serve(batched, Path(tmp), "batched")
             for server in servers.values():
                 wait_serve(server)
             urls = {key: server.url for key, server in servers.items()}
@@ -177,7 +187,8 @@ async def drive(opts: BenchOptions, args, tokenizer, system: str, urls: dict[str
                 for w in range(opts.warmup):
                     await agent(client, load, tokenizer, system, args, f"warm-up {w}", 0, 1)
             for r in range(args.rounds):
-                order = ["on", "off"] if r % 2 == 0 else ["off", "on"]
+                keys = list(loads)
+                order = keys[r % len(keys) :] + keys[: r % len(keys)]  # rotated each round
                 for key in order:
                     t0 = time.perf_counter()
                     done = await wave(
@@ -283,6 +294,9 @@ def build_report(
 ) -> Report:
     on_name, off_name, cold_name = "cache on", "cache off (--no-cache)", "cache on, cold start (first wave)"
     samples = {on_name: [s.ttft for s in loads["on"].timed], off_name: [s.ttft for s in loads["off"].timed]}
+    batched_name = f"cache on, --max-batch-size {args.batch_size}"
+    if "batched" in loads:
+        samples[batched_name] = [s.ttft for s in loads["batched"].timed]
     if cold:
         samples[cold_name] = [s.ttft for s in cold]
     system_ids = len(tokenizer(system, add_special_tokens=False)["input_ids"])
@@ -330,13 +344,35 @@ def build_report(
         Check("hit rate / that ideal, cache on", rates["on"][1] / rates["on"][3]),
         Check("prompt-token hit rate, cache off", rates["off"][1]),
     ]
+    if "batched" in loads:
+        b = samples[batched_name]
+        report.checks += [
+            Check("requests/s, batched", rates["batched"][0], "req/s"),
+            Check(
+                "requests/s batched / cache on (batch 1)", rates["batched"][0] / rates["on"][0], "", 2.5, True
+            ),
+            Check("p50 TTFT, batched", float(np.median(b)), "s"),
+            Check("p99 TTFT, batched", float(np.percentile(b, 99)), "s"),
+            Check("prompt-token hit rate, batched", rates["batched"][1]),
+            Check(
+                "replies that differ from the batch-1 server's",
+                sum(
+                    a.text != c.text
+                    for a, c in zip(by_turn(loads["batched"].timed), by_turn(loads["on"].timed))
+                ),
+                "",
+                0,
+            ),
+        ]
     notes = [
         f"{args.agents} asyncio agents (httpx, one connection each) stream /v1/chat/completions at temperature 0; "
         f"each holds a {args.turns}-turn conversation (every turn sends the {system_ids}-token system prompt, "
         "the history and a new user message); a round starts all agents at once and ends when the last "
         "finishes; requests/s = requests / round wall time",
-        "two `kvblocks serve` subprocesses (same model, 1 torch thread each) run for the whole benchmark, "
-        "one with the default 1 GiB prefix cache and one with `--no-cache`; rounds alternate between them and "
+        "`kvblocks serve` subprocesses (same model, 1 torch thread each) run for the whole benchmark, "
+        "one with the default 1 GiB prefix cache and one with `--no-cache`"
+        + (f", and one with the cache and `--max-batch-size {args.batch_size}`" if "batched" in loads else "")
+        + "; rounds rotate between them and "
         f"each server first got {max(0, len(loads['off'].sent) - len(loads['off'].timed))} untimed warm-up "
         "request(s) (the cache-on one caches the system prompt there or in the cold round)",
         "TTFT = request sent to first content chunk (the role-only first chunk is not a token); hit rate = "
@@ -374,6 +410,11 @@ def build_report(
     )
     report.notes = notes
     return report
+
+
+def by_turn(sent: list[Sent]) -> list[Sent]:
+    """Requests in (agent, turn) order, to pair two servers' answers to the same conversation."""
+    return sorted(sent, key=lambda s: (s.agent, s.turn))
 
 
 def _cache_stats(url: str) -> dict:
