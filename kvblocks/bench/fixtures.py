@@ -302,13 +302,26 @@ def cli_env(**extra: str) -> dict[str, str]:
 def spawn_serve(args: list[str], workdir: Path, name: str = "serve") -> Service:
     """Start `kvblocks serve ARGS` on a free port with one torch thread; `wait_serve` until it answers."""
     port = free_port()
+    return _spawn([*kvblocks_command(), "serve", "--port", str(port), *args], port, workdir, name)
+
+
+def spawn_transformers_serve(model_dir: str, workdir: Path, threads: int = 1) -> Service:
+    """`transformers serve MODEL --continuous-batching` on CPU in float32 with `threads` torch threads
+    (the peer a user would pick instead); `wait_serve` until it answers."""
+    port = free_port()
+    program = Path(sys.executable).parent / "transformers"
+    cmd = [str(program) if program.exists() else "transformers", "serve", model_dir, "--continuous-batching"]
+    cmd += ["--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+    return _spawn(cmd, port, workdir, "transformers-serve", OMP_NUM_THREADS=str(threads))
+
+
+def _spawn(cmd: list[str], port: int, workdir: Path, name: str, **env: str) -> Service:
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{name}.log"
-    cmd = [*kvblocks_command(), "serve", "--port", str(port), *args]
     with log.open("wb") as err:
         try:
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=cli_env()
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=cli_env(**env)
             )
         except OSError as exc:
             raise ServiceError(f"cannot run {cmd[0]}: {exc}") from exc

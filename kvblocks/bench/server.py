@@ -96,6 +96,12 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         metavar="N",
         help="also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)",
     )
+    p.add_argument(
+        "--transformers-serve",
+        action="store_true",
+        help="also run `transformers serve --continuous-batching` on the same model in the same rounds (the "
+        "peer baseline; loads the model's weights from its folder)",
+    )
 
 
 @dataclass(slots=True)
@@ -134,7 +140,7 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     from transformers import AutoTokenizer
 
     from kvblocks import models
-    from kvblocks.bench.fixtures import ServiceError, spawn_serve, wait_serve
+    from kvblocks.bench.fixtures import ServiceError, spawn_serve, spawn_transformers_serve, wait_serve
 
     try:
         path = models.resolve(args.model)
@@ -153,6 +159,8 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
             if args.batch_size > 1:
                 batched = [*common, "--max-batch-size", str(args.batch_size)]
                 servers["batched"] = spawn_serve(batched, Path(tmp), "batched")
+            if args.transformers_serve:
+                servers["transformers"] = spawn_transformers_serve(str(path), Path(tmp), opts.threads)
             for server in servers.values():
                 wait_serve(server)
             urls = {key: server.url for key, server in servers.items()}
@@ -256,7 +264,8 @@ async def chat(client, load: Load, messages: list[dict], max_tokens: int, s: Sen
                 raise RuntimeError(f"{url} streamed an error: {event['error']}")
             if event.get("usage"):
                 s.prompt_tokens = event["usage"]["prompt_tokens"]
-                s.cached_tokens = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+                details = event["usage"].get("prompt_tokens_details") or {}  # transformers serve has none
+                s.cached_tokens = details.get("cached_tokens") or 0
             for choice in event["choices"]:
                 content = choice["delta"].get("content")
                 if content:
@@ -324,10 +333,13 @@ def build_report(
             sum(ideal[id(s)] for s in load.timed) / prompt,
             sum(at_end[id(s)] for s in load.timed) / prompt,
         )
-        mismatch = [s for s in load.sent if s.prompt_tokens != len(s.prompt_ids)]
+        mismatch = [s for s in load.sent if s.prompt_tokens != len(s.prompt_ids) and key != "transformers"]
         assert not mismatch, (
             f"server counted {mismatch[0].prompt_tokens} prompt tokens, client {len(mismatch[0].prompt_ids)}"
         )
+    peer_name = "transformers serve --continuous-batching"
+    if "transformers" in loads:
+        samples[peer_name] = [s.ttft for s in loads["transformers"].timed]
     on, off = samples[on_name], samples[off_name]
     report.checks = [
         Check("requests/s, cache on", rates["on"][0], "req/s"),
@@ -355,7 +367,7 @@ def build_report(
             Check("p99 TTFT, batched", float(np.percentile(b, 99)), "s"),
             Check("prompt-token hit rate, batched", rates["batched"][1]),
             Check(
-                "replies that differ from the batch-1 server's",
+                "replies that differ from the batch-1 server's",  # temperature 0: same tokens expected
                 sum(
                     a.text != c.text
                     for a, c in zip(by_turn(loads["batched"].timed), by_turn(loads["on"].timed))
@@ -364,6 +376,20 @@ def build_report(
                 0,
             ),
         ]
+    if "transformers" in loads:
+        peer = samples[peer_name]
+        report.checks += [
+            Check("requests/s, transformers serve CB", rates["transformers"][0], "req/s"),
+            Check(
+                "requests/s cache on (batch 1) / transformers serve CB",
+                rates["on"][0] / rates["transformers"][0],
+            ),
+            Check("p50 TTFT, transformers serve CB", float(np.median(peer)), "s"),
+            Check("p99 TTFT, transformers serve CB", float(np.percentile(peer, 99)), "s"),
+        ]
+        if "batched" in loads:
+            ratio = rates["batched"][0] / rates["transformers"][0]
+            report.checks.append(Check("requests/s batched / transformers serve CB", ratio, "", 4.0, True))
     notes = [
         f"{args.agents} asyncio agents (httpx, one connection each) stream /v1/chat/completions at temperature 0; "
         f"each holds a {args.turns}-turn conversation (every turn sends the {system_ids}-token system prompt, "
@@ -401,6 +427,12 @@ def build_report(
             f"cold start: the first wave of {len(cold)} single-turn agents on the fresh cache-on server hit "
             f"{hit:.1%} of prompt tokens against an ideal {best:.1%}; all arrive before the first one finishes, "
             "so they can share the system prompt only if a request's prompt is cached once it is prefilled"
+        )
+    if "transformers" in loads:
+        notes.append(
+            "peer: `transformers serve MODEL --continuous-batching --device cpu --dtype float32` (transformers' "
+            "own paged continuous batching, its default settings, as many torch threads as the kvblocks servers) in "
+            "the same rounds; it reports no cached tokens, so its hit rate reads 0"
         )
     notes.append(
         "cache-on server's trie at the end: "
