@@ -33,6 +33,7 @@ from kvblocks.engine import Load, Request
 from kvblocks.generator import CachedGenerator, GenerationResult, Piece
 from kvblocks.metrics import CacheCollector, Metrics
 from kvblocks.params import GenerationParams
+from kvblocks.radix import common_prefix_len
 from kvblocks.sampling import LogitsProcessor, choose, seeded_rng, token_logprobs
 from kvblocks.text import StopTextAssembler
 from kvblocks.trie import Hit, PoolFullError
@@ -250,16 +251,11 @@ class BatchEngine:
         is cached (at least `join_min_tokens` more): once that prompt is committed, `s` hits it
         instead of computing it a second time."""
         ids = np.asarray(s.sequence)
-        for r in self._running:
-            if r.committed_prompt or r.salt != s.salt:
-                continue
-            n = min(len(r.ids), len(ids))
-            shared = int(np.argmin(np.asarray(r.ids[:n]) == ids[:n])) if n else 0
-            if n and bool(np.all(np.asarray(r.ids[:n]) == ids[:n])):
-                shared = n
-            if shared - cached >= self.join_min_tokens:
-                return True
-        return False
+        return any(
+            common_prefix_len(np.asarray(r.ids), ids) - cached >= self.join_min_tokens
+            for r in self._running
+            if not r.committed_prompt and r.salt == s.salt
+        )
 
     def _lock_prefix(self, s: Sequence) -> None:
         s.hit = self.cache.match(s.sequence, salt=s.salt)
