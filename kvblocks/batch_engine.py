@@ -18,20 +18,17 @@ step per loop iteration, between the packed forwards.
 
 from __future__ import annotations
 
-import itertools
 import queue
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvblocks import paged
-from kvblocks.engine import Load, Request
+from kvblocks.engine import Engine, Load, Request
 from kvblocks.generator import CachedGenerator, GenerationResult, Piece
-from kvblocks.metrics import CacheCollector, Metrics
+from kvblocks.metrics import Metrics
 from kvblocks.params import GenerationParams
 from kvblocks.radix import common_prefix_len
 from kvblocks.sampling import LogitsProcessor, choose, seeded_rng, token_logprobs
@@ -66,7 +63,9 @@ class Sequence:
     started: bool = False
 
 
-class BatchEngine:
+class BatchEngine(Engine):
+    """`Engine` with packed forwards; the requests on the one-request path are `Engine`'s `_active`."""
+
     def __init__(
         self,
         generator: CachedGenerator,
@@ -84,54 +83,31 @@ class BatchEngine:
                 f"need max_batch_size >= 1 and max_batch_tokens >= max_batch_size, "
                 f"got {max_batch_size} and {max_batch_tokens}"
             )
-        self.generator = generator
+        super().__init__(generator, metrics, max_active)
         self.cache = generator.cache
-        self.metrics = metrics or Metrics()
-        self.metrics.register(CacheCollector(self.cache))
-        self.max_active = max_active
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_steps = max_wait_steps
         self.join_min_tokens = join_min_tokens
         self.runner = paged.PagedRunner(generator.model, self.cache.pool)
-        self._inbox: queue.Queue[Request | None] = queue.Queue()
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []
-        self._fallback: list[Request] = []
-        self._ids = itertools.count()
         self._step_no = 0
         self.preemptions = 0
         self.one_at_a_time = 0  # requests that took the one-request path
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvblocks-batch-engine", daemon=True)
 
-    # ---- Engine's interface ----------------------------------------------------------------------
-
-    def start(self) -> BatchEngine:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float | None = 5.0) -> None:
-        self._stop.set()
-        self._inbox.put(None)
-        self._thread.join(timeout)
-
-    def submit(self, prompt, emit: Callable[[Piece | BaseException], None], **options) -> Request:
-        ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
-        request = Request(prompt, options, emit, id=next(self._ids), tokens=len(prompt) if ids else 0)
-        self._inbox.put(request)
-        return request
+    # ---- what Engine reports, with the packed path's requests counted in ------------------------
 
     @property
     def queued(self) -> int:
-        return self._inbox.qsize() + len(self._waiting)
+        return super().queued + len(self._waiting)
 
     @property
     def active(self) -> int:
-        return len(self._running) + len(self._fallback)
+        return len(self._running) + len(self._active)
 
     def load(self) -> Load:
-        running = [s.request for s in list(self._running)] + list(self._fallback)
+        running = [s.request for s in list(self._running)] + list(self._active)
         waiting = [s.request for s in list(self._waiting)]
         with self._inbox.mutex:
             waiting += [r for r in self._inbox.queue if r is not None]
@@ -141,15 +117,15 @@ class BatchEngine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._take(block=not (self._running or self._waiting or self._fallback))
+            self._take(block=not (self._running or self._waiting or self._active))
             self._admit()
             self._step_packed()
-            for request in list(self._fallback):
-                self._step_fallback(request)
+            for request in list(self._active):  # the one-request path: one step each, as in Engine
+                self._step(request)
         for s in list(self._running) + list(self._waiting):
             self._drop(s)
-        for request in list(self._fallback):
-            self._end_fallback(request)
+        for request in list(self._active):
+            self._finish(request)
 
     def _take(self, block: bool) -> None:
         """Move submitted requests to the waiting list (or the fallback path)."""
@@ -172,7 +148,7 @@ class BatchEngine:
                 continue
             if s is None:
                 request.stream = self.generator.stream(request.prompt, **request.options)
-                self._fallback.append(request)
+                self._active.append(request)
                 self.one_at_a_time += 1
             else:
                 self._waiting.append(s)
@@ -378,7 +354,7 @@ class BatchEngine:
         if finish is None:
             request.emit(Piece(pending, [token], logprobs=logprobs))
             return
-        self._finish(s)
+        self._complete(s)
         result = GenerationResult(
             token_ids=s.generated,
             text=s.text.text,
@@ -409,7 +385,7 @@ class BatchEngine:
         s.slots = held._slots.copy()
         s.start = len(s.slots)
 
-    def _finish(self, s: Sequence) -> None:
+    def _complete(self, s: Sequence) -> None:
         """The computed tokens (prompt and reply, not the last sampled one) pass to the trie."""
         self._running.remove(s)
         n = s.computed
@@ -425,48 +401,3 @@ class BatchEngine:
         if s in self._waiting:
             self._waiting.remove(s)
         self._release(s)
-
-    def _record(self, piece: Piece) -> None:
-        r = piece.result
-        m = self.metrics
-        m.inc("kvblocks_requests_total")
-        m.inc("kvblocks_prompt_tokens_total", r.prompt_tokens)
-        m.inc("kvblocks_cached_prompt_tokens_total", r.cached_tokens)
-        m.inc("kvblocks_generation_tokens_total", len(r.token_ids))
-
-    # ---- the one-request path -------------------------------------------------------------------
-
-    def _step_fallback(self, request: Request) -> None:
-        if request.cancelled.is_set():
-            self.metrics.inc("kvblocks_requests_cancelled_total")
-            self._end_fallback(request)
-            return
-        try:
-            piece = next(request.stream)
-        except StopIteration:
-            self._end_fallback(request)
-            return
-        except Exception as exc:
-            self.metrics.inc("kvblocks_requests_failed_total")
-            self._end_fallback(request)
-            request.emit(exc)
-            return
-        now = time.perf_counter()
-        name = (
-            "kvblocks_inter_token_seconds"
-            if request.last_token_at
-            else "kvblocks_time_to_first_token_seconds"
-        )
-        self.metrics.observe(name, now - (request.last_token_at or request.submitted))
-        request.last_token_at = now
-        request.tokens += len(piece.token_ids)
-        if piece.result is not None:
-            self._end_fallback(request)
-            self._record(piece)
-        request.emit(piece)
-
-    def _end_fallback(self, request: Request) -> None:
-        if request.stream is not None:
-            request.stream.close()
-        if request in self._fallback:
-            self._fallback.remove(request)
