@@ -242,13 +242,13 @@ class SlotOwnership(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         model = _machine_model()
-        self.cache = KVCacheTrie.for_model(model, capacity_tokens=32)
+        self.cache = KVCacheTrie.for_model(model, capacity_tokens=28)
         self.engine = BatchEngine(CachedGenerator(model, IdTokenizer(), self.cache), max_batch_size=3,
                                   max_batch_tokens=12, join_min_tokens=2)  # fmt: skip
         self.requests = []
         self.finished = set()
 
-    @rule(family=st.integers(0, 2), extra=st.integers(1, 12), new=st.integers(1, 8))
+    @rule(family=st.integers(0, 2), extra=st.integers(4, 14), new=st.integers(2, 10))
     def submit(self, family, extra, new):
         ids = [10 + family] * 6 + [(family * 31 + extra * 7 + i) % VOCAB for i in range(extra)]
         i = len(self.requests)
@@ -300,7 +300,10 @@ def _machine_model():
 
 
 TestSlotOwnership = SlotOwnership.TestCase
-TestSlotOwnership.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+# derandomized: the same examples on every run, so the preemption count below is a fixed fact
+TestSlotOwnership.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None, derandomize=True
+)
 
 
 def test_the_slot_machine_preempts_in_some_examples():
