@@ -251,8 +251,9 @@ class BatchEngine(Engine):
                 self._drop(s)
         budget = self.max_batch_tokens
         batch: list[tuple[Sequence, int]] = []
-        # decodes first (one token each), then prefill chunks in admission order
-        order = sorted(self._running, key=lambda s: (len(s.sequence) - s.computed > 1, s.admitted_at))
+        # decodes first (one token each), then prefills, fewest tokens left first: a short prompt is not
+        # held behind a long one, which takes what budget is left every step
+        order = sorted(self._running, key=lambda s: (len(s.sequence) - s.computed, s.admitted_at))
         for s in order:
             take = min(len(s.sequence) - s.computed, budget)
             if take <= 0 or s not in self._running:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kvblocks.pool import KVPool
 
@@ -151,12 +152,17 @@ def paged_attention(
     out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
     for (a, b), (index, mask) in zip(batch.bounds, batch.views(sliding_window)):
         kv = pool.layers[layer].index_select(0, index).to(query.dtype)  # [L, 2, Hkv, D]
-        k = kv[:, 0].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, L, D]
-        v = kv[:, 1].transpose(0, 1).repeat_interleave(groups, dim=0)
+        k = kv[:, 0].transpose(0, 1)  # [Hkv, L, D]
+        v = kv[:, 1].transpose(0, 1)
         q = query[0, :, a:b]  # [Hq, n, D]
+        if softcap is None:
+            out[a:b] = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1
+            ).transpose(0, 1)
+            continue
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
+        scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~mask, float("-inf"))
         out[a:b] = torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1)
     return out[None], None
