@@ -1,15 +1,15 @@
 """Packed forwards over the KV pool: many requests in one forward, K/V read through slot lists.
 
-This is the attention path the batched engine (issue 12) is built on; the server does not use it
-yet. A packed forward takes segments, one per request: the request's new tokens (a decode token,
-a chunk of prefill, or a speculative verification chunk) and the pool slots of every position the
-request has so far, its new tokens' slots last. The tokens of all segments go through the model as
-one sequence `[1, T]` with each token's own position id, so the linear layers see every request's
-rows at once. Attention is the one place where requests must stay apart: `paged_attention`
-(registered with transformers' `AttentionInterface`) writes each layer's new K/V into the pool at
-the new tokens' slots, then, segment by segment, reads that request's K/V from the pool through its
-slot list and attends causally (and within the sliding window on windowed layers). Nothing is
-copied per request between steps and no cache grows by `torch.cat`: a request's KV is its slot list,
+This is the attention path of the batched engine (`kvblocks.batch_engine`, `kvblocks serve
+--max-batch-size`). A packed forward takes segments, one per request: the request's new tokens (a
+decode token or a chunk of prefill) and the pool slots of every position the request has so far,
+its new tokens' slots last. The tokens of all segments go through the model as one sequence
+`[1, T]` with each token's own position id, so the linear layers see every request's rows at once.
+Attention is the one place where requests must stay apart: `paged_attention` (registered with
+transformers' `AttentionInterface`) writes each layer's new K/V into the pool at the new tokens'
+slots, then, segment by segment, reads that request's K/V from the pool through its slot list and
+attends causally, within the window on windowed layers (SDPA with grouped heads; explicit math where
+gemma2 soft-caps). Nothing is copied per request between steps and no cache grows by `torch.cat`: a request's KV is its slot list,
 the shared prefix's slots included, exactly as the trie holds them.
 
 `install(model)` makes the model's attention implementation a dispatcher: calls that carry a
