@@ -19,19 +19,18 @@ step per loop iteration, between the packed forwards.
 from __future__ import annotations
 
 import queue
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvblocks import paged
-from kvblocks.engine import Engine, Load, Request
+from kvblocks.engine import Engine, Request
 from kvblocks.generator import CachedGenerator, GenerationResult, Piece
 from kvblocks.metrics import Metrics
 from kvblocks.params import GenerationParams
 from kvblocks.radix import common_prefix_len
-from kvblocks.sampling import LogitsProcessor, choose, seeded_rng, token_logprobs
+from kvblocks.sampling import LogitsProcessor, choose, token_logprobs
 from kvblocks.text import StopTextAssembler
 from kvblocks.trie import Hit, PoolFullError
 
@@ -106,12 +105,11 @@ class BatchEngine(Engine):
     def active(self) -> int:
         return len(self._running) + len(self._active)
 
-    def load(self) -> Load:
-        running = [s.request for s in list(self._running)] + list(self._active)
-        waiting = [s.request for s in list(self._waiting)]
-        with self._inbox.mutex:
-            waiting += [r for r in self._inbox.queue if r is not None]
-        return Load(len(running), len(waiting), sum(r.tokens for r in running + waiting))
+    def _running_requests(self) -> list[Request]:
+        return [s.request for s in list(self._running)] + list(self._active)
+
+    def _waiting_requests(self) -> list[Request]:
+        return [s.request for s in list(self._waiting)]
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -164,26 +162,17 @@ class BatchEngine(Engine):
             params = GenerationParams()
         if params.prompt_logprobs is not None:
             return None
-        gen = self.generator
-        gen.check_params(params)
-        ids = gen.encode(request.prompt)
-        max_new = params.max_new_tokens
-        if gen.max_context is not None:
-            max_new = min(max_new, gen.max_context - len(ids))
+        ids, max_new, rng, text, processor = self.generator.prepare(request.prompt, params)
         if len(ids) + max_new > self.cache.pool.capacity - self.cache.pinned_tokens:
             return None  # it cannot fit in the pool beside the pinned prefixes: its own DynamicCache
-        processor = None
-        if params.processes_logits:
-            eos = () if params.ignore_eos else gen.eos_ids
-            processor = LogitsProcessor(params, ids, eos, gen.vocab_size, gen.runner.device)
         return Sequence(
             request,
             ids,
             params,
             salt,
             max_new,
-            StopTextAssembler(gen.tokenizer, params.stop),
-            None if params.sampling.greedy else seeded_rng(gen.runner.device, params.seed),
+            text,
+            rng,
             processor,
             sequence=list(ids),
             logprobs=None if params.logprobs is None else [],
@@ -326,22 +315,16 @@ class BatchEngine(Engine):
         token = choose(row, params.sampling, s.rng)
         if s.processor is not None:
             s.processor.accept(token)
-        now = time.perf_counter()
+        now = self._observe(request, 1)
         if not s.generated:
             s.ttft_s = now - request.submitted
             self._commit_prompt(s)
         s.generated.append(token)
         s.sequence.append(token)
-        request.tokens += 1
         logprobs = None
         if s.logprobs is not None:
             logprobs = token_logprobs(logits[None], [token], params.logprobs)
             s.logprobs.extend(logprobs)
-        if request.last_token_at:
-            self.metrics.observe("kvblocks_inter_token_seconds", now - request.last_token_at)
-        else:
-            self.metrics.observe("kvblocks_time_to_first_token_seconds", now - request.submitted)
-        request.last_token_at = now
         finish = None
         pending = ""
         if token in self.generator.eos_ids and not params.ignore_eos:

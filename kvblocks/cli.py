@@ -245,7 +245,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if publisher is not None:
         cache.attach_events(publisher)
     gen = build_generator(args, model, tokenizer, None if args.no_cache else cache)
-    name = args.served_model_name or (models.DEFAULT_MODEL if args.model is None else args.model.rstrip("/"))
+    name = models.served_name(args.served_model_name, args.model)
     engine = build_engine(args, gen).start()
     config = ServerConfig(
         name,

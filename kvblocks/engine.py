@@ -84,10 +84,17 @@ class Engine:
     def load(self) -> Load:
         """A snapshot taken from any thread: the engine thread may admit or finish requests meanwhile,
         so the counts are each exact at the moment they are read, not jointly."""
-        running = list(self._active)
+        running = self._running_requests()
         with self._inbox.mutex:
-            waiting = [r for r in self._inbox.queue if r is not None]
+            waiting = self._waiting_requests() + [r for r in self._inbox.queue if r is not None]
         return Load(len(running), len(waiting), sum(r.tokens for r in running + waiting))
+
+    def _running_requests(self) -> list[Request]:
+        return list(self._active)
+
+    def _waiting_requests(self) -> list[Request]:
+        """Requests taken from the inbox but not running yet (none here: admission is the take)."""
+        return []
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -133,17 +140,23 @@ class Engine:
             self._finish(request)
             request.emit(exc)
             return
-        now = time.perf_counter()
-        if request.last_token_at:
-            self.metrics.observe("kvblocks_inter_token_seconds", now - request.last_token_at)
-        else:  # queueing included: this is what the client waits for
-            self.metrics.observe("kvblocks_time_to_first_token_seconds", now - request.submitted)
-        request.last_token_at = now
-        request.tokens += len(piece.token_ids)
+        self._observe(request, len(piece.token_ids))
         if piece.result is not None:
             self._finish(request)
             self._record(piece)
         request.emit(piece)
+
+    def _observe(self, request: Request, tokens: int) -> float:
+        """Time `tokens` new tokens of `request`: TTFT (queueing included, what the client waits for)
+        or the gap since its last token. Returns the time."""
+        now = time.perf_counter()
+        if request.last_token_at:
+            self.metrics.observe("kvblocks_inter_token_seconds", now - request.last_token_at)
+        else:
+            self.metrics.observe("kvblocks_time_to_first_token_seconds", now - request.submitted)
+        request.last_token_at = now
+        request.tokens += tokens
+        return now
 
     def _finish(self, request: Request) -> None:
         if request.stream is not None:

@@ -165,6 +165,24 @@ class CachedGenerator:
                 "logit_bias", f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
 
+    def prepare(
+        self, prompt: Prompt, params: GenerationParams
+    ) -> tuple[list[int], int, torch.Generator | None, StopTextAssembler, LogitsProcessor | None]:
+        """A request's checked ids and the state its decoding starts from: the token budget (capped by
+        the context), the sampling generator (None when greedy), the stop-text assembler and the logits
+        processor (None when nothing rewrites logits). `stream` and the batched engine both start here."""
+        self.check_params(params)
+        ids = self.encode(prompt)
+        max_new_tokens = params.max_new_tokens
+        if self.max_context is not None:
+            max_new_tokens = min(max_new_tokens, self.max_context - len(ids))
+        rng = None if params.sampling.greedy else seeded_rng(self.runner.device, params.seed)
+        processor = None
+        if params.processes_logits:
+            eos = () if params.ignore_eos else self.eos_ids
+            processor = LogitsProcessor(params, ids, eos, self.vocab_size, self.runner.device)
+        return ids, max_new_tokens, rng, StopTextAssembler(self.tokenizer, params.stop), processor
+
     def stream(
         self,
         prompt: Prompt,
@@ -182,19 +200,9 @@ class CachedGenerator:
         hits the whole history.
         """
         params = _params_of(params, options)
-        self.check_params(params)
         sampling = params.sampling
         t0 = time.perf_counter()
-        ids = self.encode(prompt)
-        max_new_tokens = params.max_new_tokens
-        if self.max_context is not None:
-            max_new_tokens = min(max_new_tokens, self.max_context - len(ids))
-        rng = None if sampling.greedy else seeded_rng(self.runner.device, params.seed)
-        text = StopTextAssembler(self.tokenizer, params.stop)
-        processor = None
-        if params.processes_logits:
-            eos = () if params.ignore_eos else self.eos_ids
-            processor = LogitsProcessor(params, ids, eos, self.vocab_size, self.runner.device)
+        ids, max_new_tokens, rng, text, processor = self.prepare(prompt, params)
         # Prompt log-probabilities need logits at every prompt position: no prefix reuse.
         bypass = "prompt_logprobs" if params.prompt_logprobs is not None and self.cache is not None else None
         hit = self.cache.match(ids, salt=salt) if self.cache is not None and bypass is None else None

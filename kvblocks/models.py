@@ -74,6 +74,12 @@ def default_model_dir() -> Path:
     return target
 
 
+def served_name(served_model_name: str | None, model: str | None) -> str:
+    """The model id `kvblocks serve` answers to: `--served-model-name`, else the `--model` it loaded
+    (without a trailing slash), else the default model's name."""
+    return served_model_name or (DEFAULT_MODEL if model is None else model.rstrip("/"))
+
+
 def resolve(model: str | None) -> str:
     if model in (None, "", DEFAULT_MODEL, "default", "smollm2"):
         return str(default_model_dir())

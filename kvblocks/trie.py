@@ -387,14 +387,19 @@ class KVCacheTrie:
             except BaseException:
                 self._pool.release(slots)
                 raise
-            self._tree.extend(m, ids[start : start + k], slots)
-            if self.events is not None:
-                self.events.stored(ids[: start + k], start)
-            for c in self._counters, tenant:
-                c.inserted_tokens += k
+            self._attach(ns, m, ids[: start + k], slots)
             return start, k
         finally:
             self._tree.lock(m.node, -1)
+
+    def _attach(self, ns: Namespace, m: Match, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Under the lock: make `slots` (holding the KV of `ids[m.length:]`) the tree's, right after
+        the match `m`, and report the store (events, counters)."""
+        self._tree.extend(m, ids[m.length :], slots)
+        if self.events is not None:
+            self.events.stored(ids, m.length)
+        for c in self._counters, self._tenant_counters[ns.tenant]:
+            c.inserted_tokens += len(slots)
 
     @staticmethod
     def _slicer(base: int, kv: list[torch.Tensor | None]) -> KVSource:
@@ -597,12 +602,8 @@ class KVCacheTrie:
             if m.length == len(ids):
                 return 0
             self._namespaces.setdefault(ns.key, ns)
-            self._tree.extend(m, ids[m.length :], slots[m.length :])
+            self._attach(ns, m, ids, slots[m.length :])
             count = len(ids) - m.length
-            if self.events is not None:
-                self.events.stored(ids, m.length)
-            for c in self._counters, self._tenant_counters[ns.tenant]:
-                c.inserted_tokens += count
         if self.spill is not None:
             self.spill.on_insert(ns.key, ids, m.length)
         return count

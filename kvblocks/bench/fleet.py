@@ -756,14 +756,14 @@ def build_report(args, tokenizer, tenants, jobs, results) -> Report:
 
 def served_name(serve_args: Sequence[str]) -> str:
     """The model name replicas started with `serve_args` serve, as `kvblocks serve` names it."""
-    from kvblocks.models import DEFAULT_MODEL
+    from kvblocks.models import served_name as name_of
 
     names: dict[str, str] = {}
     for i, arg in enumerate(serve_args):
         flag, eq, value = arg.partition("=")
         if flag in ("--served-model-name", "--model"):
             names[flag] = value if eq else (serve_args[i + 1] if i + 1 < len(serve_args) else "")
-    return names.get("--served-model-name") or names.get("--model", DEFAULT_MODEL).rstrip("/")
+    return name_of(names.get("--served-model-name"), names.get("--model"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
