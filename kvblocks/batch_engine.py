@@ -7,7 +7,8 @@ request: decode tokens first, then chunks of prefill, under `max_batch_tokens`, 
 slots, never copied) plus slots it reserves for its own tokens. When its prompt is computed, the
 prompt's slots pass to the trie (`adopt`, no copy) so requests admitted later hit it; when it ends,
 its reply's do. Waiting requests are admitted longest cached prefix first, except that one waiting
-longer than `max_wait_steps` loop iterations goes first. When the pool runs out of slots, the
+longer than `max_wait_steps` loop iterations goes first, and only while the pool has room for the
+uncached prompt plus a watermark. When the pool runs out of slots, the
 youngest other running request is preempted: its private slots are freed, it keeps its sampling
 and text state and resumes later by prefilling what it had (mostly a cache hit of its own prompt).
 
@@ -74,6 +75,9 @@ class BatchEngine(Engine):
         max_batch_tokens: int = 512,
         max_wait_steps: int = 64,
         join_min_tokens: int = 32,
+        invariant: bool = False,
+        chunk: int = 64,
+        watermark: float = 0.01,
     ) -> None:
         if generator.cache is None or not paged.supports(generator.model):
             raise ValueError("the batched engine needs a prefix cache and a model kvblocks.paged supports")
@@ -82,17 +86,26 @@ class BatchEngine(Engine):
                 f"need max_batch_size >= 1 and max_batch_tokens >= max_batch_size, "
                 f"got {max_batch_size} and {max_batch_tokens}"
             )
+        if invariant and max_batch_tokens < max_batch_size + chunk:
+            raise ValueError(
+                f"batch-invariant batching needs max_batch_tokens >= max_batch_size + chunk, got "
+                f"{max_batch_tokens} < {max_batch_size} + {chunk}"
+            )
         super().__init__(generator, metrics, max_active)
         self.cache = generator.cache
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_steps = max_wait_steps
         self.join_min_tokens = join_min_tokens
-        self.runner = paged.PagedRunner(generator.model, self.cache.pool)
+        self.watermark = max(1, int(watermark * self.cache.pool.capacity))
+        self.invariant = invariant
+        self.chunk = chunk
+        self.runner = paged.PagedRunner(generator.model, self.cache.pool, invariant=invariant, chunk=chunk)
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []
         self._step_no = 0
         self.preemptions = 0
+        self.deferred = 0  # admissions put off because the pool lacked room for the prompt
         self.one_at_a_time = 0  # requests that took the one-request path
 
     # ---- what Engine reports, with the packed path's requests counted in ------------------------
@@ -181,7 +194,9 @@ class BatchEngine(Engine):
     # ---- admission ------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Longest cached prefix first; a request passed over `max_wait_steps` times goes first."""
+        """Longest cached prefix first; a request passed over `max_wait_steps` times goes first. A
+        request is admitted only while the pool can take its uncached prompt plus `watermark` of
+        the capacity (or when nothing runs); what the replies grow into later, preemption handles."""
         if not self._waiting:
             return
         room = min(self.max_batch_size, self.max_active) - len(self._running)
@@ -198,11 +213,17 @@ class BatchEngine(Engine):
         rest = sorted(
             (s for s in self._waiting if s.waited < self.max_wait_steps), key=lambda s: -cached[id(s)]
         )
+        available = self.cache.available_slots()
         for s in starved + rest:
             if room == 0:
                 break
             if s.waited < self.max_wait_steps and self._joins(s, cached[id(s)]):
                 continue
+            need = len(s.sequence) - cached[id(s)] + self.watermark
+            if need > available and self._running:  # admitted now, it would only preempt someone
+                self.deferred += 1
+                break
+            available -= need - self.watermark
             self._waiting.remove(s)
             self._lock_prefix(s)
             s.admitted_at = self._step_no
@@ -244,7 +265,7 @@ class BatchEngine(Engine):
         # held behind a long one, which takes what budget is left every step
         order = sorted(self._running, key=lambda s: (len(s.sequence) - s.computed, s.admitted_at))
         for s in order:
-            take = min(len(s.sequence) - s.computed, budget)
+            take = self._take_tokens(s, budget)
             if take <= 0 or s not in self._running:
                 continue
             if not self._reserve(s, take, batch):
@@ -253,10 +274,18 @@ class BatchEngine(Engine):
             budget -= take
         if not batch:
             return
-        segments = [
-            paged.Segment(s.sequence[s.computed : s.computed + n], s.slots[: s.computed + n])
-            for s, n in batch
-        ]
+        segments, last = [], []
+        for s, n in batch:
+            ends = (
+                paged.chunk_ends(s.computed, s.computed + n, self.chunk)
+                if self.invariant
+                else [s.computed + n]
+            )
+            begin = s.computed
+            for end in ends:  # a request's later pieces read the K/V its earlier ones write
+                segments.append(paged.Segment(s.sequence[begin:end], s.slots[:end]))
+                begin = end
+            last.append(len(segments) - 1)
         try:
             outputs = self.runner.forward(segments)
         except Exception as exc:  # a failed forward fails the requests in it, not the loop
@@ -265,10 +294,22 @@ class BatchEngine(Engine):
                 self._drop(s)
                 s.request.emit(exc)
             return
-        for (s, n), logits in zip(batch, outputs):
+        for (s, n), i in zip(batch, last):
+            logits = outputs[i]
             s.computed += n
             if s.computed == len(s.sequence):
                 self._next_token(s, logits[-1])
+
+    def _take_tokens(self, s: Sequence, budget: int) -> int:
+        """How many of `s`'s uncomputed tokens this step takes: as many as the budget allows, or in
+        batch-invariant mode up to the last of its prompt's fixed cuts the budget reaches."""
+        left = len(s.sequence) - s.computed
+        if not self.invariant or left <= budget:
+            return min(left, budget)
+        reachable = [
+            e for e in paged.chunk_ends(s.computed, len(s.sequence), self.chunk) if e - s.computed <= budget
+        ]
+        return reachable[-1] - s.computed if reachable else 0
 
     def _reserve(self, s: Sequence, n: int, batch: list[tuple[Sequence, int]]) -> bool:
         """Slots for `n` more positions of `s`; preempts the youngest other running request (not one

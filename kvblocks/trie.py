@@ -568,6 +568,13 @@ class KVCacheTrie:
                 raise PoolFullError(f"{n} slots asked for, {self._pool.num_free} free after eviction")
             return self._pool.alloc(n)
 
+    def available_slots(self) -> int:
+        """Slots `reserve` could hand out now: free ones plus resident tokens neither locked nor
+        pinned (eviction takes those)."""
+        with self._lock:
+            unheld = sum(len(n.tokens) for n in self._tree.iter_nodes() if n.lock_ref == 0 and n.pin_ref == 0)
+            return self._pool.num_free + unheld
+
     def hold(self, token_ids: TokenIds, *, salt: Salt = None) -> Hit:
         """Lock the whole resident prefix of `token_ids` (no token left out, nothing counted as a
         lookup): a running request keeps what it just adopted from being evicted under it."""

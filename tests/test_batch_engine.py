@@ -40,7 +40,8 @@ def run_all(engine, prompts, params: list[GenerationParams], cancel: int | None 
     """Submit everything at once; collect each request's pieces until its result (or error)."""
     done = [threading.Event() for _ in prompts]
     out: list[dict] = [
-        {"tokens": [], "text": "", "result": None, "error": None, "logprobs": []} for _ in prompts
+        {"tokens": [], "text": "", "result": None, "error": None, "logprobs": [], "exact": []}
+        for _ in prompts
     ]
 
     def emitter(i):
@@ -52,6 +53,7 @@ def run_all(engine, prompts, params: list[GenerationParams], cancel: int | None 
             out[i]["tokens"] += item.token_ids
             out[i]["text"] += item.text
             out[i]["logprobs"] += [(lp.token, round(lp.logprob, 9)) for lp in item.logprobs or []]
+            out[i]["exact"] += [(lp.token, lp.logprob, list(lp.top)) for lp in item.logprobs or []]
             if item.result is not None:
                 out[i]["result"] = item.result
                 done[i].set()
@@ -108,6 +110,23 @@ def test_batched_requests_equal_one_at_a_time_with_chunked_prefill_and_queueing(
     assert [r["result"].cached_tokens for r in batched[2:4]] == [12, 8]
 
 
+PACKED_ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gpt2", "gpt_neox", "opt"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("arch", PACKED_ARCHS)
+def test_every_packed_family_gives_the_one_at_a_time_tokens_through_chunks_and_preemptions(arch, dtype):
+    """Mixed batches of prefill chunks and decodes in a pool so small that requests are preempted:
+    the same tokens as one request at a time (greedy in fp32; tokens, text and finish in fp64)."""
+    model = tiny_model(arch, dtype)
+    prompts = workload(seed=6)
+    params = [GenerationParams(max_new_tokens=10)] * len(prompts)
+    alone, batched, engine = both(model, prompts, params, capacity=48, max_batch_size=6, max_batch_tokens=20)
+    assert summary(batched) == summary(alone)
+    assert engine.preemptions > 0 and engine.one_at_a_time == 0
+    no_leaks(engine.cache)
+
+
 def test_sampling_stops_penalties_and_logprobs_match_the_one_request_path():
     model = tiny_model("llama", torch.float64)
     prompts = workload(seed=1)
@@ -133,6 +152,53 @@ def test_a_full_pool_preempts_the_youngest_request_which_resumes_with_the_same_o
     assert engine.preemptions > 0
     assert engine.one_at_a_time == 0  # every request fit the 48-slot pool on its own
     no_leaks(engine.cache)
+
+
+def test_a_request_waits_for_room_instead_of_being_admitted_to_preempt_another():
+    model = tiny_model("llama", torch.float64)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, VOCAB, 25).tolist() for _ in range(3)]  # 75 tokens, 64 slots
+    params = [GenerationParams(max_new_tokens=2)] * 3
+    alone, batched, engine = both(model, prompts, params, capacity=64, max_batch_size=3, max_batch_tokens=64)
+    assert summary(batched) == summary(alone)
+    assert engine.deferred > 0 and engine.preemptions == 0
+    no_leaks(engine.cache)
+
+
+@pytest.mark.parametrize("arch", PACKED_ARCHS)
+def test_batch_invariant_mode_gives_each_request_the_bits_it_gets_alone(arch):
+    """fp32, logprobs compared bit for bit: alone (one request in an empty cache, whole prompt in one
+    step) and together (shared prefixes hit, prompts cut by a small budget among decodes)."""
+    model = tiny_model(arch, torch.float32)
+    prompts = [p * 3 for p in workload(seed=8)]  # 27 to 80 tokens: several 16-token chunks each
+    params = GenerationParams(max_new_tokens=8, logprobs=3)
+
+    def engine() -> BatchEngine:
+        cache = KVCacheTrie.for_model(model, capacity_tokens=2048)
+        gen = CachedGenerator(model, IdTokenizer(), cache)
+        engine = BatchEngine(
+            gen, max_batch_size=3, max_batch_tokens=26, invariant=True, chunk=16, join_min_tokens=4
+        )
+        return engine.start()
+
+    def bits(results: list[dict]) -> list:
+        return [(r["tokens"], r["exact"]) for r in results]
+
+    alone = []
+    for p in prompts:
+        one = engine()
+        try:
+            alone += run_all(one, [p], [params])
+        finally:
+            one.stop()
+    together = engine()
+    try:
+        results = run_all(together, prompts, [params] * len(prompts))
+        assert bits(results) == bits(alone)
+        assert sum(r["result"].cached_tokens > 0 for r in results) >= 2  # shared prefixes were hits
+        no_leaks(together.cache)
+    finally:
+        together.stop()
 
 
 def test_a_request_larger_than_the_pool_runs_on_its_own_cache():
@@ -188,9 +254,9 @@ def test_bad_settings_and_unsupported_models_are_refused():
                     max_batch_tokens=4)  # fmt: skip
     with pytest.raises(ValueError, match="needs a prefix cache"):
         BatchEngine(CachedGenerator(model, IdTokenizer(), None))
-    gpt2 = tiny_model("gpt2")
+    bloom = tiny_model("bloom")
     with pytest.raises(ValueError, match=r"kvblocks\.paged supports"):
-        BatchEngine(CachedGenerator(gpt2, IdTokenizer(), KVCacheTrie.for_model(gpt2, 64)))
+        BatchEngine(CachedGenerator(bloom, IdTokenizer(), KVCacheTrie.for_model(bloom, 64)))
 
 
 # ---- kvblocks serve --max-batch-size: real processes, the openai SDK ----------------------------

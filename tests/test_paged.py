@@ -21,7 +21,7 @@ from kvblocks.paged import PagedRunner, Segment
 from kvblocks.pool import KVPool
 from kvblocks.trie import KVCacheTrie, PoolFullError
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gpt2", "gpt_neox", "opt"]
 DECODE = 4
 
 
@@ -119,10 +119,10 @@ def test_ordinary_forwards_are_unchanged_after_install():
 
 
 def test_unsupported_models_and_bad_segments_are_refused():
-    gpt2 = tiny_model("gpt2")
-    assert not paged.supports(gpt2)
-    with pytest.raises(NotImplementedError, match="model type 'gpt2'"):
-        paged.install(gpt2)
+    bloom = tiny_model("bloom")
+    assert not paged.supports(bloom) and not paged.supports(tiny_model("falcon"))
+    with pytest.raises(NotImplementedError, match="model type 'bloom'"):
+        paged.install(bloom)
     model = tiny_model("llama", torch.float64)
     pool = KVPool(KVLayout(torch.float64, tuple(hf.describe_layers(model))), 16, "cpu")
     runner = PagedRunner(model, pool)

