@@ -100,7 +100,8 @@ class BatchEngine(Engine):
         self.watermark = max(1, int(watermark * self.cache.pool.capacity))
         self.invariant = invariant
         self.chunk = chunk
-        self.runner = paged.PagedRunner(generator.model, self.cache.pool, invariant=invariant, chunk=chunk)
+        scratch = self.cache.reserve(paged.MIN_ROWS - 1) if invariant else None  # held for the engine's life
+        self.runner = paged.PagedRunner(generator.model, self.cache.pool, invariant, chunk, scratch)
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []
         self._step_no = 0

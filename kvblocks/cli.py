@@ -110,13 +110,18 @@ def load_stack(args: argparse.Namespace):
     return model, tokenizer, cache
 
 
+DEFAULT_BATCH_SIZE = 16  # kvblocks serve without --max-batch-size, where the model has a packed path
+
+
 def build_engine(args: argparse.Namespace, gen):
-    """`Engine` (one request per forward), or `BatchEngine` with --max-batch-size above 1 where the
-    packed path serves the model; otherwise a line on stderr says why it runs one at a time."""
+    """`BatchEngine` where the packed path serves the model (unless --max-batch-size 1), else `Engine`
+    (one request per forward); when a batch size was asked for and cannot be had, a line on stderr
+    says why."""
     from kvblocks import paged
     from kvblocks.engine import Engine
 
-    if args.max_batch_size == 1:
+    size = DEFAULT_BATCH_SIZE if args.max_batch_size is None else args.max_batch_size
+    if size == 1:
         return Engine(gen)
     why = None
     if gen.cache is None:
@@ -126,11 +131,17 @@ def build_engine(args: argparse.Namespace, gen):
     elif args.draft:
         why = "--draft (speculative decoding runs one request at a time)"
     if why is not None:
-        print(f"kvblocks: --max-batch-size {args.max_batch_size} ignored: {why}", file=sys.stderr, flush=True)
+        if args.max_batch_size is not None:  # asked for, not the default
+            print(f"kvblocks: --max-batch-size {size} ignored: {why}", file=sys.stderr, flush=True)
         return Engine(gen)
     from kvblocks.batch_engine import BatchEngine
 
-    return BatchEngine(gen, max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
+    return BatchEngine(
+        gen,
+        max_batch_size=size,
+        max_batch_tokens=args.max_batch_tokens,
+        invariant=args.batch_invariant,
+    )
 
 
 def build_generator(args: argparse.Namespace, model, tokenizer, cache, on_round=None):
@@ -213,10 +224,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.read_timeout <= 0:
         raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
-    if args.max_batch_size < 1 or args.max_batch_tokens < args.max_batch_size:
+    size = DEFAULT_BATCH_SIZE if args.max_batch_size is None else args.max_batch_size
+    if size < 1 or args.max_batch_tokens < size:
         raise UserError(
             f"need --max-batch-size >= 1 and --max-batch-tokens >= --max-batch-size, "
-            f"got {args.max_batch_size} and {args.max_batch_tokens}"
+            f"got {size} and {args.max_batch_tokens}"
+        )
+    if size > 1 and args.batch_invariant and args.max_batch_tokens < size + 64:
+        raise UserError(
+            f"--batch-invariant needs --max-batch-tokens >= --max-batch-size + 64 (prompts are cut every 64 "
+            f"tokens), got {args.max_batch_tokens} with --max-batch-size {size}; or pass --no-batch-invariant"
         )
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
         raise UserError("--kv-events-replay-endpoint needs --kv-events-endpoint")
@@ -444,10 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--max-batch-size",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
-        help="requests per packed forward (continuous batching over the KV pool); 1 (default): one "
-        "request per forward, as before",
+        help="requests per packed forward (continuous batching over the KV pool; default 16 where the model "
+        "has a packed path, else 1); 1: one request per forward with a private cache each",
     )
     sv.add_argument(
         "--max-batch-tokens",
@@ -455,6 +472,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         metavar="T",
         help="tokens per packed forward: decode tokens first, then prefill chunks (default 512)",
+    )
+    sv.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --max-batch-size above 1: every request's logits are bit-identical to what it gets alone, "
+        "whatever it shares a forward with (prompts cut every 64 tokens, no matrix product under 4 rows; "
+        "default on, --no-batch-invariant trades that for a few percent of speed)",
     )
     sv.add_argument("--no-cache", action="store_true", help="no prefix reuse: prefill every prompt in full")
     sv.set_defaults(func=cmd_serve)

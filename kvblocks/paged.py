@@ -15,9 +15,10 @@ the shared prefix's slots included, exactly as the trie holds them.
 Batch invariance (`PagedRunner(..., invariant=True)`, `kvblocks serve --batch-invariant`): a row of
 a packed forward rounds the same whatever else is in the batch. CPU BLAS computes a row of a matrix
 product the same way for any number of rows from `MIN_ROWS` up, but takes another kernel (GEMV and
-friends) below it, so the runner pads every linear layer's input to at least `MIN_ROWS` rows
-(`probe_row_invariance` checks the property on the model's device and dtype before it is relied
-on). Attention rounds differently for different key lengths, so the batched engine also cuts every
+friends) below it, so the runner adds a segment of padding rows (token 0, K/V written to scratch
+slots) whenever fewer than `MIN_ROWS` rows would reach the output head, and so every matrix product
+sees at least `MIN_ROWS` rows (`probe_row_invariance` checks the property on the model's device and
+dtype before it is relied on). Attention rounds differently for different key lengths, so the batched engine also cuts every
 prompt at the same positions however the budget falls (`chunk_ends`): a query row then always reads
 the same keys. Together a request's logits are bit-identical whether it runs alone or among others.
 
@@ -35,7 +36,6 @@ are refused by name.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from kvblocks.pool import KVPool
 
@@ -188,9 +187,10 @@ def paged_attention(
         v = kv[:, 1].transpose(0, 1)
         q = query[0, :, a:b]  # [Hq, n, D]
         if softcap is None:
+            # 4-D inputs: SDPA takes its fused CPU kernel (3-D with a mask and GQA is 2-3x slower)
             out[a:b] = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1
-            ).transpose(0, 1)
+                q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=groups > 1
+            )[0].transpose(0, 1)
             continue
         k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale
@@ -246,24 +246,6 @@ def chunk_ends(start: int, stop: int, chunk: int) -> list[int]:
     return [*range((start // chunk + 1) * chunk, stop, chunk), stop]
 
 
-class _PadRows(TorchFunctionMode):
-    """Runs every `F.linear` (and `torch.addmm`, gpt2's Conv1D) on at least `MIN_ROWS` rows: zero
-    rows are added, then dropped."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        at = {F.linear: 0, torch.addmm: 1}.get(func)
-        if at is not None:
-            x = args[at]
-            rows = x.reshape(-1, x.shape[-1])
-            missing = MIN_ROWS - rows.shape[0]
-            if missing > 0:
-                padded = torch.cat([rows, rows.new_zeros(missing, rows.shape[1])])
-                out = func(*args[:at], padded, *args[at + 1 :], **kwargs)[: rows.shape[0]]
-                return out.reshape(*x.shape[:-1], out.shape[-1])
-        return func(*args, **kwargs)
-
-
 def probe_row_invariance(device: torch.device | str, dtype: torch.dtype, width: int = 576) -> bool:
     """Whether a row of a matrix product on `device` in `dtype` comes out the same for every row
     count from `MIN_ROWS` up and whatever the other rows hold (what batch invariance relies on)."""
@@ -282,11 +264,14 @@ def probe_row_invariance(device: torch.device | str, dtype: torch.dtype, width: 
 
 class PagedRunner:
     """Packed forwards of one model over one pool (the trie's, or a pool of its own). With
-    `invariant`, linear layers never run on fewer than `MIN_ROWS` rows and windowed layers read from
-    the window of the first position of the segment's `chunk` (see the module's docstring); refused
-    where `probe_row_invariance` fails."""
+    `invariant`, matrix products never run on fewer than `MIN_ROWS` rows (padding rows use
+    `MIN_ROWS - 1` `scratch` slots, taken from the pool when not given) and windowed layers read
+    from the window of the first position of the segment's `chunk` (see the module's docstring);
+    refused where `probe_row_invariance` fails."""
 
-    def __init__(self, model, pool: KVPool, invariant: bool = False, chunk: int = 1) -> None:
+    def __init__(
+        self, model, pool: KVPool, invariant: bool = False, chunk: int = 1, scratch: np.ndarray | None = None
+    ) -> None:
         install(model)
         if invariant and not probe_row_invariance(pool.device, pool.dtype, model.config.hidden_size):
             raise NotImplementedError(
@@ -297,14 +282,23 @@ class PagedRunner:
         self.pool = pool
         self.invariant = invariant
         self.chunk = chunk
+        self.scratch = np.zeros(0, dtype=np.int32)  # slots of the padding rows' K/V
+        if invariant:
+            self.scratch = pool.alloc(MIN_ROWS - 1) if scratch is None else scratch
+            if len(self.scratch) < MIN_ROWS - 1:
+                raise ValueError(f"batch-invariant forwards need {MIN_ROWS - 1} scratch slots")
         self.lock = threading.Lock()
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
         """Run the segments' new tokens as one forward; their K/V land in their slots. Returns each
         segment's logits `[keep, vocab]`."""
+        real = len(segments)
+        pad = MIN_ROWS - sum(s.keep for s in segments) if self.invariant else 0
+        if pad > 0:  # rows of token 0 in scratch slots: every matrix product gets MIN_ROWS rows or more
+            segments = [*segments, Segment([0] * pad, self.scratch[:pad], keep=pad)]
         batch = PagedBatch(self.pool, segments, self.chunk if self.invariant else 1)
-        with self.lock, _PadRows() if self.invariant else contextlib.nullcontext():
+        with self.lock:
             out = self.model(
                 input_ids=batch.input_ids,
                 position_ids=batch.position_ids,
@@ -314,4 +308,4 @@ class PagedRunner:
             )
         logits = out.logits[0]
         bounds = np.cumsum([0] + [s.keep for s in segments])
-        return [logits[bounds[i] : bounds[i + 1]] for i in range(len(segments))]
+        return [logits[bounds[i] : bounds[i + 1]] for i in range(real)]

@@ -164,7 +164,25 @@ def test_eight_concurrent_streams_each_get_their_sequential_output(server, refer
 # ---- cancellation ------------------------------------------------------------------------------
 
 
-def test_disconnect_mid_stream_releases_locks_and_counts_a_cancel(server, http, client, reference):
+def test_disconnect_mid_stream_releases_locks_and_counts_a_cancel(reference):
+    """The client reads two chunks and hangs up while the server is still generating. A server of its
+    own that runs one request per forward: the batched engine decodes the tiny model faster than the
+    client reads two chunks and hangs up, so the reply would be finished before the disconnect (the
+    batched engine's own cancellation is tested in test_batch_engine.py; the server sets the same
+    flag for either engine)."""
+    args = ["--capacity", "4096", "--max-batch-size", "1"]
+    server = start_server(*args, env={"KVBLOCKS_API_KEY": API_KEY}, api_key=API_KEY)
+    try:
+        with (
+            server.client() as http,
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as client,
+        ):
+            _disconnect_mid_stream(server, http, client, reference)
+    finally:
+        stop_cleanly(server)
+
+
+def _disconnect_mid_stream(server, http, client, reference):
     prompt = "Counting up by ones: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # goes on for a while
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)  # cache it: the stream locks it
     before = scrape(http)["kvblocks_requests_cancelled_total"]

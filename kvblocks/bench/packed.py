@@ -1,20 +1,41 @@
-"""`kvblocks bench packed`: decode throughput of packed forwards over the pool vs one request at a time.
+"""`kvblocks bench packed`: the paged, batched engine against one request at a time and the ideal.
 
-B requests each hold a C-token context. One timed run is one decode step for all of them: either
-one packed forward (`kvblocks.paged.PagedRunner`: every request's next token in one `[1, B]`
-sequence, attention per request through its pool slots) or B forwards of one token each on the
-request's own `DynamicCache` (what the server's engine does today). Both greedy-decode the same
-tokens from the same contexts; the suite checks that the token streams are identical.
+- decode: B requests each hold a C-token context. One timed run is one decode step for all of
+  them: one packed forward (`kvblocks.paged.PagedRunner`: every request's next token in one `[1, B]`
+  sequence, attention per request through its pool slots) or B forwards of one token each on the
+  request's own `DynamicCache` (what `Engine` does). Both greedy-decode the same tokens; the suite
+  checks that the token streams are identical.
+- head-of-line: TTFT of short requests (max_tokens 1) sent one after another while a long prompt
+  prefills, against their TTFT on an idle engine; `Engine` and `BatchEngine` at several token
+  budgets, so the price in the long prompt's own TTFT shows beside the gain.
+- memory: RSS growth while N requests decode over one cached document (sampled every 5 ms, peak
+  minus the level before they were sent): `Engine` gathers a private copy of the document's KV per
+  request, `BatchEngine` reads the trie's slots in place.
+- ttft: a prompt of a cached prefix plus a few new tokens, submit to first token, against the ideal
+  (the bare model prefilling only the new tokens over a cache that already holds the prefix).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import threading
+import time
 
 import numpy as np
 
 from kvblocks.bench import fixtures
-from kvblocks.bench.harness import BenchOptions, Check, Report, Variant, add_suite, int_options, measure
+from kvblocks.bench.harness import (
+    BenchOptions,
+    Check,
+    Report,
+    Variant,
+    add_suite,
+    fmt_seconds,
+    int_options,
+    measure,
+)
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
@@ -25,19 +46,42 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         help="decode throughput: one packed forward over the pool vs one forward per request",
         description="Decode steps of B requests as one packed forward (kvblocks.paged) vs one at a time.",
         model=True,
+        only=("decode", "head-of-line", "memory", "ttft", "exactness"),
     )
     int_options(
         p,
         "",
         [
-            ("requests", 16, "concurrent requests"),
-            ("context", 600, "tokens of context per request"),
-            ("steps", 10, "timed decode steps per variant"),
+            ("requests", 16, "decode: concurrent requests"),
+            ("context", 600, "decode: tokens of context per request"),
+            ("steps", 10, "decode: timed decode steps per variant"),
+            ("long-prompt", 3000, "head-of-line: tokens of the long prompt"),
+            ("short-requests", 6, "head-of-line: short requests timed per variant (idle and loaded)"),
+            ("document", 2800, "memory: tokens of the cached document"),
+            ("readers", 8, "memory: concurrent requests over the document"),
+            ("cached", 1000, "ttft: cached prefix tokens"),
+            ("new", 30, "ttft: new tokens after the prefix"),
+            ("runs", 10, "ttft: timed runs per variant"),
+            ("agents", 16, "exactness: requests (chat turns sharing a system prompt)"),
+            ("reply", 32, "exactness: greedy tokens per request"),
         ],
     )
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
+    model, tokenizer = fixtures.load_model(args.model)
+    chosen = args.only or ["decode", "head-of-line", "memory", "ttft", "exactness"]
+    suites = {
+        "decode": decode,
+        "head-of-line": head_of_line,
+        "memory": memory,
+        "ttft": ttft,
+        "exactness": exactness,
+    }
+    return [suites[name](model, tokenizer, args, opts) for name in chosen]
+
+
+def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
     import torch
 
     from kvblocks.adapters import hf
@@ -45,7 +89,6 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     from kvblocks.paged import PagedRunner, Segment
     from kvblocks.pool import KVPool
 
-    model, _ = fixtures.load_model(args.model)
     b, context = args.requests, args.context
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
@@ -112,4 +155,346 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
         "packed = kvblocks.paged.PagedRunner (K/V written to and read from pool slots, no per-request "
         "cache); one at a time = a transformers DynamicCache per request, one forward per token",
     ]
-    return [report]
+    return report
+
+
+# ---- engine-level: head of line, memory, TTFT against the ideal ---------------------------------
+
+
+def _engine(model, tokenizer, batch: int, tokens: int = 512, capacity: int = 16384, invariant: bool = True):
+    """`Engine` (batch 1) or `BatchEngine` over a fresh trie, started."""
+    from kvblocks import CachedGenerator, KVCacheTrie
+    from kvblocks.batch_engine import BatchEngine
+    from kvblocks.engine import Engine
+
+    gen = CachedGenerator(model, tokenizer, KVCacheTrie.for_model(model, capacity_tokens=capacity))
+    if batch == 1:
+        return Engine(gen).start()
+    return BatchEngine(gen, max_batch_size=batch, max_batch_tokens=tokens, invariant=invariant).start()
+
+
+class _Call:
+    """One submitted request: when it was sent, its first piece, its end."""
+
+    def __init__(self, engine, ids: list[int], max_tokens: int, logprobs: int | None = None) -> None:
+        from kvblocks import GenerationParams
+
+        self.done = threading.Event()
+        self.first = 0.0
+        self.error: BaseException | None = None
+        self.tokens: list[int] = []
+        self.logprobs: list = []
+        self.sent = time.perf_counter()
+        params = GenerationParams(max_new_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+        engine.submit(ids, self._emit, params=params)
+
+    def _emit(self, item) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+            self.done.set()
+            return
+        self.first = self.first or time.perf_counter()
+        self.tokens += item.token_ids
+        self.logprobs += item.logprobs or []
+        if item.result is not None:
+            self.done.set()
+
+    def wait(self) -> float:
+        """TTFT in seconds once the request has finished."""
+        if not self.done.wait(1800) or self.error is not None:
+            raise RuntimeError(f"a benchmark request failed: {self.error}")
+        return self.first - self.sent
+
+
+def _random_ids(rng, vocab: int, n: int) -> list[int]:
+    return rng.integers(vocab // 8, vocab // 2, n).tolist()
+
+
+def head_of_line(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(1)
+    configs = [
+        ("Engine (batch 1)", 1, 0),
+        *((f"BatchEngine, {t} tokens/step", 16, t) for t in (512, 128, 64, 32)),
+    ]
+    samples: dict[str, list[float]] = {}
+    checks, notes = [], []
+    long_ttft = {}
+    for name, batch, tokens in configs:
+        engine = _engine(model, tokenizer, batch, tokens or 512)
+        try:
+            for _ in range(opts.warmup):
+                _Call(engine, _random_ids(rng, vocab, 24), 1).wait()
+            idle = [_Call(engine, _random_ids(rng, vocab, 24), 1).wait() for _ in range(args.short_requests)]
+            long = _Call(engine, _random_ids(rng, vocab, args.long_prompt), 1)
+            time.sleep(0.2)
+            loaded = []
+            while len(loaded) < args.short_requests and not long.done.is_set():
+                loaded.append(_Call(engine, _random_ids(rng, vocab, 24), 1).wait())
+            long_ttft[name] = long.wait()
+        finally:
+            engine.stop()
+        samples[f"{name}: idle"] = idle
+        samples[f"{name}: while the long prompt prefills"] = loaded
+        ratio = float(np.median(loaded) / np.median(idle))
+        target = 2.0 if name == "BatchEngine, 512 tokens/step" else None
+        checks.append(Check(f"short-request TTFT loaded / idle, {name}", ratio, "x", target))
+        checks.append(Check(f"long prompt TTFT, {name}", long_ttft[name], "s"))
+        notes.append(
+            f"{name}: short-request TTFT median idle {fmt_seconds(float(np.median(idle)))}, loaded "
+            f"{fmt_seconds(float(np.median(loaded)))} over {len(loaded)} requests; the "
+            f"{args.long_prompt}-token prompt's own TTFT {fmt_seconds(long_ttft[name])}"
+        )
+    report = Report(
+        "head-of-line",
+        f"Short requests while a {args.long_prompt}-token prompt prefills",
+        {"long_prompt": args.long_prompt, "short_prompt": 24, "short_requests": args.short_requests},
+        samples,
+    )
+    report.checks = checks
+    report.notes = [
+        *notes,
+        "short requests: 24 fresh tokens, max_tokens 1, sent one after another (each once the previous "
+        "answered) from 0.2 s after the long prompt was submitted until it finished; BatchEngine runs "
+        "batch-invariant with prefill cut every 64 tokens; the step in flight when a short request "
+        "arrives is not interrupted, so its TTFT is at least what remains of that step",
+    ]
+    return report
+
+
+class _PeakRss:
+    """Peak resident set size (from /proc/self/statm) sampled every 5 ms on a thread."""
+
+    def __init__(self) -> None:
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = self.now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def now(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.now())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self.now())
+
+
+def memory(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(2)
+    document = _random_ids(rng, vocab, args.document)
+    growth: dict[str, list[float]] = {}
+    for name, batch in (("Engine (batch 1)", 1), ("BatchEngine", 16)):
+        engine = _engine(model, tokenizer, batch)
+        growth[name] = []
+        try:
+            _Call(engine, document, 1).wait()  # the document is cached from here on
+            for _ in range(opts.warmup + 3):  # warm-up rounds first: the allocator keeps what it freed
+                gc.collect()
+                meter = _PeakRss()
+                before = meter.now()
+                calls = [
+                    _Call(engine, document + _random_ids(rng, vocab, 20), 16) for _ in range(args.readers)
+                ]
+                for call in calls:
+                    call.wait()
+                growth[name].append((meter.stop() - before) / 2**20)
+        finally:
+            engine.stop()
+        growth[name] = growth[name][opts.warmup :]
+    engine_mb, batch_mb = (float(np.median(growth[k])) for k in ("Engine (batch 1)", "BatchEngine"))
+    kv_mb = args.document * model_token_bytes(model) / 2**20
+    report = Report(
+        "memory",
+        f"RSS growth: {args.readers} concurrent requests over one cached {args.document}-token document",
+        {"document": args.document, "readers": args.readers, "new_tokens": 20, "max_tokens": 16},
+    )
+    report.checks = [
+        Check("RSS growth, Engine (batch 1)", engine_mb, "MiB"),
+        Check("RSS growth, BatchEngine", batch_mb, "MiB"),
+        Check("RSS growth BatchEngine / Engine", batch_mb / engine_mb, "", 0.15),
+    ]
+    report.notes = [
+        f"the document's KV is {kv_mb:.0f} MiB; each reader adds 20 prompt and 16 reply tokens; RSS sampled "
+        "every 5 ms from /proc/self/statm, peak minus the level just before the readers were sent, median of "
+        "3 rounds after warm-up rounds: "
+        + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in rounds)} MiB" for k, rounds in growth.items()),
+    ]
+    return report
+
+
+def model_token_bytes(model) -> int:
+    from kvblocks.adapters import hf
+    from kvblocks.layout import KVLayout
+
+    return KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))).token_bytes()
+
+
+def ttft(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    import copy
+
+    import torch
+
+    from kvblocks.adapters import hf
+
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(3)
+    prefix = _random_ids(rng, vocab, args.cached)
+    engines = {"BatchEngine": _engine(model, tokenizer, 16), "Engine (batch 1)": _engine(model, tokenizer, 1)}
+    with torch.inference_mode():
+        ready = hf.empty_cache(model.config)
+        model(input_ids=torch.tensor([prefix]), past_key_values=ready, use_cache=True)
+    state: dict[str, object] = {}
+
+    def fresh() -> None:
+        state["new"] = _random_ids(rng, vocab, args.new)
+
+    def ideal_setup() -> None:
+        fresh()
+        state["cache"] = copy.deepcopy(ready)
+
+    @torch.inference_mode()
+    def ideal() -> None:
+        logits = model(
+            input_ids=torch.tensor([state["new"]]), past_key_values=state["cache"], use_cache=True
+        ).logits
+        int(logits[0, -1].argmax())
+
+    def through(engine):
+        return lambda: _Call(engine, prefix + state["new"], 1).wait()
+
+    try:
+        for engine in engines.values():
+            _Call(engine, prefix, 1).wait()  # the prefix is cached
+        variants = [Variant("ideal (prefill the new tokens only)", ideal, ideal_setup)]
+        variants += [Variant(name, through(engine), fresh) for name, engine in engines.items()]
+        samples = measure(variants, args.runs, opts, "ttft")
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    report = Report(
+        "ttft-cached",
+        f"TTFT with {args.cached} cached + {args.new} new tokens against the ideal",
+        {"cached": args.cached, "new": args.new, "runs": args.runs},
+        samples,
+        baseline="ideal (prefill the new tokens only)",
+    )
+    ideal_s = report.median("ideal (prefill the new tokens only)")
+    report.checks = [
+        Check("TTFT BatchEngine / ideal", report.median("BatchEngine") / ideal_s, "", 1.02),
+        Check("TTFT Engine (batch 1) / ideal", report.median("Engine (batch 1)") / ideal_s),
+    ]
+    report.notes = [
+        "engines: submit to first piece on the engine's thread (ids given, no tokenizer), max_tokens 1; ideal: "
+        "the bare model's forward of the new tokens over a DynamicCache already holding the prefix (copied "
+        "before the timer starts) and the argmax; Engine gathers the cached prefix into a new DynamicCache "
+        "per request, BatchEngine reads it from the pool in place",
+    ]
+    return report
+
+
+def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    """Greedy replies of chat turns sharing a system prompt: each request alone vs all at once."""
+    from kvblocks.bench.server import system_prompt
+    from kvblocks.text import encode_prompt
+
+    system = system_prompt(tokenizer, 600)
+    prompts = [
+        encode_prompt(
+            tokenizer,
+            [
+                {"role": "system", "content": system},
+                {
+                    "role": "user",
+                    "content": f"Customer {i} asks about order {1000 + 37 * i}: {_QUESTIONS[i % 4]}",
+                },
+            ],
+        )
+        for i in range(args.agents)
+    ]
+
+    def alone(engine) -> list[_Call]:
+        out = []
+        for ids in prompts:
+            call = _Call(engine, ids, args.reply, logprobs=2)
+            call.wait()
+            out.append(call)
+        return out
+
+    def together(engine) -> list[_Call]:
+        calls = [_Call(engine, ids, args.reply, logprobs=2) for ids in prompts]
+        for call in calls:
+            call.wait()
+        return calls
+
+    runs: dict[str, list[_Call]] = {}
+    t0 = time.perf_counter()
+    for name, batch, invariant, how in (
+        ("Engine, alone", 1, True, alone),
+        ("BatchEngine invariant, alone", 16, True, alone),
+        ("BatchEngine invariant, all at once", 16, True, together),
+        ("BatchEngine --no-batch-invariant, all at once", 16, False, together),
+    ):
+        engine = _engine(model, tokenizer, batch, invariant=invariant)
+        try:
+            runs[name] = how(engine)
+        finally:
+            engine.stop()
+    elapsed = time.perf_counter() - t0
+    checks, notes = [], []
+    for name, reference in (
+        ("BatchEngine invariant, all at once", "BatchEngine invariant, alone"),
+        ("BatchEngine invariant, all at once", "Engine, alone"),
+        ("BatchEngine --no-batch-invariant, all at once", "Engine, alone"),
+        ("BatchEngine invariant, alone", "Engine, alone"),
+    ):
+        flips, exact, worst = [], 0, 0.0
+        for a, b in zip(runs[name], runs[reference]):
+            exact += [(lp.token, lp.logprob, tuple(lp.top)) for lp in a.logprobs] == [
+                (lp.token, lp.logprob, tuple(lp.top)) for lp in b.logprobs
+            ]
+            steps = min(len(a.tokens), len(b.tokens))
+            same = next((i for i in range(steps) if a.tokens[i] != b.tokens[i]), steps)
+            worst = max(
+                [worst] + [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:same], b.logprobs[:same])]
+            )
+            if same < steps:
+                top = b.logprobs[same].top
+                flips.append((same, top[0][1] - top[1][1]))
+        target = 0 if reference == "BatchEngine invariant, alone" else None
+        checks.append(Check(f"greedy flips, {name} vs {reference}", len(flips), "", target))
+        checks.append(Check(f"bit-identical logprobs, {name} vs {reference}", exact / len(prompts)))
+        notes.append(
+            f"{name} vs {reference}: {len(flips)} of {len(prompts)} replies differ"
+            + "".join(f"; at token {i} (top-2 logprob margin {m:.2e})" for i, m in flips)
+            + f"; largest chosen-token logprob difference before any flip {worst:.2e}"
+        )
+    report = Report(
+        "exactness",
+        f"Greedy replies of {args.agents} chat turns sharing a system prompt, alone vs all at once",
+        {"agents": args.agents, "reply_tokens": args.reply, "system_prompt_tokens": 600},
+    )
+    report.checks = checks
+    report.notes = [
+        *notes,
+        f"fp32 on CPU, {args.reply} greedy tokens per request (ignore_eos), logprobs with the top 2; alone = "
+        "each request submitted once the previous one finished; all at once = 16 requests submitted together "
+        f"(batch 16, 512 tokens/step); margin = top-1 minus top-2 logprob of the reference at the first "
+        f"differing token; {elapsed:.0f} s for the four runs",
+    ]
+    return report
+
+
+_QUESTIONS = (
+    "it has not arrived yet, what should I do?",
+    "can I change the delivery address?",
+    "the box was damaged, how do I return it?",
+    "why was I charged twice?",
+)
