@@ -145,9 +145,26 @@ def test_server_suite_runs_cache_on_and_off_servers_on_a_tiny_model(tmp_path, ca
 
 def test_packed_suite_decodes_the_same_tokens_both_ways_on_a_tiny_model(tmp_path, capsys):
     args = ["packed", "--model", str(tiny_model_dir()), "--requests", "3", "--context", "24", "--steps", "2"]
-    found = checks(run_suite(tmp_path, capsys, *args), "packed-decode")
+    found = checks(run_suite(tmp_path, capsys, *args, "--only", "decode"), "packed-decode")
     assert found["requests whose greedy tokens differ"] == 0
     assert found["decode throughput, packed / one at a time"] > 0
+
+
+def test_packed_engine_suites_run_on_a_tiny_model(tmp_path, capsys):
+    sizes = {"long-prompt": 150, "short-requests": 2, "document": 100, "readers": 2, "cached": 60, "new": 10}
+    sizes |= {"runs": 2, "agents": 3, "reply": 4, "system-tokens": 60}
+    args = ["packed", "--model", str(tiny_model_dir()), *(f"--{k}={v}" for k, v in sizes.items())]
+    reports = run_suite(tmp_path, capsys, *args, "--only", "head-of-line", "--only", "memory", "--only", "ttft",
+                        "--only", "exactness")  # fmt: skip
+    exact = checks(reports, "exactness")
+    # invariant batching: the same bits all at once as alone, whatever the timing
+    assert exact["greedy flips, BatchEngine invariant, all at once vs BatchEngine invariant, alone"] == 0
+    key = "share of replies with bit-identical logprobs, BatchEngine invariant, all at once vs BatchEngine invariant, alone"
+    assert exact[key] == 1
+    memory = checks(reports, "memory")
+    assert memory["RSS growth, Engine (batch 1)"] >= 0 and memory["RSS growth, BatchEngine"] >= 0
+    assert checks(reports, "ttft-cached")["TTFT BatchEngine / ideal"] > 0
+    assert checks(reports, "head-of-line")["short-request TTFT loaded / idle, Engine (batch 1)"] > 0
 
 
 def test_suites_reject_bad_sizes_with_one_line(capsys):

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     with tempfile.TemporaryDirectory(prefix="kvblocks-bench-server-") as tmp:
         servers = {}
         try:
-            servers["on"] = spawn_serve(common, Path(tmp), "cache-on")
+            servers["on"] = spawn_serve([*common, "--max-batch-size", "1"], Path(tmp), "cache-on")
             servers["off"] = spawn_serve([*common, "--no-cache"], Path(tmp), "cache-off")
             if args.batch_size > 1:
                 batched = [*common, "--max-batch-size", str(args.batch_size)]
@@ -425,7 +425,8 @@ def build_report(
         "the history and a new user message); a round starts all agents at once and ends when the last "
         "finishes; requests/s = requests / round wall time",
         "`kvblocks serve` subprocesses (same model, 1 torch thread each) run for the whole benchmark, "
-        "one with the default 1 GiB prefix cache and one with `--no-cache`"
+        "one with the default 1 GiB prefix cache and `--max-batch-size 1` (one request per forward) and one "
+        "with `--no-cache`"
         + (f", and one with the cache and `--max-batch-size {args.batch_size}`" if "batched" in loads else "")
         + "; rounds rotate between them and "
         f"each server first got {max(0, len(loads['off'].sent) - len(loads['off'].timed))} untimed warm-up "
