@@ -8,13 +8,19 @@ slots, never copied) plus slots it reserves for its own tokens. When its prompt 
 prompt's slots pass to the trie (`adopt`, no copy) so requests admitted later hit it; when it ends,
 its reply's do. Waiting requests are admitted longest cached prefix first, except that one waiting
 longer than `max_wait_steps` loop iterations goes first, and only while the pool has room for the
-uncached prompt plus a watermark. When the pool runs out of slots, the
-youngest other running request is preempted: its private slots are freed, it keeps its sampling
-and text state and resumes later by prefilling what it had (mostly a cache hit of its own prompt).
+uncached prompt plus a watermark. When the pool runs out of slots, the youngest other running
+request is preempted: its private slots are freed, it keeps its sampling and text state and resumes
+later by prefilling what it had (mostly a cache hit of its own prompt).
 
-Requests the packed path does not serve (speculative decoding, prompt log-probabilities, models
-`kvblocks.paged` does not support, no cache) run as in `Engine`: one `CachedGenerator.stream`
-step per loop iteration, between the packed forwards.
+With a `SpeculativeGenerator`, a request's prompt is prefilled up to its last token and each later
+step is a draft/verify round: the drafter proposes (its own session, as on the one-request path),
+the last token and the drafts are one multi-token segment of the packed forward with every row's
+logits kept, `verify` accepts a prefix of them, and the rejected drafts' slots go back (rollback is
+a shorter slot list). Same drafts, same rng order, same tokens as the one-request path.
+
+Requests the packed path does not serve (prompt log-probabilities, prompts too large for the pool)
+run as in `Engine`: one `CachedGenerator.stream` step per loop iteration, between the packed
+forwards.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from kvblocks.generator import CachedGenerator, GenerationResult, Piece
 from kvblocks.metrics import Metrics
 from kvblocks.params import GenerationParams
 from kvblocks.radix import common_prefix_len
-from kvblocks.sampling import LogitsProcessor, choose, token_logprobs
+from kvblocks.sampling import LogitsProcessor, choose, distribution, token_logprobs
 from kvblocks.text import StopTextAssembler
 from kvblocks.trie import Hit, PoolFullError
 
@@ -61,6 +67,10 @@ class Sequence:
     waited: int = 0
     ttft_s: float = 0.0
     started: bool = False
+    draft: Any = None  # speculative decoding: the request's DraftSession
+    spec: Any = None  # its SpecStats
+    gamma: int = 0
+    proposal: tuple = ()  # this step's (drafts, q, tail_q), verified after the forward
 
 
 class BatchEngine(Engine):
@@ -92,6 +102,14 @@ class BatchEngine(Engine):
                 f"{max_batch_tokens} < {max_batch_size} + {chunk}"
             )
         super().__init__(generator, metrics, max_active)
+        from kvblocks.specdec.generator import SpeculativeGenerator
+
+        # plain decoding, or draft/verify rounds as multi-token chunks of the packed forward
+        self.speculative = type(generator) is SpeculativeGenerator
+        if type(generator) is not CachedGenerator and not self.speculative:
+            raise ValueError(
+                f"the batched engine runs CachedGenerator or SpeculativeGenerator, not {type(generator)}"
+            )
         self.cache = generator.cache
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -170,16 +188,17 @@ class BatchEngine(Engine):
         options = dict(request.options)
         params = options.pop("params", None)
         salt = options.pop("salt", None)
-        if options or type(self.generator) is not CachedGenerator:
+        if options:
             return None
         if params is None:
             params = GenerationParams()
         if params.prompt_logprobs is not None:
             return None
         ids, max_new, rng, text, processor = self.generator.prepare(request.prompt, params)
-        if len(ids) + max_new > self.cache.pool.capacity - self.cache.pinned_tokens:
+        gamma = self.generator.max_gamma if self.speculative else 0
+        if len(ids) + max_new + gamma > self.cache.pool.capacity - self.cache.pinned_tokens:
             return None  # it cannot fit in the pool beside the pinned prefixes: its own DynamicCache
-        return Sequence(
+        s = Sequence(
             request,
             ids,
             params,
@@ -191,6 +210,13 @@ class BatchEngine(Engine):
             sequence=list(ids),
             logprobs=None if params.logprobs is None else [],
         )
+        if self.speculative:
+            from kvblocks.specdec.generator import SpecStats
+
+            s.draft = self.generator.drafter.start(ids, salt)
+            s.gamma = self.generator.gamma
+            s.spec = SpecStats(s.gamma)
+        return s
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -269,7 +295,15 @@ class BatchEngine(Engine):
             take = self._take_tokens(s, budget)
             if take <= 0 or s not in self._running:
                 continue
-            if not self._reserve(s, take, batch):
+            if s.draft is not None and take == len(s.sequence) - s.computed:  # a draft/verify round
+                room = min(s.gamma, budget - take)
+                if not self._reserve(s, take + room, batch):  # slots first: drafting consumes the rng
+                    continue
+                take += self._propose(s, room)
+                if len(s.slots) > s.computed + take:  # fewer drafts than room
+                    self.cache.release_slots(s.slots[s.computed + take :])
+                    s.slots = s.slots[: s.computed + take]
+            elif not self._reserve(s, take, batch):
                 continue
             batch.append((s, take))
             budget -= take
@@ -277,6 +311,11 @@ class BatchEngine(Engine):
             return
         segments, last = [], []
         for s, n in batch:
+            if s.proposal:  # the last token and the drafts, every row's logits kept for verification
+                tokens = s.sequence + s.proposal[0]
+                segments.append(paged.Segment(tokens[s.computed :], s.slots[: s.computed + n], keep=n))
+                last.append(len(segments) - 1)
+                continue
             ends = (
                 paged.chunk_ends(s.computed, s.computed + n, self.chunk)
                 if self.invariant
@@ -297,6 +336,9 @@ class BatchEngine(Engine):
             return
         for (s, n), i in zip(batch, last):
             logits = outputs[i]
+            if s.proposal:
+                self._verify(s, logits)
+                continue
             s.computed += n
             if s.computed == len(s.sequence):
                 self._next_token(s, logits[-1])
@@ -305,12 +347,40 @@ class BatchEngine(Engine):
         """How many of `s`'s uncomputed tokens this step takes: as many as the budget allows, or in
         batch-invariant mode up to the last of its prompt's fixed cuts the budget reaches."""
         left = len(s.sequence) - s.computed
+        if s.draft is not None and left > 1:  # prefill stops before the last token: rounds feed it
+            left -= 1
         if not self.invariant or left <= budget:
             return min(left, budget)
         reachable = [
             e for e in paged.chunk_ends(s.computed, len(s.sequence), self.chunk) if e - s.computed <= budget
         ]
         return reachable[-1] - s.computed if reachable else 0
+
+    def _propose(self, s: Sequence, room: int) -> int:
+        """Draft this round's tokens for speculative `s` (at most `room`); returns how many."""
+        drafts, q, tail_q = self.generator.propose(s.draft, s.sequence, room, s.params.sampling, s.rng)
+        s.proposal = (drafts, q, tail_q)
+        return len(drafts)
+
+    def _verify(self, s: Sequence, logits) -> None:
+        """Accept a prefix of the drafts and one token of the target's; the rejected drafts' slots go
+        back (rollback = a shorter slot list). Tokens are emitted one by one, as decoded ones are."""
+        from kvblocks.specdec.rejection import verify
+
+        drafts, q, tail_q = s.proposal
+        s.proposal = ()
+        sampling = s.params.sampling
+        n, token = verify(distribution(logits, sampling), drafts, q, sampling.greedy, s.rng, tail_q=tail_q)
+        s.computed += 1 + n  # the fed token and the accepted drafts hold KV now
+        if len(s.slots) > s.computed:
+            self.cache.release_slots(s.slots[s.computed :])
+            s.slots = s.slots[: s.computed]
+        s.draft.rollback(len(s.sequence) + n)
+        s.spec.record(len(drafts), n)
+        s.gamma = self.generator.next_gamma(s.gamma, len(drafts), n)
+        for t, row in zip([*drafts[:n], token], logits):
+            if self._accept(s, t, row):
+                return
 
     def _reserve(self, s: Sequence, n: int, batch: list[tuple[Sequence, int]]) -> bool:
         """Slots for `n` more positions of `s`; preempts the youngest other running request (not one
@@ -351,12 +421,16 @@ class BatchEngine(Engine):
     # ---- tokens and pieces ----------------------------------------------------------------------
 
     def _next_token(self, s: Sequence, logits) -> None:
-        request = s.request
-        params = s.params
         row = logits if s.processor is None else s.processor(logits)
-        token = choose(row, params.sampling, s.rng)
+        token = choose(row, s.params.sampling, s.rng)
         if s.processor is not None:
             s.processor.accept(token)
+        self._accept(s, token, logits)
+
+    def _accept(self, s: Sequence, token: int, logits) -> bool:
+        """Append `token` (chosen from `logits`), emit its piece; True when it ends the request."""
+        request = s.request
+        params = s.params
         now = self._observe(request, 1)
         if not s.generated:
             s.ttft_s = now - request.submitted
@@ -379,7 +453,7 @@ class BatchEngine(Engine):
                 finish = "length"
         if finish is None:
             request.emit(Piece(pending, [token], logprobs=logprobs))
-            return
+            return False
         self._complete(s)
         result = GenerationResult(
             token_ids=s.generated,
@@ -391,10 +465,12 @@ class BatchEngine(Engine):
             finish_reason=finish,
             prompt_ids=s.ids,
             logprobs=s.logprobs,
+            spec=s.spec,
         )
         piece = Piece(pending + s.text.flush(), [token], result, logprobs=logprobs)
         self._record(piece)
         request.emit(piece)
+        return True
 
     def _commit_prompt(self, s: Sequence) -> None:
         """The prompt's slots pass to the trie as soon as it is computed; the request keeps them
@@ -403,22 +479,28 @@ class BatchEngine(Engine):
         if s.committed_prompt:
             return
         s.committed_prompt = True
-        n = s.computed
+        n = min(s.computed, len(s.sequence))
+        beyond = s.slots[n:]  # a speculative round's accepted drafts: still the request's own
         self.cache.adopt(s.sequence[:n], s.slots[:n], s.start, salt=s.salt)
         held = self.cache.hold(s.sequence[:n], salt=s.salt)
         s.hit.release()
         s.hit = held
-        s.slots = held._slots.copy()
-        s.start = len(s.slots)
+        s.slots = np.concatenate([held._slots, beyond])
+        s.start = len(held._slots)
 
     def _complete(self, s: Sequence) -> None:
         """The computed tokens (prompt and reply, not the last sampled one) pass to the trie."""
         self._running.remove(s)
-        n = s.computed
+        n = min(s.computed, len(s.sequence))
+        if len(s.slots) > max(n, s.start):  # KV of drafts accepted past the token that ended it
+            self.cache.release_slots(s.slots[max(n, s.start) :])
+            s.slots = s.slots[: max(n, s.start)]
         if n > s.start:
             self.cache.adopt(s.sequence[:n], s.slots[:n], s.start, salt=s.salt)
             s.slots = s.slots[: s.start]  # all passed to the trie
         self._release(s)
+        if s.draft is not None:
+            s.draft.end(s.sequence)
 
     def _drop(self, s: Sequence) -> None:
         """A cancelled or failed request: its own slots go back, its lock is released."""
@@ -427,3 +509,5 @@ class BatchEngine(Engine):
         if s in self._waiting:
             self._waiting.remove(s)
         self._release(s)
+        if s.draft is not None:
+            s.draft.end(s.sequence)

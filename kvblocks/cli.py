@@ -128,8 +128,6 @@ def build_engine(args: argparse.Namespace, gen):
         why = "--no-cache"
     elif not paged.supports(gen.model):
         why = f"model type '{gen.model.config.model_type}' has no packed attention path yet"
-    elif args.draft:
-        why = "--draft (speculative decoding runs one request at a time)"
     if why is not None:
         if args.max_batch_size is not None:  # asked for, not the default
             print(f"kvblocks: --max-batch-size {size} ignored: {why}", file=sys.stderr, flush=True)

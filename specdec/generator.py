@@ -20,7 +20,7 @@ from kvblocks.params import GenerationParams, ParamError
 from kvblocks.sampling import SamplingParams, distribution
 from kvblocks.trie import KVCacheTrie
 
-from .drafters import Drafter, Proposal
+from .drafters import Drafter, DraftSession, Proposal
 from .rejection import verify
 
 _NO_DRAFT = Proposal([], None)
@@ -138,6 +138,37 @@ class SpeculativeGenerator(CachedGenerator):
                 "use a plain CachedGenerator for this request",
             )
 
+    def propose(
+        self,
+        session: DraftSession,
+        committed: list[int],
+        gamma: int,
+        params: SamplingParams,
+        rng: torch.Generator | None,
+    ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        """One round's drafts (at most `gamma`, fewer near the context's end), their drafter
+        probabilities aligned to the target's vocabulary (None from a point-mass drafter) and
+        `tail_q`, the drafter's distribution where a draft the target's vocabulary lacks cut the
+        round short (for `verify`). The batched engine drafts through here too."""
+        room = gamma if self.max_context is None else min(gamma, self.max_context - len(committed) - 1)
+        proposal = session.propose(committed, room, params, rng) if room > 0 else _NO_DRAFT
+        drafts = proposal.tokens[: max(room, 0)]
+        # A draft id the target's vocabulary lacks has p = 0: it is rejected outright, so it is never
+        # fed to the target and the round ends there with a residual sample.
+        cut = next((i for i, t in enumerate(drafts) if t >= self.target_vocab), len(drafts))
+        tail_q = None
+        if cut < len(drafts) and proposal.q is not None:
+            tail_q = _match_vocab(proposal.q[cut], self.target_vocab)
+        drafts = drafts[:cut]
+        q = None if proposal.q is None else _match_vocab(proposal.q[: len(drafts)], self.target_vocab)
+        return drafts, q, tail_q
+
+    def next_gamma(self, gamma: int, drafted: int, accepted: int) -> int:
+        """Adaptive gamma: one more after a fully accepted round, one fewer after a rejection."""
+        if not self.adaptive or not drafted:
+            return gamma
+        return min(gamma + 1, self.max_gamma) if accepted == drafted else max(gamma - 1, 1)
+
     def _decode(
         self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None
     ) -> Iterator[int]:
@@ -148,23 +179,10 @@ class SpeculativeGenerator(CachedGenerator):
         drafter = self.drafter.start(ids, run.salt)
         try:
             while True:
-                room = (
-                    gamma if self.max_context is None else min(gamma, self.max_context - len(committed) - 1)
-                )
-                proposal = drafter.propose(committed, room, params, rng) if room > 0 else _NO_DRAFT
-                drafts = proposal.tokens[: max(room, 0)]
-                # A draft id the target's vocabulary lacks has p = 0: it is rejected outright, so it
-                # is never fed to the target and the round ends there with a residual sample.
-                cut = next((i for i, t in enumerate(drafts) if t >= self.target_vocab), len(drafts))
-                tail_q = None
-                if cut < len(drafts) and proposal.q is not None:
-                    tail_q = _match_vocab(proposal.q[cut], self.target_vocab)
-                drafts = drafts[:cut]
+                drafts, q, tail_q = self.propose(drafter, committed, gamma, params, rng)
                 feed = committed[run.computed :] + drafts
                 logits = self.runner.forward(feed, run.past, keep=len(drafts) + 1)
-                p = distribution(logits, params)
-                q = None if proposal.q is None else _match_vocab(proposal.q[: len(drafts)], self.target_vocab)
-                n, token = verify(p, drafts, q, params.greedy, rng, tail_q=tail_q)
+                n, token = verify(distribution(logits, params), drafts, q, params.greedy, rng, tail_q=tail_q)
                 new = [*drafts[:n], token]
                 committed.extend(new)
                 hf.crop(run.past, len(committed) - 1)
@@ -173,8 +191,7 @@ class SpeculativeGenerator(CachedGenerator):
                 stats.record(len(drafts), n)
                 if self.on_round is not None:
                     self.on_round(Round(list(committed), drafts, n, token, run.past))
-                if self.adaptive and drafts:
-                    gamma = min(gamma + 1, self.max_gamma) if n == len(drafts) else max(gamma - 1, 1)
+                gamma = self.next_gamma(gamma, len(drafts), n)
                 for emitted, row in zip(new, logits[: n + 1]):
                     if run.logits is not None:  # row by row: the consumer may stop mid-round
                         run.logits.append(row.detach().clone())

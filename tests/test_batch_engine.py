@@ -202,6 +202,53 @@ def test_batch_invariant_mode_gives_each_request_the_bits_it_gets_alone(arch):
         together.stop()
 
 
+@pytest.mark.parametrize(
+    ("arch", "drafter"),
+    [(arch, "lookup") for arch in PACKED_ARCHS] + [("llama", "model"), ("gemma3", "model")],
+)
+def test_speculative_rounds_are_chunks_of_the_packed_forward_and_match_the_one_request_path(arch, drafter):
+    """Draft/verify rounds inside packed forwards (rejected drafts' slots freed) give the tokens the
+    one-request speculative path gives, greedy and seeded sampling alike, through preemptions."""
+    from kvblocks.specdec import SpeculativeGenerator
+    from kvblocks.specdec.drafters import ModelDrafter, PromptLookupDrafter, truncated_model
+
+    model = tiny_model(arch, torch.float64)
+    prompts = [p * 2 for p in workload(seed=9)]  # repeats: the lookup drafter finds something
+    params = [GenerationParams(max_new_tokens=12)] * 4 + [
+        GenerationParams(max_new_tokens=12, temperature=0.8, seed=5),
+        GenerationParams(max_new_tokens=12, temperature=1.1, top_p=0.9, seed=6),
+    ]
+
+    def generator(cache):
+        draft = PromptLookupDrafter() if drafter == "lookup" else ModelDrafter(truncated_model(model, 1))
+        return SpeculativeGenerator(model, IdTokenizer(), cache, draft, gamma=3, adaptive=True)
+
+    one = Engine(generator(KVCacheTrie.for_model(model, capacity_tokens=4096))).start()
+    batched = BatchEngine(generator(KVCacheTrie.for_model(model, capacity_tokens=96)), max_batch_size=6,
+                          max_batch_tokens=80).start()  # fmt: skip
+    plain = Engine(CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, 4096))).start()
+    try:
+        alone = run_all(one, prompts, params)
+        together = run_all(batched, prompts, params)
+        assert summary(together) == summary(alone)
+        greedy = [i for i, p in enumerate(params) if p.sampling.greedy]
+        assert [together[i]["tokens"] for i in greedy] == [
+            r["tokens"] for r in run_all(plain, prompts, params)
+        ][:4]
+        assert batched.preemptions > 0 and batched.one_at_a_time == 0
+        rounds = [r["result"].spec for r in together]
+        assert all(spec is not None and spec.rounds > 0 for spec in rounds)
+        assert sum(spec.drafted - spec.accepted for spec in rounds) > 0  # some drafts were rejected
+        deadline = time.monotonic() + 10
+        while batched.active:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        no_leaks(batched.cache)
+    finally:
+        for engine in (one, batched, plain):
+            engine.stop()
+
+
 def test_a_request_larger_than_the_pool_runs_on_its_own_cache():
     model = tiny_model("llama", torch.float64)
     prompts = [workload(seed=5)[0] * 3]  # 45+ tokens, with 10 new, in a 32-slot pool
