@@ -71,6 +71,7 @@ class Sequence:
     spec: Any = None  # its SpecStats
     gamma: int = 0
     proposal: tuple = ()  # this step's (drafts, q, tail_q), verified after the forward
+    held_back: int = 0  # steps in a row this long prefill sat out for a request's first token
 
 
 class BatchEngine(Engine):
@@ -82,7 +83,7 @@ class BatchEngine(Engine):
         metrics: Metrics | None = None,
         max_active: int = 64,
         max_batch_size: int = 16,
-        max_batch_tokens: int = 512,
+        max_batch_tokens: int = 80,
         max_wait_steps: int = 64,
         join_min_tokens: int = 32,
         invariant: bool = False,
@@ -291,10 +292,19 @@ class BatchEngine(Engine):
         # decodes first (one token each), then prefills, fewest tokens left first: a short prompt is not
         # held behind a long one, which takes what budget is left every step
         order = sorted(self._running, key=lambda s: (len(s.sequence) - s.computed, s.admitted_at))
+        # a request whose first token is one short step away gets that step without long prefills in
+        # it (a long prefill sits out at most max_wait_steps steps in a row): head-of-line blocking
+        # is then at most what remains of the step in flight
+        urgent = any(not r.generated and 0 < len(r.sequence) - r.computed <= self.chunk for r in order)
         for s in order:
+            long = len(s.sequence) - s.computed > self.chunk
+            if urgent and long and s.held_back < self.max_wait_steps:
+                s.held_back += 1
+                continue
             take = self._take_tokens(s, budget)
             if take <= 0 or s not in self._running:
                 continue
+            s.held_back = 0
             if s.draft is not None and take == len(s.sequence) - s.computed:  # a draft/verify round
                 room = min(s.gamma, budget - take)
                 if not self._reserve(s, take + room, batch):  # slots first: drafting consumes the rng
