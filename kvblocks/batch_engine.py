@@ -3,7 +3,9 @@
 `BatchEngine` has `Engine`'s interface (submit, load, metrics, start, stop) and the same emitted
 pieces, but each loop iteration is one packed forward (`kvblocks.paged`) over every running
 request: decode tokens first, then chunks of prefill, under `max_batch_tokens`, for at most
-`max_batch_size` requests. A request's KV is a slot list: its locked cached prefix (the trie's own
+`max_batch_size` requests; a step in which some request can get its first token leaves long
+prefills out (head-of-line blocking is then the step in flight plus one short step). A request's
+KV is a slot list: its locked cached prefix (the trie's own
 slots, never copied) plus slots it reserves for its own tokens. When its prompt is computed, the
 prompt's slots pass to the trie (`adopt`, no copy) so requests admitted later hit it; when it ends,
 its reply's do. Waiting requests are admitted longest cached prefix first, except that one waiting

@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -143,6 +141,7 @@ class Load:
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
+    import httpx
     from transformers import AutoTokenizer
 
     from kvblocks import models
@@ -158,33 +157,36 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     common = ["--threads", str(opts.threads), *args.server_arg]
     if args.model:
         common += ["--model", args.model]
-    with tempfile.TemporaryDirectory(prefix="kvblocks-bench-server-") as tmp:
-        servers = {}
-        try:
-            servers["on"] = spawn_serve([*common, "--max-batch-size", "1"], Path(tmp), "cache-on")
-            servers["off"] = spawn_serve([*common, "--no-cache"], Path(tmp), "cache-off")
-            if args.batch_size > 1:
-                batched = [*common, "--max-batch-size", str(args.batch_size)]
-                servers["batched"] = spawn_serve(batched, Path(tmp), "batched")
-            if args.transformers_serve:
-                servers["transformers"] = spawn_transformers_serve(str(path), Path(tmp), opts.threads)
-            if args.llama_server:
-                if args.model:
-                    raise UserError("--llama-server runs the default model's GGUF: leave --model out")
-                ctx = args.system_tokens + 200 * args.turns + 256  # a whole conversation fits one slot
-                servers["llama"] = fixtures.spawn_llama_server(
-                    models.gguf_path(), Path(tmp), args.agents, ctx, opts.threads
-                )
-            for server in servers.values():
-                wait_serve(server)
-            urls = {key: server.url for key, server in servers.items()}
-            loads, cold = asyncio.run(drive(opts, args, tokenizer, system, urls))
-            stats = _cache_stats(urls["on"])
-        except ServiceError as exc:
-            raise UserError(str(exc)) from exc
-        finally:
-            for server in servers.values():
-                server.stop()
+    logs = opts.out / "server-logs"  # every server's stderr, kept for when one misbehaves
+    servers = {}
+    try:
+        servers["on"] = spawn_serve([*common, "--max-batch-size", "1"], logs, "cache-on")
+        servers["off"] = spawn_serve([*common, "--no-cache"], logs, "cache-off")
+        if args.batch_size > 1:
+            batched = [*common, "--max-batch-size", str(args.batch_size)]
+            servers["batched"] = spawn_serve(batched, logs, "batched")
+        if args.transformers_serve:
+            servers["transformers"] = spawn_transformers_serve(str(path), logs, opts.threads)
+        if args.llama_server:
+            if args.model:
+                raise UserError("--llama-server runs the default model's GGUF: leave --model out")
+            ctx = args.system_tokens + 200 * args.turns + 256  # a whole conversation fits one slot
+            servers["llama"] = fixtures.spawn_llama_server(
+                models.gguf_path(), logs, args.agents, ctx, opts.threads
+            )
+        for server in servers.values():
+            wait_serve(server)
+        urls = {key: server.url for key, server in servers.items()}
+        loads, cold = asyncio.run(drive(opts, args, tokenizer, system, urls))
+        stats = _cache_stats(urls["on"])
+    except ServiceError as exc:
+        raise UserError(str(exc)) from exc
+    except httpx.HTTPError as exc:
+        down = [key for key, server in servers.items() if not server.alive()]
+        raise UserError(f"{exc!r} (servers that exited: {down or 'none'}; their logs are in {logs})") from exc
+    finally:
+        for server in servers.values():
+            server.stop()
     report = build_report(args, tokenizer, system, loads, cold, stats)
     return [report]
 
