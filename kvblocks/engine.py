@@ -12,6 +12,7 @@ import itertools
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -70,6 +71,7 @@ class Engine:
     def submit(self, prompt, emit: Callable[[Piece | BaseException], None], **options) -> Request:
         ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
         request = Request(prompt, options, emit, id=next(self._ids), tokens=len(prompt) if ids else 0)
+        request.emit = _guarded(emit, request)
         self._inbox.put(request)
         return request
 
@@ -175,3 +177,17 @@ class Engine:
             m.inc("kvblocks_spec_drafted_tokens_total", r.spec.drafted)
             m.inc("kvblocks_spec_accepted_tokens_total", r.spec.accepted)
             m.inc("kvblocks_spec_rounds_total", r.spec.rounds)
+
+
+def _guarded(emit: Callable[[Piece | BaseException], None], request: Request):
+    """`emit` as the engine thread calls it: a consumer whose callback raises loses its request
+    (cancelled, the traceback on stderr), never the engine thread or the other requests."""
+
+    def call(item: Piece | BaseException) -> None:
+        try:
+            emit(item)
+        except Exception:
+            traceback.print_exc()
+            request.cancelled.set()
+
+    return call

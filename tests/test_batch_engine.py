@@ -283,6 +283,30 @@ def test_a_cancelled_request_frees_its_slots_and_the_others_finish():
         engine.stop()
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["Engine", "BatchEngine"])
+def test_a_consumer_whose_callback_raises_loses_its_request_not_the_engine(batched, capsys):
+    model = tiny_model("llama", torch.float64)
+    cache = KVCacheTrie.for_model(model, capacity_tokens=4096)
+    gen = CachedGenerator(model, IdTokenizer(), cache)
+    engine = (BatchEngine(gen) if batched else Engine(gen)).start()
+    try:
+
+        def broken(item):
+            raise RuntimeError("the consumer broke")
+
+        engine.submit(workload(seed=10)[0], broken, params=GenerationParams(max_new_tokens=8))
+        (fine,) = run_all(engine, [workload(seed=11)[1]], [GenerationParams(max_new_tokens=8)])
+        assert fine["result"] is not None and len(fine["tokens"]) == 8
+        deadline = time.monotonic() + 10
+        while engine.active:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert "the consumer broke" in capsys.readouterr().err
+        no_leaks(cache)
+    finally:
+        engine.stop()
+
+
 def test_requests_the_packed_path_does_not_serve_take_the_one_request_path():
     model = tiny_model("llama", torch.float64)
     prompts = workload(seed=4, n=3)
