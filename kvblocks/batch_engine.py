@@ -40,8 +40,33 @@ from kvblocks.metrics import Metrics
 from kvblocks.params import GenerationParams
 from kvblocks.radix import common_prefix_len
 from kvblocks.sampling import LogitsProcessor, choose, distribution, token_logprobs
+from kvblocks.specdec.generator import SpecStats, SpeculativeGenerator
+from kvblocks.specdec.rejection import verify
 from kvblocks.text import StopTextAssembler
 from kvblocks.trie import Hit, PoolFullError
+
+CHUNK = 64  # batch-invariant mode cuts prompts at every multiple of this many positions
+
+
+def check_settings(
+    max_batch_size: int,
+    max_batch_tokens: int,
+    invariant: bool,
+    chunk: int = CHUNK,
+    names: tuple[str, str] = ("max_batch_size", "max_batch_tokens"),
+) -> None:
+    """ValueError naming what is wrong with a batch size and token budget, under `names` (`kvblocks
+    serve` checks its flags here before it loads the model)."""
+    size, tokens = names
+    if max_batch_size < 1 or max_batch_tokens < max_batch_size:
+        raise ValueError(
+            f"need {size} >= 1 and {tokens} >= {size}, got {max_batch_size} and {max_batch_tokens}"
+        )
+    if invariant and max_batch_tokens < max_batch_size + chunk:
+        raise ValueError(
+            f"batch-invariant batching cuts prompts every {chunk} tokens, so it needs {tokens} >= "
+            f"{size} + {chunk}, got {max_batch_tokens} with {size} {max_batch_size}"
+        )
 
 
 @dataclass(eq=False)
@@ -89,24 +114,13 @@ class BatchEngine(Engine):
         max_wait_steps: int = 64,
         join_min_tokens: int = 32,
         invariant: bool = False,
-        chunk: int = 64,
+        chunk: int = CHUNK,
         watermark: float = 0.01,
     ) -> None:
         if generator.cache is None or not paged.supports(generator.model):
             raise ValueError("the batched engine needs a prefix cache and a model kvblocks.paged supports")
-        if max_batch_size < 1 or max_batch_tokens < max_batch_size:
-            raise ValueError(
-                f"need max_batch_size >= 1 and max_batch_tokens >= max_batch_size, "
-                f"got {max_batch_size} and {max_batch_tokens}"
-            )
-        if invariant and max_batch_tokens < max_batch_size + chunk:
-            raise ValueError(
-                f"batch-invariant batching needs max_batch_tokens >= max_batch_size + chunk, got "
-                f"{max_batch_tokens} < {max_batch_size} + {chunk}"
-            )
+        check_settings(max_batch_size, max_batch_tokens, invariant, chunk)
         super().__init__(generator, metrics, max_active)
-        from kvblocks.specdec.generator import SpeculativeGenerator
-
         # plain decoding, or draft/verify rounds as multi-token chunks of the packed forward
         self.speculative = type(generator) is SpeculativeGenerator
         if type(generator) is not CachedGenerator and not self.speculative:
@@ -214,8 +228,6 @@ class BatchEngine(Engine):
             logprobs=None if params.logprobs is None else [],
         )
         if self.speculative:
-            from kvblocks.specdec.generator import SpecStats
-
             s.draft = self.generator.drafter.start(ids, salt)
             s.gamma = self.generator.gamma
             s.spec = SpecStats(s.gamma)
@@ -243,13 +255,16 @@ class BatchEngine(Engine):
         rest = sorted(
             (s for s in self._waiting if s.waited < self.max_wait_steps), key=lambda s: -cached[id(s)]
         )
-        available = self.cache.available_slots()
+        available, evictable = self.cache.pool.num_free, None
         for s in starved + rest:
             if room == 0:
                 break
             if s.waited < self.max_wait_steps and self._joins(s, cached[id(s)]):
                 continue
             need = len(s.sequence) - cached[id(s)] + self.watermark
+            if need > available and evictable is None:  # a walk of the tree, only when free slots fall short
+                evictable = self.cache.evictable_tokens()
+                available += evictable
             if need > available and self._running:  # admitted now, it would only preempt someone
                 self.deferred += 1
                 break
@@ -377,8 +392,6 @@ class BatchEngine(Engine):
     def _verify(self, s: Sequence, logits) -> None:
         """Accept a prefix of the drafts and one token of the target's; the rejected drafts' slots go
         back (rollback = a shorter slot list). Tokens are emitted one by one, as decoded ones are."""
-        from kvblocks.specdec.rejection import verify
-
         drafts, q, tail_q = s.proposal
         s.proposal = ()
         sampling = s.params.sampling
@@ -504,9 +517,10 @@ class BatchEngine(Engine):
         """The computed tokens (prompt and reply, not the last sampled one) pass to the trie."""
         self._running.remove(s)
         n = min(s.computed, len(s.sequence))
-        if len(s.slots) > max(n, s.start):  # KV of drafts accepted past the token that ended it
-            self.cache.release_slots(s.slots[max(n, s.start) :])
-            s.slots = s.slots[: max(n, s.start)]
+        kept = max(n, s.start)
+        if len(s.slots) > kept:  # KV of drafts accepted past the token that ended it
+            self.cache.release_slots(s.slots[kept:])
+            s.slots = s.slots[:kept]
         if n > s.start:
             self.cache.adopt(s.sequence[:n], s.slots[:n], s.start, salt=s.salt)
             s.slots = s.slots[: s.start]  # all passed to the trie

@@ -113,6 +113,10 @@ def load_stack(args: argparse.Namespace):
 DEFAULT_BATCH_SIZE = 16  # kvblocks serve without --max-batch-size, where the model has a packed path
 
 
+def batch_size(args: argparse.Namespace) -> int:
+    return DEFAULT_BATCH_SIZE if args.max_batch_size is None else args.max_batch_size
+
+
 def build_engine(args: argparse.Namespace, gen):
     """`BatchEngine` where the packed path serves the model (unless --max-batch-size 1), else `Engine`
     (one request per forward); when a batch size was asked for and cannot be had, a line on stderr
@@ -120,7 +124,7 @@ def build_engine(args: argparse.Namespace, gen):
     from kvblocks import paged
     from kvblocks.engine import Engine
 
-    size = DEFAULT_BATCH_SIZE if args.max_batch_size is None else args.max_batch_size
+    size = batch_size(args)
     if size == 1:
         return Engine(gen)
     why = None
@@ -222,17 +226,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.read_timeout <= 0:
         raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
-    size = DEFAULT_BATCH_SIZE if args.max_batch_size is None else args.max_batch_size
-    if size < 1 or args.max_batch_tokens < size:
+    from kvblocks.batch_engine import check_settings
+
+    size = batch_size(args)
+    try:  # batch invariance only matters where requests are batched
+        check_settings(size, args.max_batch_tokens, args.batch_invariant and size > 1,
+                       names=("--max-batch-size", "--max-batch-tokens"))  # fmt: skip
+    except ValueError as exc:
         raise UserError(
-            f"need --max-batch-size >= 1 and --max-batch-tokens >= --max-batch-size, "
-            f"got {size} and {args.max_batch_tokens}"
-        )
-    if size > 1 and args.batch_invariant and args.max_batch_tokens < size + 64:
-        raise UserError(
-            f"--batch-invariant needs --max-batch-tokens >= --max-batch-size + 64 (prompts are cut every 64 "
-            f"tokens), got {args.max_batch_tokens} with --max-batch-size {size}; or pass --no-batch-invariant"
-        )
+            f"{exc}{'; or pass --no-batch-invariant' if 'invariant' in str(exc) else ''}"
+        ) from exc
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
         raise UserError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     if args.kv_event_block_size < 1:

@@ -568,12 +568,11 @@ class KVCacheTrie:
                 raise PoolFullError(f"{n} slots asked for, {self._pool.num_free} free after eviction")
             return self._pool.alloc(n)
 
-    def available_slots(self) -> int:
-        """Slots `reserve` could hand out now: free ones plus resident tokens neither locked nor
-        pinned (eviction takes those)."""
+    def evictable_tokens(self) -> int:
+        """Resident tokens neither locked nor pinned: what `reserve` may evict beyond the free slots
+        (a walk of the whole tree)."""
         with self._lock:
-            unheld = sum(len(n.tokens) for n in self._tree.iter_nodes() if n.lock_ref == 0 and n.pin_ref == 0)
-            return self._pool.num_free + unheld
+            return sum(len(n.tokens) for n in self._tree.iter_nodes() if n.lock_ref == 0 and n.pin_ref == 0)
 
     def hold(self, token_ids: TokenIds, *, salt: Salt = None) -> Hit:
         """Lock the whole resident prefix of `token_ids` (no token left out, nothing counted as a
