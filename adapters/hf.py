@@ -4,15 +4,29 @@ A kvblocks pool stores every token's KV for every attention layer. This module t
 into a fresh `DynamicCache` with the layer classes the model itself would build (full attention,
 sliding window, hybrid layouts such as gemma2/gemma3), reads the KV of new tokens back out of a
 live cache, and crops a cache to a target length.
+
+Recurrent layers (SSM, short convolution, gated linear attention: transformers'
+`LinearAttentionCacheLayerMixin`) keep a state that summarises every token so far; it cannot be
+sliced per token. For the families in `STATEFUL_MODEL_TYPES` (each tested exact) this module
+copies that state out of a live cache at the position the cache has reached (`capture_state`,
+one byte string laid out by a `StateLayout`) and writes it back into a fresh cache
+(`apply_state`), which then continues exactly as the live one would have.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+)
 
-from kvblocks.layout import LayerSpec
+from kvblocks.layout import LayerSpec, StateLayout
 
 # Architectures whose cache carries recurrent (SSM / linear-attention / conv) state. That state
 # cannot be sliced per token, so serving a prefix of it would be silently wrong.
@@ -44,57 +58,116 @@ RECURRENT_MODEL_TYPES = frozenset(
 )
 
 
+# Recurrent families whose state kvblocks snapshots and restores, each proven exact by
+# tests/test_hybrid.py (fp64 bit-identical to a replay, fp32 greedy equal to no cache).
+STATEFUL_MODEL_TYPES = frozenset(
+    {
+        "mamba",
+        "mamba2",
+        "jamba",
+        "falcon_h1",
+        "lfm2",
+        "qwen3_next",
+        "granitemoehybrid",
+        "zamba2",
+    }
+)
+# Families whose recurrent layers start from a zero state whenever a forward gets more than one
+# token (transformers' mamba scan keeps only the conv state): after a snapshot, their tokens are
+# fed one per forward, which continues the state exactly.
+STEPWISE_MODEL_TYPES = frozenset({"mamba", "jamba"})
+RECURRENT_LAYER_TYPES = frozenset(
+    {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "attention_mamba"}
+)
+
+
 class UnsupportedModelError(ValueError):
     """The model's cache cannot be shared per token prefix without giving wrong output."""
+
+
+def _refuse(model_type: str, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"model type '{model_type}' {why}; kvblocks restores recurrent state exactly only for "
+        f"{', '.join(sorted(STATEFUL_MODEL_TYPES))} (and supports attention-only models)"
+    )
 
 
 def check_supported(config) -> None:
     model_type = getattr(config, "model_type", "?")
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    layer_types = set(getattr(text, "layer_types", None) or [])
-    recurrent = layer_types & {
-        "conv",
-        "linear_attention",
-        "hybrid",
-        "hybrid_sliding",
-        "mamba",
-        "attention_mamba",
-    }
-    if model_type in RECURRENT_MODEL_TYPES or recurrent:
-        raise UnsupportedModelError(
-            f"model type '{model_type}' keeps recurrent state in its cache, which cannot be reused per token "
-            "prefix without giving wrong output; kvblocks supports attention-only models"
+    recurrent = set(getattr(text, "layer_types", None) or []) & RECURRENT_LAYER_TYPES
+    if (model_type in RECURRENT_MODEL_TYPES or recurrent) and model_type not in STATEFUL_MODEL_TYPES:
+        raise _refuse(
+            model_type,
+            "keeps recurrent state in its cache, which kvblocks has not proven it can restore exactly",
         )
 
 
+def is_stateful_layer(layer) -> bool:
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def has_state(cache: DynamicCache) -> bool:
+    """Whether some recurrent layer of `cache` already holds a state (a forward continues it)."""
+    return any(is_stateful_layer(layer) and any(layer.has_previous_state.values()) for layer in cache.layers)
+
+
 def empty_cache(config) -> DynamicCache:
-    """A cache built the way the model builds its own, recording sliding-window past for extraction."""
+    """A cache built the way the model builds its own, recording sliding-window past for extraction.
+
+    Recurrent layers do not record their past (a growing conv history): kvblocks snapshots their
+    state at exact positions instead of rolling it back.
+    """
     cache = DynamicCache(config=config)
     cache.activate_past_recording()
+    for layer in cache.layers:
+        if is_stateful_layer(layer):
+            layer.record_past = False
     return cache
 
 
+def cache_argument(model) -> str:
+    """The forward argument that takes a cache: `cache` since transformers 5.24 (some families, e.g.
+    mamba, silently ignore the older `past_key_values`), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
-def describe_layers(model: PreTrainedModel) -> list[LayerSpec]:
-    """Run a one-token probe and read the per-layer cache layout the model really produces."""
+def describe(model: PreTrainedModel) -> tuple[list[LayerSpec], StateLayout | None]:
+    """Run a one-token probe and read what the model caches per layer: the KV layout of its
+    attention layers and, for a recurrent or hybrid model, the layout of its state snapshots."""
     config = model.config
     check_supported(config)
     device = next(model.parameters()).device
     probe = empty_cache(config)
-    out = model(
-        input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=probe, use_cache=True
-    )
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    out = model(input_ids=ids, use_cache=True, **{cache_argument(model): probe})
     cache = out.past_key_values
+    if cache is not probe:
+        raise UnsupportedModelError(
+            f"model type '{config.model_type}' did not fill the cache it was given; kvblocks cannot manage it"
+        )
     if not isinstance(cache, DynamicCache) or len(cache.layers) == 0:
         raise UnsupportedModelError(
             f"model type '{config.model_type}' did not return a transformers DynamicCache; kvblocks cannot manage it"
         )
-    specs = []
+    specs, states = [], []
     for i, layer in enumerate(cache.layers):
+        if is_stateful_layer(layer):
+            if config.model_type not in STATEFUL_MODEL_TYPES:
+                raise _refuse(
+                    config.model_type, f"keeps recurrent state in layer {i} ({type(layer).__name__})"
+                )
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                raise _refuse(config.model_type, f"mixes recurrent state and a sliding window in layer {i}")
+            states.extend(_layer_states(i, layer))
+            if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
+                specs.append(LayerSpec("none"))
+                continue
         if isinstance(layer, DummyLayer):
             specs.append(LayerSpec("none"))
             continue
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) and not is_stateful_layer(layer):
             raise UnsupportedModelError(
                 f"model type '{config.model_type}' layer {i} uses {type(layer).__name__}, which kvblocks cannot "
                 "slice per token"
@@ -109,15 +182,84 @@ def describe_layers(model: PreTrainedModel) -> list[LayerSpec]:
             specs.append(LayerSpec("sliding", heads, head_dim, int(layer.sliding_window)))
         else:
             specs.append(LayerSpec("full", heads, head_dim))
-    return specs
+    return specs, StateLayout.packed(states) if states else None
 
 
-def build_cache(config, specs: list[LayerSpec], kv: list[torch.Tensor | None], length: int) -> DynamicCache:
-    """A fresh cache holding `length` tokens; `kv[l]` is `[tokens_held, 2, H, D]` (the last tokens)."""
+def describe_layers(model: PreTrainedModel) -> list[LayerSpec]:
+    """The per-layer KV layout the model really produces (a one-token probe)."""
+    return describe(model)[0]
+
+
+def _layer_states(i: int, layer) -> list[tuple]:
+    out = []
+    for index in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[index]:
+            t = layer.conv_states[index]
+            out.append((i, "conv", index, tuple(t.shape), t.dtype))
+        if layer.is_recurrent_states_initialized[index]:
+            t = layer.recurrent_states[index]
+            out.append((i, "recurrent", index, tuple(t.shape), t.dtype))
+    return out
+
+
+def capture_state(cache: DynamicCache, layout: StateLayout) -> torch.Tensor:
+    """A copy of every recurrent state of a live cache, as one `[layout.nbytes]` uint8 tensor on
+    the cache's device: the state after the last position the cache has consumed."""
+    first = layout.states[0]
+    device = _state_tensor(cache.layers[first.layer], first).device
+    blob = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
+    for spec, view in zip(layout.states, layout.views(blob)):
+        t = _state_tensor(cache.layers[spec.layer], spec)
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise ValueError(
+                f"layer {spec.layer} {spec.kind} state is {tuple(t.shape)} {t.dtype}, "
+                f"the model's probe said {spec.shape} {spec.dtype}"
+            )
+        view.copy_(t)
+    return blob
+
+
+def _state_tensor(layer, spec) -> torch.Tensor:
+    states = layer.conv_states if spec.kind == "conv" else layer.recurrent_states
+    t = states[spec.index]
+    if t is None:
+        raise ValueError(f"layer {spec.layer} holds no {spec.kind} state {spec.index} yet")
+    return t
+
+
+def apply_state(cache: DynamicCache, layout: StateLayout, blob: torch.Tensor) -> None:
+    """Write a snapshot into `cache` (fresh from `empty_cache`/`build_cache`, or live): its
+    recurrent layers then continue from the snapshot's position."""
+    for spec, view in zip(layout.states, layout.views(blob)):
+        layer = cache.layers[spec.layer]
+        t = view.clone()
+        if layer.device is None:
+            layer.dtype, layer.device = t.dtype, t.device
+        if spec.kind == "conv":
+            layer.conv_states[spec.index] = t
+            layer.conv_kernel_size[spec.index] = spec.shape[-1]
+            layer.is_conv_states_initialized[spec.index] = True
+        else:
+            layer.recurrent_states[spec.index] = t
+            layer.is_recurrent_states_initialized[spec.index] = True
+        layer.has_previous_state[spec.index] = True
+
+
+def build_cache(
+    config,
+    specs: list[LayerSpec],
+    kv: list[torch.Tensor | None],
+    length: int,
+    state: tuple[StateLayout, torch.Tensor] | None = None,
+) -> DynamicCache:
+    """A fresh cache holding `length` tokens; `kv[l]` is `[tokens_held, 2, H, D]` (the last tokens),
+    and `state` the (layout, snapshot) of the recurrent layers at `length`."""
     cache = empty_cache(config)
     if length == 0:
         return cache
     assert len(cache.layers) == len(specs), "cache layout changed since the model was probed"
+    if any(is_stateful_layer(layer) for layer in cache.layers) and state is None:
+        raise ValueError("a cache with recurrent layers needs their state at the hit's position")
     for layer, spec, data in zip(cache.layers, specs, kv):
         if spec.kind == "none":
             continue
@@ -127,10 +269,15 @@ def build_cache(config, specs: list[LayerSpec], kv: list[torch.Tensor | None], l
         layer.keys, layer.values = keys, values
         if spec.kind == "sliding":
             layer.cumulative_length = length
+    if state is not None:
+        apply_state(cache, *state)
     return cache
 
 
-def seq_length(cache: DynamicCache) -> int:
+def seq_length(cache: DynamicCache) -> int | None:
+    """Positions the cache holds; None for a cache of recurrent layers only (no layer counts tokens)."""
+    if not any(isinstance(layer, DynamicLayer) for layer in cache.layers) and cache.layers:
+        return None
     return cache.get_seq_length()
 
 
@@ -161,20 +308,26 @@ def extract(
     return out
 
 
-def crop(cache: DynamicCache, length: int) -> None:
+def crop(cache: DynamicCache, length: int, *, state_restored: bool = False) -> None:
     """Crop every layer to a target length, keeping a sliding-window layer's recorded past.
 
     transformers' own `crop` takes a negative count and, once a sliding window is full, throws the
-    recorded past away; rolling back by target length keeps later extraction possible.
+    recorded past away; rolling back by target length keeps later extraction possible. Recurrent
+    state cannot be rolled back: a cache with recurrent layers is cropped only after the caller
+    wrote the state of the target position back (`apply_state`, then `state_restored=True`).
     """
-    current = cache.get_seq_length()
+    current = seq_length(cache)
+    if current is None:  # recurrent layers only: no token positions to drop
+        return
     if length > current:
         raise ValueError(f"cannot crop a cache of {current} tokens to {length}")
     remove = current - length
     if remove == 0:
         return
+    if not state_restored and any(is_stateful_layer(layer) for layer in cache.layers):
+        raise ValueError("recurrent state cannot be cropped; restore a snapshot of the target position first")
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, DummyLayer) or not layer.is_initialized:
+        if isinstance(layer, DummyLayer) or not isinstance(layer, DynamicLayer) or not layer.is_initialized:
             continue
         held = layer.keys.shape[-2]
         if isinstance(layer, DynamicSlidingWindowLayer):

@@ -10,6 +10,10 @@ Two record forms, both msgpack maps with `"v": 2`:
 - sealed (a deployment secret): dtype, shape, nonce and an AES-256-GCM ciphertext of token ids +
   raw KV, authenticated together with the Redis key and the namespace. Keys are keyed hashes.
 Either way restored KV must be finite; anything else is a VerificationError, which is a miss.
+
+A recurrent-state snapshot taken where a chunk ends is a third record (`encode_state_record`) under
+that chunk's key plus `:state`, framed, checked and sealed the same way, with `"kind": "state"` and
+the state layout in place of dtype and shape.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvblocks.layout import KVLayout
+from kvblocks.layout import KVLayout, StateLayout
 from kvblocks.sealing import TAG_BYTES, Sealer, SealError
 
 FORMAT_VERSION = 2
@@ -69,14 +73,20 @@ def encode_record(
     sealer: Sealer | None = None,
 ) -> bytes:
     """`kv[l]` is `[n, 2, H, D]` on any device; stored as raw little-endian bytes, layer after layer."""
-    token_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     header = {"v": FORMAT_VERSION, "dtype": layout.dtype_name, "shape": layout.shape(len(tokens))}
+    return _frame(header, namespace_key, tokens, _payload(kv), key, sealer)
+
+
+def _frame(
+    header: dict, namespace_key: str, tokens: np.ndarray, payload: bytes, key: str, sealer: Sealer | None
+) -> bytes:
+    """A record: `header` plus either the sealed tokens + payload or the plain fields."""
+    token_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     if sealer is not None:
-        nonce, sealed = sealer.seal(token_bytes + _payload(kv), _bound_to(key, namespace_key, header))
+        nonce, sealed = sealer.seal(token_bytes + payload, _bound_to(key, namespace_key, header))
         return msgpack.packb(
             header | {"alg": sealer.algorithm, "nonce": nonce, "ct": sealed}, use_bin_type=True
         )
-    payload = _payload(kv)
     fields = {
         "ns": namespace_key,
         "key": key,
@@ -84,6 +94,40 @@ def encode_record(
         "sum": xxhash.xxh3_64_intdigest(payload),
     }
     return msgpack.packb(header | fields | {"kv": payload}, use_bin_type=True)
+
+
+def encode_state_record(
+    namespace_key: str,
+    tokens: np.ndarray,
+    state: StateLayout,
+    blob: torch.Tensor,
+    *,
+    key: str = "",
+    sealer: Sealer | None = None,
+) -> bytes:
+    """A recurrent-state snapshot (`hf.capture_state`) taken after the chunk `tokens` ends; framed,
+    checked and sealed exactly like a KV chunk, with the state's layout in place of dtype and shape."""
+    header = {"v": FORMAT_VERSION, "kind": "state", "layout": state.describe()}
+    return _frame(header, namespace_key, tokens, blob.detach().cpu().numpy().tobytes(), key, sealer)
+
+
+def decode_state_record(
+    raw: bytes,
+    namespace_key: str,
+    tokens: np.ndarray,
+    state: StateLayout,
+    *,
+    key: str = "",
+    sealer: Sealer | None = None,
+) -> torch.Tensor:
+    """Verify a state record; the snapshot as a fresh `[nbytes]` uint8 host tensor. Anything that
+    does not match (see `decode_record_into`) or holds a non-finite float raises VerificationError."""
+    header = {"v": FORMAT_VERSION, "kind": "state", "layout": state.describe()}
+    blob = torch.empty(state.nbytes, dtype=torch.uint8)
+    _open_into(raw, header, namespace_key, tokens, [blob.numpy()], key, sealer)
+    if not all(all_finite(t) for t in state.views(blob) if t.is_floating_point()):
+        raise VerificationError("state holds non-finite numbers")
+    return blob
 
 
 def decode_record(
@@ -120,9 +164,32 @@ def decode_record_into(
     treats it as a miss, never as data. `out` may have been written by then; it must be discarded.
     """
     n = len(tokens)
-    kv_bytes = n * layout.token_bytes()
-    payload_bytes = kv_bytes if sealer is None else 4 * n + kv_bytes + TAG_BYTES
-    rec = _split_record(raw, payload_bytes)
+    header = {"v": FORMAT_VERSION, "dtype": layout.dtype_name, "shape": layout.shape(n)}
+    layers = [t for t in out if t is not None]
+    assert all(t.dtype == layout.dtype and t.is_contiguous() for t in layers)
+    assert [tuple(t.shape) for t in layers] == [(n, 2, h, d) for h, d in layout.shapes if h]
+    targets = [t.view(-1).view(torch.uint8).numpy() for t in layers]  # writable bytes of each layer
+    _open_into(raw, header, namespace_key, tokens, targets, key, sealer)
+    if not all(all_finite(t) for t in layers):  # a checksum or a seal says who wrote it, not that it is sane
+        raise VerificationError("payload holds non-finite numbers")
+
+
+def _open_into(
+    raw: bytes,
+    header: dict,
+    namespace_key: str,
+    tokens: np.ndarray,
+    targets: list[np.ndarray],
+    key: str,
+    sealer: Sealer | None,
+) -> None:
+    """Check a record against `header`, its key, namespace and tokens, and copy (or decrypt) its
+    payload into `targets` (writable byte arrays, in order). Raises VerificationError."""
+    payload_bytes = sum(t.nbytes for t in targets)
+    expected_tokens = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+    rec = _split_record(
+        raw, payload_bytes if sealer is None else len(expected_tokens) + payload_bytes + TAG_BYTES
+    )
     if rec is None:  # not shaped as expected: the full parse names what is wrong
         try:
             rec = msgpack.unpackb(raw, raw=False)
@@ -130,15 +197,9 @@ def decode_record_into(
             raise VerificationError(f"not a msgpack record: {exc}") from exc
     if not isinstance(rec, dict):
         raise VerificationError("record is not a map")
-    expected_tokens = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
-    header = {"v": FORMAT_VERSION, "dtype": layout.dtype_name, "shape": layout.shape(n)}
     _check(("version", rec.get("v") == header["v"]))
     _check(("form", ("ct" in rec) == (sealer is not None)))
-    _check(("dtype", rec.get("dtype") == header["dtype"]), ("shape", rec.get("shape") == header["shape"]))
-    layers = [t for t in out if t is not None]
-    assert all(t.dtype == layout.dtype and t.is_contiguous() for t in layers)
-    assert [tuple(t.shape) for t in layers] == [(n, 2, h, d) for h, d in layout.shapes if h]
-    targets = [t.view(-1).view(torch.uint8).numpy() for t in layers]  # writable bytes of each layer
+    _check(*((name, rec.get(name) == value) for name, value in header.items() if name != "v"))
     if sealer is not None:
         _check(("algorithm", rec.get("alg") == sealer.algorithm))
         nonce, sealed = rec.get("nonce"), rec.get("ct")
@@ -150,23 +211,21 @@ def decode_record_into(
         except SealError as exc:
             raise VerificationError(str(exc)) from exc
         _check(("tokens", token_bytes == expected_tokens))
-    else:
-        _check(
-            ("namespace", rec.get("ns") == namespace_key),
-            ("key", rec.get("key") == key),
-            ("tokens", rec.get("tokens") == expected_tokens),
-        )
-        payload = rec.get("kv")
-        if not isinstance(payload, bytes | memoryview) or len(payload) != kv_bytes:
-            raise VerificationError("payload length mismatch")
-        if rec.get("sum") != xxhash.xxh3_64_intdigest(payload):
-            raise VerificationError("checksum mismatch")
-        source, offset = memoryview(payload), 0
-        for target in targets:
-            target[:] = source[offset : offset + target.nbytes]
-            offset += target.nbytes
-    if not all(all_finite(t) for t in layers):  # a checksum or a seal says who wrote it, not that it is sane
-        raise VerificationError("payload holds non-finite numbers")
+        return
+    _check(
+        ("namespace", rec.get("ns") == namespace_key),
+        ("key", rec.get("key") == key),
+        ("tokens", rec.get("tokens") == expected_tokens),
+    )
+    payload = rec.get("kv")
+    if not isinstance(payload, bytes | memoryview) or len(payload) != payload_bytes:
+        raise VerificationError("payload length mismatch")
+    if rec.get("sum") != xxhash.xxh3_64_intdigest(payload):
+        raise VerificationError("checksum mismatch")
+    source, offset = memoryview(payload), 0
+    for target in targets:
+        target[:] = source[offset : offset + target.nbytes]
+        offset += target.nbytes
 
 
 def _split_record(raw: bytes, payload_bytes: int) -> dict | None:
@@ -217,8 +276,9 @@ def _check(*checks: tuple[str, bool]) -> None:
 
 
 def _bound_to(key: str, namespace_key: str, header: dict) -> bytes:
-    """What a sealed value is authenticated against besides its content: where it lives and what for."""
-    return msgpack.packb([key, namespace_key, header["v"], header["dtype"], header["shape"]])
+    """What a sealed value is authenticated against besides its content: where it lives and what for
+    (for a KV chunk: version, dtype and shape; for a state snapshot: version, kind and layout)."""
+    return msgpack.packb([key, namespace_key, *header.values()])
 
 
 class ChunkCodec(Protocol):
@@ -309,3 +369,18 @@ class NativeCodec:
         out: list[torch.Tensor | None],
     ) -> None:
         decode_record_into(raw, namespace_key, tokens, layout, out, key=key, sealer=self.sealer)
+
+    # recurrent-state snapshots (a codec without these methods spills KV chunks only)
+
+    def state_key(self, namespace_key: str, chunk_hash: str) -> str:
+        return self.key(namespace_key, chunk_hash) + ":state"
+
+    def encode_state(
+        self, key: str, namespace_key: str, tokens: np.ndarray, state: StateLayout, blob: torch.Tensor
+    ) -> bytes:
+        return encode_state_record(namespace_key, tokens, state, blob, key=key, sealer=self.sealer)
+
+    def decode_state(
+        self, raw: bytes, key: str, namespace_key: str, tokens: np.ndarray, state: StateLayout
+    ) -> torch.Tensor:
+        return decode_state_record(raw, namespace_key, tokens, state, key=key, sealer=self.sealer)

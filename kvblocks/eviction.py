@@ -14,6 +14,10 @@ sees a node's last access (a tick of the tree's clock), how many lookups passed 
   evicted key, so an entry's frequency credit ages: a prefix hit often long ago ends up below one hit
   once just now. Size drops out because eviction is token-granular (keys are per token). Ties go to
   the least recently used.
+
+A recurrent-state snapshot (hybrid models) is an entry too: `lru` orders it by its node's last
+access; `gdsf` prices it per slot as the tokens it saves (those since the snapshot above it, which a
+hit would recompute without it) over the slots it takes.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ class EvictionPolicy(Protocol):
         """Called with the key of every leaf that is trimmed."""
         ...
 
+    def snapshot_key(self, node: Node, depth: int, saves: int, slots: int) -> tuple[float, int]:
+        """The eviction order of the recurrent-state snapshot at the end of `node` (at `depth`): it
+        saves recomputing `saves` tokens on a hit and takes `slots` pool slots."""
+        ...
+
 
 class LRU:
     """Least recently used first."""
@@ -56,6 +65,9 @@ class LRU:
 
     def evicted(self, key: tuple[float, int]) -> None:
         pass
+
+    def snapshot_key(self, node: Node, depth: int, saves: int, slots: int) -> tuple[float, int]:
+        return self.key(node, depth)
 
 
 class GreedyDualFrequency:
@@ -78,6 +90,11 @@ class GreedyDualFrequency:
 
     def evicted(self, key: tuple[float, int]) -> None:
         self.inflation = max(self.inflation, key[0])
+
+    def snapshot_key(self, node: Node, depth: int, saves: int, slots: int) -> tuple[float, int]:
+        """Value per slot: the tokens it saves (each priced like a token at this depth) over its slots."""
+        cost = (1.0 + depth / self.attention_tokens) * saves / max(slots, 1)
+        return (node.stamp + (node.hits + 1) * cost, node.last_access)
 
 
 POLICIES = {"lru": LRU, "gdsf": GreedyDualFrequency}

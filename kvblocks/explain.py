@@ -3,6 +3,9 @@
 Reasons, checked in this order:
 - `prompt_logprobs`: the request asks for prompt log-probabilities, so its prompt is recomputed;
 - `cached`: everything but the last token is cached (the last one is always recomputed);
+- `no_state_snapshot`: a recurrent or hybrid model holds more of the prompt than it can serve: no
+  state snapshot at the divergence point (or at the prompt's last-but-one token), so the hit stops
+  at the last snapshot before it (serving the prompt snapshots that point for the next request);
 - `evicted`: the cache held a longer prefix of this prompt once and evicted it;
 - `namespace_mismatch`: another namespace of the caller's tenant (another cache salt) holds a longer
   prefix (an admin's explain counts every tenant);
@@ -115,6 +118,23 @@ def explain(
             f"prompt is computed in full ({matched} tokens were cached) and stored for later requests"
         )
         return Explanation("prompt_logprobs", n, 0, None, detail, [], [], before)
+    servable = cache.cached_length(arr[: max(n - 1, 0)], salt=salt, servable=True)
+    if servable < usable:
+        point = "the prompt's last-but-one token" if usable == n - 1 else f"the divergence point ({usable})"
+        detail = (
+            f"no state snapshot at the divergence point: {usable} tokens are cached, but the recurrent "
+            f"state is kept only up to {servable}; serving this prompt snapshots {point} for the next request"
+        )
+        return Explanation(
+            "no_state_snapshot",
+            n,
+            servable,
+            usable,
+            detail,
+            _pieces(tokenizer, ids[usable : usable + window], usable),
+            [],
+            before,
+        )
     if matched >= n - 1:
         return Explanation(
             "cached", n, usable, None, "every prompt token but the last is cached", [], [], before

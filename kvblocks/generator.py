@@ -49,6 +49,10 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = field(repr=False, default=None)
     prompt_logprobs: list[TokenLogprob | None] | None = field(repr=False, default=None)
     cache_bypass: str | None = None  # why the prefix cache was not matched ("prompt_logprobs")
+    # recurrent and hybrid models: where the prefill stopped (each forward's end) and the positions
+    # whose recurrent state was snapshotted for the cache
+    prefill_splits: list[int] = field(repr=False, default_factory=list)
+    snapshot_positions: list[int] = field(repr=False, default_factory=list)
 
 
 @dataclass(slots=True)
@@ -66,6 +70,11 @@ class DecodeState:
     past: Any = None
     spec: Any = None
     processor: LogitsProcessor | None = None
+    # recurrent models: prefill stops (`KVCacheTrie.snapshot_points`) and the snapshots taken so far
+    points: list[int] = field(default_factory=list)
+    snapshots: dict[int, torch.Tensor] = field(default_factory=dict)  # taken, not inserted yet
+    snapped: list[int] = field(default_factory=list)  # every position snapshotted
+    splits: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -112,14 +121,22 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.lock = threading.Lock()
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_arg = hf.cache_argument(model)
+        self.stepwise = getattr(model.config, "model_type", None) in hf.STEPWISE_MODEL_TYPES
 
     @torch.inference_mode()
     def forward(self, token_ids: Sequence[int], past, keep: int = 1) -> torch.Tensor:
-        """Logits `[keep, vocab]` of the last `keep` positions; `past` grows by `len(token_ids)`."""
+        """Logits `[keep, vocab]` of the last `keep` positions; `past` grows by `len(token_ids)`.
+
+        A model that cannot continue a recurrent state over several tokens in one forward
+        (`hf.STEPWISE_MODEL_TYPES`) gets them one per forward once `past` holds a state."""
+        if self.stepwise and len(token_ids) > 1 and hf.has_state(past):
+            rows = [self.forward([t], past) for t in token_ids]
+            return torch.cat(rows[len(rows) - keep :])
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         kwargs = {"logits_to_keep": keep} if self._keep_arg else {}
         with self.lock:
-            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True, **kwargs)
+            out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_arg: past}, **kwargs)
         return out.logits[0, -keep:]
 
 
@@ -208,6 +225,11 @@ class CachedGenerator:
         hit = self.cache.match(ids, salt=salt) if self.cache is not None and bypass is None else None
         rows: list[torch.Tensor] | None = [] if output_logits or params.logprobs is not None else None
         run = DecodeState(list(ids), hit.length if hit is not None else 0, rows, salt, processor=processor)
+        if self.cache is not None:
+            run.points = self.cache.snapshot_points(run.computed, len(ids), hit.matched if hit else 0)
+            if self.runner.stepwise and run.computed == 0:  # every forward after the first is one token
+                first = (hit.matched if hit else 0) or len(ids) - 1
+                run.points = [p for p in run.points if p >= first]
         tokens = None
         try:
             run.past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
@@ -253,6 +275,8 @@ class CachedGenerator:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 cache_bypass=bypass,
+                prefill_splits=run.splits,
+                snapshot_positions=run.snapped,
             )
             last = None if logprobs is None else logprobs[-1:]
             final = Piece(pending + text.flush(), [generated[-1]], result, logprobs=last)
@@ -261,9 +285,7 @@ class CachedGenerator:
                 if tokens is not None:
                     tokens.close()
                 if self.cache is not None and run.past is not None:
-                    self.cache.insert(
-                        run.sequence[: min(run.computed, len(run.sequence))], run.past, salt=salt
-                    )
+                    self._commit(run, final=True)
             finally:
                 if hit is not None:
                     hit.release()
@@ -282,6 +304,8 @@ class CachedGenerator:
             return [None]
         rows = self.runner.forward(ids[:-1], run.past, keep=len(ids) - 1)
         run.computed = len(ids) - 1
+        run.splits.append(run.computed)
+        self._snapshot(run)
         return [None, *token_logprobs(rows, ids[1:], k)]
 
     def _commit_prompt(self, run: DecodeState) -> None:
@@ -291,15 +315,46 @@ class CachedGenerator:
         instead of each prefilling it again; the end-of-request insert adds only the reply.
         """
         if self.cache is not None:
-            self.cache.insert(run.sequence[: min(run.computed, len(run.sequence))], run.past, salt=run.salt)
+            self._commit(run)
+
+    def _commit(self, run: DecodeState, final: bool = False) -> None:
+        """Insert what the request computed, with the snapshots taken so far; at its end, also the
+        state where it stops (the reply's end, where the next turn resumes)."""
+        end = min(run.computed, len(run.sequence))
+        if final and self.cache.state is not None and end and end not in run.snapped:
+            run.snapshots[end] = hf.capture_state(run.past, self.cache.state)
+            run.snapped.append(end)
+        self.cache.insert(run.sequence[:end], run.past, salt=run.salt, snapshots=run.snapshots)
+        run.snapshots = {p: blob for p, blob in run.snapshots.items() if p > end}
+
+    def _snapshot(self, run: DecodeState) -> None:
+        """After a forward: snapshot the recurrent state if the cache wants one at this position."""
+        cache = self.cache
+        if cache is None or cache.state is None or run.computed in run.snapped:
+            return
+        if run.computed in run.points or cache.wants_snapshot(run.computed):
+            run.snapshots[run.computed] = hf.capture_state(run.past, cache.state)
+            run.snapped.append(run.computed)
+
+    def _prefill(self, ids: list[int], run: DecodeState, end: int, keep: int = 1) -> torch.Tensor:
+        """Forward `ids[run.computed:end]`, stopping at each snapshot point on the way (a recurrent
+        model's state can only be copied where a forward ends); the logits of the last forward."""
+        stops = [p for p in run.points if run.computed < p < end] + [end]
+        for stop in stops:
+            rows = self.runner.forward(
+                ids[run.computed : stop], run.past, keep=min(keep, stop - run.computed)
+            )
+            run.computed = stop
+            run.splits.append(stop)
+            self._snapshot(run)
+        return rows
 
     def _decode(
         self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None
     ) -> Iterator[int]:
         """Yield next tokens one at a time; keep `run.computed` = positions of `run.past` that hold
         the KV of `run.sequence` (the caller appends each yielded token to it)."""
-        logits = self.runner.forward(ids[run.computed :], run.past)[-1]
-        run.computed = len(ids)
+        logits = self._prefill(ids, run, len(ids))[-1]
         while True:
             if run.logits is not None:
                 run.logits.append(logits.detach().clone())
@@ -311,6 +366,7 @@ class CachedGenerator:
             yield token
             logits = self.runner.forward(run.sequence[-1:], run.past)[-1]
             run.computed += 1
+            self._snapshot(run)
 
 
 def _params_of(params: GenerationParams | None, options: dict[str, Any]) -> GenerationParams:

@@ -67,3 +67,57 @@ class KVLayout:
         return [
             torch.empty(n, 2, h, d, dtype=self.dtype, device=device) if h else None for h, d in self.shapes
         ]
+
+
+@dataclass(slots=True, frozen=True)
+class StateSpec:
+    """One recurrent state tensor of a layer (a conv window or an SSM / linear-attention state):
+    `kind` is "conv" or "recurrent", `index` the layer's state number, `offset` where its bytes
+    start in a snapshot (8-byte aligned, so every tensor can be viewed in place)."""
+
+    layer: int
+    kind: str
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size() * int(torch.Size(self.shape).numel())
+
+
+@dataclass(slots=True, frozen=True)
+class StateLayout:
+    """What a snapshot of a recurrent model holds: every state tensor of every layer, packed into
+    one byte string of `nbytes` (the same bytes on the device, in the pool and in a Redis record)."""
+
+    states: tuple[StateSpec, ...]
+
+    @classmethod
+    def packed(cls, tensors: Sequence[tuple[int, str, int, tuple[int, ...], torch.dtype]]) -> StateLayout:
+        """From (layer, kind, index, shape, dtype) in snapshot order."""
+        out, offset = [], 0
+        for layer, kind, index, shape, dtype in tensors:
+            spec = StateSpec(layer, kind, index, tuple(shape), dtype, offset)
+            out.append(spec)
+            offset += -(-spec.nbytes // 8) * 8
+        return cls(tuple(out))
+
+    @property
+    def nbytes(self) -> int:
+        if not self.states:
+            return 0
+        last = self.states[-1]
+        return last.offset + -(-last.nbytes // 8) * 8
+
+    def describe(self) -> list:
+        """The layout as plain data, for a record's header: [layer, kind, index, shape, dtype] each."""
+        return [
+            [s.layer, s.kind, s.index, list(s.shape), str(s.dtype).removeprefix("torch.")]
+            for s in self.states
+        ]
+
+    def views(self, blob: torch.Tensor) -> list[torch.Tensor]:
+        """Each state tensor as a view into a `[nbytes]` uint8 snapshot."""
+        return [blob[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.states]

@@ -3,6 +3,11 @@
 Layer `l` is a tensor `[capacity, 2, H_l, D_l]` (K at index 0, V at 1) on the model's device and
 dtype, so re-attaching a prefix is a single `index_select` per layer and storing is a single
 `index_copy_`. Slot bookkeeping is two int32 arrays; there is no Python object per token.
+
+A slot can also hold bytes of a recurrent-state snapshot (`write_blob` / `read_blob`): a snapshot
+of B bytes takes `slots_for(B)` slots, laid across the same memory as their KV would be, so
+snapshots and tokens share one capacity and one eviction. A model with no attention layer has no
+KV to lay them across; its pool gets an `arena` of `arena_bytes` per slot instead.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from kvblocks.radix import SLOT_DTYPE
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout, capacity_tokens: int, device: torch.device | str) -> None:
+    def __init__(
+        self, layout: KVLayout, capacity_tokens: int, device: torch.device | str, arena_bytes: int = 0
+    ) -> None:
         if capacity_tokens <= 0:
             raise ValueError(f"capacity must hold at least one token, got {capacity_tokens}")
         self.layout = layout
@@ -23,6 +30,16 @@ class KVPool:
         self.dtype = layout.dtype
         self.device = torch.device(device)
         self.layers: list[torch.Tensor | None] = layout.empty(capacity_tokens, self.device)
+        self.arena = (
+            torch.empty(capacity_tokens, arena_bytes, dtype=torch.uint8, device=self.device)
+            if arena_bytes
+            else None
+        )
+        # every slot's memory as bytes: one [capacity, bytes] view per layer (and the arena)
+        self._bytes = [t.view(capacity_tokens, -1).view(torch.uint8) for t in self.layers if t is not None]
+        if self.arena is not None:
+            self._bytes.append(self.arena)
+        self.slot_bytes = sum(v.shape[1] for v in self._bytes)
         self._free = np.arange(capacity_tokens - 1, -1, -1, dtype=SLOT_DTYPE)
         self._num_free = capacity_tokens
 
@@ -59,3 +76,27 @@ class KVPool:
     def scatter(self, layer: int, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store `[n, H, D]` keys and values into `index` slots of one layer."""
         self.layers[layer].index_copy_(0, index, torch.stack((keys, values), dim=1).to(self.dtype))
+
+    def slots_for(self, nbytes: int) -> int:
+        """Slots a blob of `nbytes` takes."""
+        if not self.slot_bytes:
+            raise ValueError("this pool has no slot memory to hold a snapshot")
+        return -(-nbytes // self.slot_bytes)
+
+    def write_blob(self, slots: np.ndarray, blob: torch.Tensor) -> None:
+        """Store a uint8 blob across `slots` (slot i holds bytes [i * slot_bytes, (i + 1) * slot_bytes))."""
+        n = len(slots)
+        rows = torch.zeros(n * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        rows[: blob.numel()] = blob.to(self.device)
+        rows = rows.view(n, self.slot_bytes)
+        index, offset = self.index(slots), 0
+        for view in self._bytes:
+            width = view.shape[1]
+            view.index_copy_(0, index, rows[:, offset : offset + width])
+            offset += width
+
+    def read_blob(self, slots: np.ndarray, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of the blob `write_blob` stored across `slots` (a fresh tensor)."""
+        index = self.index(slots)
+        rows = torch.cat([view.index_select(0, index) for view in self._bytes], dim=1)
+        return rows.reshape(-1)[:nbytes].clone()

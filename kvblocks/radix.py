@@ -3,6 +3,11 @@
 The tree knows nothing of tensors. Each node owns a run of tokens (int32) and the pool slots
 (int32) that hold their KV. Lock and pin counts walk to the root, so a node is evictable exactly
 when no live match and no pin passes through it. Not thread-safe: `KVCacheTrie` serialises access.
+
+For a recurrent or hybrid model a node may also own a snapshot of the recurrent state after its
+last token (`snap`: the slots that hold the snapshot's bytes). Only a prefix that ends at a
+snapshot can be served (`snapshot_prefix`). A snapshot is an entry of its own for eviction: it goes
+with its node's tail, or alone, in the policy's order of value per slot.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class Node:
     last_access: int = 0
     hits: int = 0
     stamp: float = 0.0  # the eviction policy's value at the last touch (`kvblocks.eviction`)
+    snap: np.ndarray | None = None  # slots of the recurrent-state snapshot after the last token
 
     @property
     def is_root(self) -> bool:
@@ -69,6 +75,8 @@ class RadixTree:
         self.policy: EvictionPolicy = LRU() if policy is None else policy
         self.roots: dict[Hashable, Node] = {}
         self.resident_tokens = 0
+        self.snapshot_slots = 0
+        self.snapshots = 0
         self.pinned_tokens = 0
         self.num_nodes = 0
         self._clock = 0
@@ -120,6 +128,37 @@ class RadixTree:
         if node.is_root:
             offset = 0
         return Match(node, offset, pos, tuple(runs))
+
+    @staticmethod
+    def snapshot_prefix(match: Match) -> Match:
+        """The longest part of `match` that ends where a node owning a snapshot ends."""
+        node, length = match.node, match.length
+        if node.is_root or (match.node_offset == len(node.tokens) and node.snap is not None):
+            return match
+        length -= match.node_offset
+        node = node.parent
+        while not node.is_root and node.snap is None:
+            length -= len(node.tokens)
+            node = node.parent
+        return Match(node, 0 if node.is_root else len(node.tokens), length, match.slot_runs)
+
+    def boundary(self, match: Match) -> Node | None:
+        """The node ending exactly at `match`'s end (split there if needed); None at the root."""
+        if match.length == 0 or match.node.is_root:
+            return None
+        return self.split(match.node, match.node_offset)
+
+    def set_snapshot(self, node: Node, slots: np.ndarray) -> None:
+        assert node.snap is None and not node.is_root
+        node.snap = slots
+        self.snapshot_slots += len(slots)
+        self.snapshots += 1
+
+    def drop_snapshot(self, node: Node) -> np.ndarray:
+        slots, node.snap = node.snap, None
+        self.snapshot_slots -= len(slots)
+        self.snapshots -= 1
+        return slots
 
     def path(self, node: Node) -> tuple[np.ndarray, np.ndarray]:
         """All token ids and slots from the root down to the end of `node`."""
@@ -193,7 +232,7 @@ class RadixTree:
         if not node.is_root and match.node_offset < len(node.tokens):
             node = self.split(node, match.node_offset)
         now = self._tick()
-        if not node.is_root and not node.children and node.pin_ref == 0:
+        if not node.is_root and not node.children and node.pin_ref == 0 and node.snap is None:
             node.tokens = np.concatenate([node.tokens, tokens.astype(TOKEN_DTYPE)])
             node.slots = np.concatenate([node.slots, slots.astype(SLOT_DTYPE)])
             node.last_access = now
@@ -235,22 +274,53 @@ class RadixTree:
             node = node.parent
         return total
 
-    def evict(self, num_tokens: int, before_trim: Callable[[Node, int], None] | None = None) -> np.ndarray:
-        """Free at least `num_tokens` (fewer if too much is locked or pinned), leaves in the order of
+    def evict(
+        self,
+        num_tokens: int,
+        before_trim: Callable[[Node, int], None] | None = None,
+        before_drop: Callable[[Node], None] | None = None,
+    ) -> np.ndarray:
+        """Free at least `num_tokens` slots (fewer if too much is locked or pinned), in the order of
         the tree's eviction policy (`kvblocks.eviction`).
 
         A leaf is trimmed from its tail, so eviction is token-granular and what stays is still a
-        prefix of something that was inserted. `before_trim(node, n)` runs before the last `n`
-        tokens of `node` go (the spill tier's write-back copies them then).
+        prefix of something that was inserted; a leaf's snapshot goes with the first token trimmed.
+        A snapshot inside the tree is an entry of its own. `before_trim(node, n)` runs before the
+        last `n` tokens of `node` go (the spill tier's write-back copies them then), `before_drop`
+        before a snapshot goes.
         """
         policy = self.policy
-        heap = [(policy.key(n, self.depth(n)), id(n), n) for n in self._leaves if n.evictable()]
+        heap = [(policy.key(n, self.depth(n)), id(n), n, False) for n in self._leaves if n.evictable()]
+        if self.snapshots:
+            heap.extend(
+                (self._snapshot_key(n), id(n), n, True)
+                for n in self.iter_nodes()
+                if n.snap is not None and n.children and n.lock_ref == 0 and n.pin_ref == 0
+            )
         heapq.heapify(heap)
         freed: list[np.ndarray] = []
         remaining = num_tokens
         while remaining > 0 and heap:
-            key, _, node = heapq.heappop(heap)
+            key, _, node, is_snapshot = heapq.heappop(heap)
+            if is_snapshot:
+                if node.snap is None or not node.children:  # gone already, or left with its leaf
+                    continue
+                policy.evicted(key)
+                if before_drop is not None:
+                    before_drop(node)
+                slots = self.drop_snapshot(node)
+                freed.append(slots)
+                remaining -= len(slots)
+                continue
             policy.evicted(key)
+            if node.snap is not None:
+                if before_drop is not None:
+                    before_drop(node)
+                slots = self.drop_snapshot(node)
+                freed.append(slots)
+                remaining -= len(slots)
+                if remaining <= 0:
+                    break
             take = min(remaining, len(node.tokens))
             if before_trim is not None:
                 before_trim(node, take)
@@ -268,8 +338,20 @@ class RadixTree:
             if not parent.is_root and not parent.children:
                 self._leaves.add(parent)
                 if parent.evictable():
-                    heapq.heappush(heap, (policy.key(parent, self.depth(parent)), id(parent), parent))
+                    heapq.heappush(heap, (policy.key(parent, self.depth(parent)), id(parent), parent, False))
         return np.concatenate(freed) if freed else np.zeros(0, dtype=SLOT_DTYPE)
+
+    def _snapshot_key(self, node: Node) -> tuple[float, int]:
+        """A snapshot's eviction key: what it saves is the tokens since the snapshot above it,
+        which a hit would otherwise recompute; what it costs is its slots."""
+        depth = self.depth(node)
+        above, up = 0, node.parent
+        while up is not None and not up.is_root:
+            if up.snap is not None:
+                above = self.depth(up)
+                break
+            up = up.parent
+        return self.policy.snapshot_key(node, depth, depth - above, len(node.snap))
 
     @staticmethod
     def depth(node: Node) -> int:

@@ -2,7 +2,8 @@
 
 Reads happen on a device miss, before the model runs: one pipelined EXISTS finds the longest run
 of consecutive chunks present, one pipelined GET fetches them, each is verified and promoted into
-the device pool. Writes never block generation: they go through a bounded queue to a background
+the device pool. For a recurrent or hybrid model, snapshots of the recurrent state taken where a
+chunk ends are records too (`on_snapshot`, `fetch_state`), authenticated like KV chunks. Writes never block generation: they go through a bounded queue to a background
 thread, and a full queue drops (and counts) the write. Any Redis failure is a miss, never an
 error; after a failure the tier stays quiet for `retry_interval_s`, then reconnects.
 """
@@ -25,7 +26,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvblocks.chunks import ChunkCodec, NativeCodec, VerificationError
-from kvblocks.layout import KVLayout
+from kvblocks.layout import KVLayout, StateLayout
 from kvblocks.sealing import Sealer
 
 log = logging.getLogger("kvblocks.redis")
@@ -66,6 +67,9 @@ class TierCounters:
     write_skipped_present: int = 0
     write_skipped_evicted: int = 0
     write_errors: int = 0
+    state_lookups: int = 0
+    state_hits: int = 0
+    written_states: int = 0
 
 
 @dataclass(slots=True)
@@ -144,6 +148,7 @@ class RedisTier:
         )
         self._client: redis.Redis | redis.RedisCluster | None = None
         self._layout: KVLayout | None = None
+        self._state: StateLayout | None = None
         self._device: torch.device | None = None
         self._read_kv: ReadKV | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -152,12 +157,26 @@ class RedisTier:
 
     # ---- wiring ----------------------------------------------------------------------------
 
-    def bind(self, layout: KVLayout, device: torch.device, read_kv: ReadKV, namespace_key: str = "") -> None:
-        """Called once by the owning KVCacheTrie; `namespace_key` is its unsalted namespace."""
+    def bind(
+        self,
+        layout: KVLayout,
+        device: torch.device,
+        read_kv: ReadKV,
+        namespace_key: str = "",
+        state: StateLayout | None = None,
+    ) -> None:
+        """Called once by the owning KVCacheTrie; `namespace_key` is its unsalted namespace, `state`
+        the layout of its model's recurrent-state snapshots (None for an attention-only model)."""
         if self._read_kv is not None:
             raise ValueError("a RedisTier belongs to one KVCacheTrie; create one per cache")
         self.codec.bind(layout, namespace_key)
-        self._layout, self._device, self._read_kv = layout, device, read_kv
+        if state is not None and not hasattr(self.codec, "encode_state"):
+            log.warning("kvblocks: this spill format has no state records; a recurrent model spills KV only")
+        self._layout, self._device, self._read_kv, self._state = layout, device, read_kv, state
+
+    @property
+    def spills_state(self) -> bool:
+        return self._state is not None and hasattr(self.codec, "encode_state")
 
     def key(self, namespace_key: str, chunk_hash: str) -> str:
         return self.codec.key(namespace_key, chunk_hash)
@@ -223,7 +242,53 @@ class RedisTier:
         self._count(hit_chunks=length // c, hit_tokens=first * c + length - start)
         return Fetched(first * c, length, kv)
 
+    def fetch_state(
+        self, namespace_key: str, ids: np.ndarray, low: int, high: int
+    ) -> tuple[int, torch.Tensor] | None:
+        """The verified recurrent-state snapshot at the furthest chunk end in (low, high], as
+        (position, snapshot on the device), or None. A snapshot that fails verification is a miss
+        (and deleted); the next one down is tried."""
+        if not self.spills_state:
+            return None
+        c = self.chunk_tokens
+        hashes = self.codec.chunk_hashes(namespace_key, ids[:high], c)
+        ends = [(k + 1) * c for k in range(low // c, len(hashes)) if (k + 1) * c > low][::-1]
+        if not ends:
+            return None
+        if time.monotonic() < self._down_until:
+            self._count(skipped_while_down=1)
+            return None
+        keys = [self.codec.state_key(namespace_key, hashes[end // c - 1]) for end in ends]
+        self._count(state_lookups=1)
+        try:
+            pipe = self._connection().pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            values = pipe.execute()
+        except REDIS_FAILURES:
+            self._mark_down()
+            return None
+        for end, key, raw in zip(ends, keys, values):
+            if raw is None:
+                continue
+            try:
+                blob = self.codec.decode_state(raw, key, namespace_key, ids[end - c : end], self._state)
+            except VerificationError:
+                self._count(verify_failures=1)
+                self._enqueue(("delete", key))
+                continue
+            self._count(state_hits=1, read_bytes=len(raw))
+            return end, blob.to(self._device)
+        return None
+
     # ---- write path ------------------------------------------------------------------------
+
+    def on_snapshot(self, namespace_key: str, ids: np.ndarray, blob: torch.Tensor) -> None:
+        """The device keeps (write-through) or is about to drop (write-back) the recurrent-state
+        snapshot after `ids`; one that ends a chunk is written, under that chunk's state key."""
+        if not self.spills_state or not len(ids) or len(ids) % self.chunk_tokens:
+            return
+        self._enqueue(("state", namespace_key, ids.copy(), blob.to("cpu", copy=True)))
 
     def on_insert(self, namespace_key: str, ids: np.ndarray, start: int) -> None:
         """Tokens `[start, len(ids))` of `ids` were just cached on the device (write-through)."""
@@ -335,6 +400,8 @@ class RedisTier:
                     self._count(write_drops=1)
                 elif job[0] == "through":
                     self._write_through(*job[1:])
+                elif job[0] == "state":
+                    self._write_state(*job[1:])
                 elif job[0] == "delete":
                     self._count(deleted_invalid=self._connection().delete(job[1]))
                 else:
@@ -368,6 +435,17 @@ class RedisTier:
                 continue
             records.append((key, namespace_key, ids[k * c : (k + 1) * c], kv))
         self._write_records(records)
+
+    def _write_state(self, namespace_key: str, ids: np.ndarray, blob: torch.Tensor) -> None:
+        c = self.chunk_tokens
+        key = self.codec.state_key(namespace_key, self.codec.chunk_hashes(namespace_key, ids, c)[-1])
+        client = self._connection()
+        if client.exists(key):
+            self._count(write_skipped_present=1)
+            return
+        value = self.codec.encode_state(key, namespace_key, ids[-c:], self._state, blob)
+        client.set(key, value, px=self.ttl_ms)
+        self._count(written_states=1, written_bytes=len(value))
 
     def _write_records(self, records: list[tuple]) -> None:
         if not records:

@@ -15,7 +15,7 @@ import torch
 from kvblocks.adapters import hf
 from kvblocks.eviction import EvictionPolicy, make_policy
 from kvblocks.explain import EvictionLedger
-from kvblocks.layout import KVLayout, LayerSpec
+from kvblocks.layout import KVLayout, LayerSpec, StateLayout
 from kvblocks.namespace import Namespace, Scope, namespace_for
 from kvblocks.pool import KVPool
 from kvblocks.radix import SLOT_DTYPE, TOKEN_DTYPE, Match, Node, RadixTree
@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from kvblocks.redis_tier import Fetched, RedisTier
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
+# Recurrent and hybrid models: a snapshot of the recurrent state every this many tokens (besides
+# the ends of prompts and replies, the position before a prompt's last token and branch points).
+DEFAULT_SNAPSHOT_EVERY = 256
+# A model with no attention layer has no KV memory to hold snapshots; its slots get this much.
+STATE_ARENA_BYTES = 256
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 # A request's place inside the model's namespace: a plain cache salt, or a tenant and its salt.
@@ -89,15 +94,23 @@ class Counters:
     evicted_tokens: int = 0
     spill_hit_tokens: int = 0
     spill_lost_tokens: int = 0
+    snapshot_misses: int = 0  # lookups cut short because no snapshot ends where the match does
+    snapshots_stored: int = 0
+    snapshot_dropped: int = 0  # snapshots that found no room (everything locked or pinned)
 
 
 class Hit:
     """A locked match: the first `length` tokens are resident and stay so until `release()`."""
 
-    def __init__(self, trie: KVCacheTrie, namespace: Namespace, match: Match, length: int) -> None:
+    def __init__(
+        self, trie: KVCacheTrie, namespace: Namespace, match: Match, length: int, matched: int | None = None
+    ) -> None:
         self.trie = trie
         self.namespace = namespace
         self.length = length
+        # tokens resident on the device (on a recurrent model the hit stops at the last snapshot
+        # before them; a request prefilling from `length` snapshots at `matched`, the branch point)
+        self.matched = length if matched is None else matched
         self._match = match
         self._slots = match.slots(length)
         self._locked = length > 0
@@ -108,7 +121,7 @@ class Hit:
         """A fresh transformers cache holding the KV of the `length` hit tokens."""
         if self.length and not self._locked:
             raise RuntimeError("this hit was released; its slots may already hold other tokens")
-        return self.trie._build_cache(self._slots, self.length)
+        return self.trie._build_cache(self._slots, self.length, self._match.node)
 
     def release(self) -> None:
         if self._locked:
@@ -149,12 +162,21 @@ class KVCacheTrie:
         max_pinned_tokens: int | None = None,
         spill: RedisTier | None = None,
         eviction: str | EvictionPolicy | None = None,
+        state: StateLayout | None = None,
+        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
     ) -> None:
+        if snapshot_every < 0:
+            raise ValueError(
+                f"snapshot_every must be >= 0 (0: only at prompt and reply ends), got {snapshot_every}"
+            )
         self.config = config
         self.specs = list(specs)
         self.namespace = namespace
+        self.state = state
+        self.snapshot_every = snapshot_every
         layout = KVLayout(dtype, tuple(specs))
-        self._pool = KVPool(layout, capacity_tokens, device)
+        arena = STATE_ARENA_BYTES if state is not None and not layout.token_bytes() else 0
+        self._pool = KVPool(layout, capacity_tokens, device, arena_bytes=arena)
         self._tree = RadixTree(make_policy(eviction))
         self._lock = threading.RLock()
         self._counters = Counters()
@@ -164,7 +186,7 @@ class KVCacheTrie:
         self.max_pinned_tokens = capacity_tokens // 2 if max_pinned_tokens is None else max_pinned_tokens
         self.spill = spill
         if spill is not None:
-            spill.bind(layout, self._pool.device, self._read_kv, namespace.key)
+            spill.bind(layout, self._pool.device, self._read_kv, namespace.key, state)
         self.events: KVEventPublisher | None = None
 
     @classmethod
@@ -177,20 +199,23 @@ class KVCacheTrie:
         max_pinned_tokens: int | None = None,
         spill: RedisTier | None = None,
         eviction: str | EvictionPolicy | None = None,
+        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
     ) -> KVCacheTrie:
         """Probe the model's cache layout and preallocate a pool on its device and dtype.
 
         Capacity is `capacity_tokens`, or `capacity_bytes` of KV (default 1 GiB) divided by the
         bytes one token takes across all layers. `spill` adds a shared tier below the device
         pool (`RedisTier`). `eviction` orders what leaves a full pool: a `kvblocks.eviction`
-        policy or its name (`lru`, `gdsf`; default `gdsf`).
+        policy or its name (`lru`, `gdsf`; default `gdsf`). On a recurrent or hybrid model the
+        recurrent state is snapshotted every `snapshot_every` tokens (0: only where a request
+        ends, branches or stops one token short), and the snapshots share the pool's capacity.
         """
         if capacity_tokens is not None and capacity_bytes is not None:
             raise ValueError("give capacity_tokens or capacity_bytes, not both")
-        specs = hf.describe_layers(model)
+        specs, state = hf.describe(model)
         param = next(model.parameters())
         if capacity_tokens is None:
-            per_token = KVLayout(param.dtype, tuple(specs)).token_bytes()
+            per_token = KVLayout(param.dtype, tuple(specs)).token_bytes() or STATE_ARENA_BYTES
             capacity_tokens = (capacity_bytes or DEFAULT_CAPACITY_BYTES) // per_token
         return cls(
             model.config,
@@ -202,6 +227,8 @@ class KVCacheTrie:
             max_pinned_tokens=max_pinned_tokens,
             spill=spill,
             eviction=eviction,
+            state=state,
+            snapshot_every=snapshot_every,
         )
 
     # ---- lookups ---------------------------------------------------------------------------
@@ -216,21 +243,32 @@ class KVCacheTrie:
         ids = as_token_array(token_ids)
         ns = self.namespace.with_salt(salt)
         limit = max(len(ids) - 1, 0)
-        fetched = None
+        fetched = state = None
         if self.spill is not None:
             with self._lock:
-                device = self._tree.match(ns.key, ids[:limit], touch=False, create=False).length
+                m = self._tree.match(ns.key, ids[:limit], touch=False, create=False)
+                device = m.length
+                servable = device if self.state is None else self._tree.snapshot_prefix(m).length
             if device < limit:  # the Redis round trip runs unlocked: other threads go on meanwhile
                 fetched = self.spill.fetch(ns.key, ids, device, limit)
+            if servable < limit and self.state is not None:  # a recurrent model needs a state there too
+                reach = device if fetched is None else max(device, fetched.start + fetched.length)
+                state = self.spill.fetch_state(ns.key, ids, servable, reach)
         with self._lock:
             if fetched is not None:
                 self._promote(ns, ids[:limit], fetched)
+            if state is not None:
+                self._store_snapshot(ns, ids[: state[0]], state[1])
             m = self._tree.match(ns.key, ids[:limit], create=False)
+            matched = m.length
+            if self.state is not None:
+                m = self._tree.snapshot_prefix(m)
             for c in self._counters, self._tenant_counters[ns.tenant]:
                 c.queries += 1
                 c.queried_tokens += len(ids)
                 c.hit_tokens += m.length
-            return Hit(self, ns, m, m.length)
+                c.snapshot_misses += m.length < matched
+            return Hit(self, ns, m, m.length, matched)
 
     def _promote(self, ns: Namespace, ids: np.ndarray, fetched: Fetched) -> None:
         """Store KV fetched from the spill tier, if the device still holds the prefix it continues.
@@ -249,11 +287,33 @@ class KVCacheTrie:
         for c in self._counters, self._tenant_counters[ns.tenant]:
             c.spill_hit_tokens += stored
 
-    def cached_length(self, token_ids: TokenIds, *, salt: Salt = None) -> int:
-        """Resident prefix length of `token_ids`, without locking, counting or refreshing LRU."""
+    def cached_length(self, token_ids: TokenIds, *, salt: Salt = None, servable: bool = False) -> int:
+        """Resident prefix length of `token_ids`, without locking, counting or refreshing LRU; with
+        `servable`, only up to the last recurrent-state snapshot (what a hit can use)."""
         ids = as_token_array(token_ids)
         with self._lock:
-            return self._tree.match(self.namespace.with_salt(salt).key, ids, touch=False, create=False).length
+            m = self._tree.match(self.namespace.with_salt(salt).key, ids, touch=False, create=False)
+            if servable and self.state is not None:
+                m = self._tree.snapshot_prefix(m)
+            return m.length
+
+    def snapshot_points(self, start: int, prompt_length: int, matched: int) -> list[int]:
+        """Where a request prefilling positions [start, prompt_length) stops to snapshot the
+        recurrent state: every `snapshot_every` tokens, the branch point `matched` (where the
+        resident tokens end; the next request sharing this prefix then hits there), the position
+        before the last prompt token (a repeated prompt recomputes one token) and the prompt's end.
+        Empty for a model without recurrent state."""
+        if self.state is None:
+            return []
+        every = self.snapshot_every
+        points = {prompt_length - 1, prompt_length, matched}
+        if every:
+            points.update(range((start // every + 1) * every, prompt_length, every))
+        return sorted(p for p in points if start < p <= prompt_length)
+
+    def wants_snapshot(self, position: int) -> bool:
+        """Whether a decoding request snapshots its state after `position` tokens."""
+        return self.state is not None and self.snapshot_every > 0 and position % self.snapshot_every == 0
 
     def continuation(self, token_ids: TokenIds, max_tokens: int, *, salt: Salt = None) -> list[int]:
         """Tokens the trie holds right after all of `token_ids` (empty unless all are resident)."""
@@ -336,15 +396,25 @@ class KVCacheTrie:
 
     # ---- mutations -------------------------------------------------------------------------
 
-    def insert(self, token_ids: TokenIds, past, *, salt: Salt = None) -> int:
+    def insert(
+        self,
+        token_ids: TokenIds,
+        past,
+        *,
+        salt: Salt = None,
+        snapshots: dict[int, torch.Tensor] | None = None,
+    ) -> int:
         """Store the KV of the tokens of `token_ids` not cached yet; returns how many were stored.
 
         `past` is a transformers cache whose first positions are `token_ids`; tokens beyond its
         length (e.g. the last sampled one) are skipped. When eviction cannot make room (too much
-        locked or pinned) only the leading part that fits is stored.
+        locked or pinned) only the leading part that fits is stored. `snapshots` maps positions
+        to recurrent-state snapshots (`hf.capture_state`) taken there; those at resident
+        positions without one are stored too.
         """
         ids = as_token_array(token_ids)
-        n = min(len(ids), hf.seq_length(past))
+        held = hf.seq_length(past)
+        n = len(ids) if held is None else min(len(ids), held)
         ns = self.namespace.with_salt(salt)
 
         def source(start: int, end: int) -> list[torch.Tensor | None]:
@@ -355,9 +425,54 @@ class KVCacheTrie:
 
         with self._lock:
             start, stored = self._store(ns, ids[:n], source)
-        if stored and self.spill is not None:
-            self.spill.on_insert(ns.key, ids[: start + stored], start)
+            kept = {p: blob for p, blob in (snapshots or {}).items() if 0 < p <= n}
+            saved = [p for p in sorted(kept) if self._store_snapshot(ns, ids[:p], kept[p])]
+        if self.spill is not None:
+            if stored:
+                self.spill.on_insert(ns.key, ids[: start + stored], start)
+            for p in saved if self.spill.write_mode == "through" else ():
+                self.spill.on_snapshot(ns.key, ids[:p], kept[p])
         return stored
+
+    def _store_snapshot(self, ns: Namespace, ids: np.ndarray, blob: torch.Tensor) -> bool:
+        """Under the lock: keep `blob`, the recurrent state after `ids`, at the node ending there
+        (if those tokens are resident and no snapshot is kept there yet). Returns whether it was."""
+        if self.state is None:
+            raise ValueError("this cache's model keeps no recurrent state to snapshot")
+        m = self._tree.match(ns.key, ids, touch=False, create=False)
+        if m.length < len(ids) or len(ids) == 0:
+            return False
+        node = self._tree.boundary(m)
+        if node.snap is not None:
+            return False
+        need = self._pool.slots_for(self.state.nbytes)
+        self._tree.lock(node, +1)
+        try:
+            if need > self._pool.num_free:
+                self._evict(need - self._pool.num_free)
+            if need > self._pool.num_free:
+                for c in self._counters, self._tenant_counters[ns.tenant]:
+                    c.snapshot_dropped += 1
+                return False
+            slots = self._pool.alloc(need)
+            self._pool.write_blob(slots, blob)
+            self._tree.set_snapshot(node, slots)
+            for c in self._counters, self._tenant_counters[ns.tenant]:
+                c.snapshots_stored += 1
+            return True
+        finally:
+            self._tree.lock(node, -1)
+
+    def snapshot(self, token_ids: TokenIds, *, salt: Salt = None) -> torch.Tensor | None:
+        """The recurrent-state snapshot kept after exactly `token_ids` (a copy), or None."""
+        ids = as_token_array(token_ids)
+        with self._lock:
+            m = self._tree.match(self.namespace.with_salt(salt).key, ids, touch=False, create=False)
+            if self.state is None or m.length < len(ids) or m.node.is_root:
+                return None
+            if m.node_offset != len(m.node.tokens) or m.node.snap is None:
+                return None
+            return self._pool.read_blob(m.node.snap, self.state.nbytes)
 
     def _store(self, ns: Namespace, ids: np.ndarray, source: KVSource) -> tuple[int, int]:
         """Store the KV of the not-yet-resident tail of `ids`; returns (first new position, count)."""
@@ -415,7 +530,7 @@ class KVCacheTrie:
             return self._evict(num_tokens)
 
     def _evict(self, num_tokens: int) -> int:
-        freed = self._tree.evict(num_tokens, self._before_trim)
+        freed = self._tree.evict(num_tokens, self._before_trim, self._before_drop)
         self._pool.release(freed)
         self._counters.evicted_tokens += len(freed)
         return len(freed)
@@ -433,6 +548,14 @@ class KVCacheTrie:
         if self.events is not None:  # complete Redis chunks stay restorable (the shared tier)
             chunk = self.spill.chunk_tokens if self.spill is not None else len(ids) + 1
             self.events.evicted(ids, len(ids) - count, len(ids) // chunk * chunk)
+
+    def _before_drop(self, node: Node) -> None:
+        """A snapshot leaves the device: in write-back mode it is spilled first."""
+        if self.spill is not None and self.spill.write_mode == "back" and self.state is not None:
+            ids, _ = self._tree.path(node)
+            self.spill.on_snapshot(
+                self._tree.namespace_of(node), ids, self._pool.read_blob(node.snap, self.state.nbytes)
+            )
 
     def pin(self, token_ids: TokenIds, *, salt: Salt = None) -> int:
         """Exempt the resident prefix of `token_ids` from eviction; returns the pinned length L.
@@ -492,7 +615,7 @@ class KVCacheTrie:
                 resident += len(n.tokens)
                 locked += len(n.tokens) * (n.lock_ref > 0)
                 pinned += len(n.tokens) * (n.pin_ref > 0)
-            token_bytes = self._pool.token_bytes
+            token_bytes = self._pool.slot_bytes
             out = {
                 "queries": c.queries,
                 "queried_tokens": c.queried_tokens,
@@ -510,6 +633,17 @@ class KVCacheTrie:
                 "spill_hit_tokens": c.spill_hit_tokens,
                 "spill_lost_tokens": c.spill_lost_tokens,
             }
+            if self.state is not None:
+                out |= {
+                    "snapshots": self._tree.snapshots,
+                    "snapshot_bytes": self._tree.snapshots * self.state.nbytes,
+                    "snapshot_slots": self._tree.snapshot_slots,
+                    "snapshots_stored": c.snapshots_stored,
+                    "snapshot_dropped": c.snapshot_dropped,
+                    "snapshot_misses": c.snapshot_misses,
+                }
+                if tenant is None:
+                    out["resident_bytes"] += self._tree.snapshot_slots * token_bytes
         if tenant is None and self.spill is not None:
             out |= self.spill.stats()
         if tenant is None and self.events is not None:
@@ -572,7 +706,11 @@ class KVCacheTrie:
         """Resident tokens neither locked nor pinned: what `reserve` may evict beyond the free slots
         (a walk of the whole tree)."""
         with self._lock:
-            return sum(len(n.tokens) for n in self._tree.iter_nodes() if n.lock_ref == 0 and n.pin_ref == 0)
+            return sum(
+                len(n.tokens) + (0 if n.snap is None else len(n.snap))
+                for n in self._tree.iter_nodes()
+                if n.lock_ref == 0 and n.pin_ref == 0
+            )
 
     def hold(self, token_ids: TokenIds, *, salt: Salt = None) -> Hit:
         """Lock the whole resident prefix of `token_ids` (no token left out, nothing counted as a
@@ -635,7 +773,10 @@ class KVCacheTrie:
             with self._lock:
                 self._tree.lock(m.node, -1)
 
-    def _build_cache(self, slots: np.ndarray, length: int):
+    def _build_cache(self, slots: np.ndarray, length: int, node: Node | None = None):
+        state = None
+        if self.state is not None and length:
+            state = (self.state, self._pool.read_blob(node.snap, self.state.nbytes))
         kv: list[torch.Tensor | None] = []
         indices: dict[int, torch.Tensor] = {}
         for layer, spec in enumerate(self.specs):
@@ -647,7 +788,7 @@ class KVCacheTrie:
             if index is None:
                 index = indices[held] = self._pool.index(slots[length - held : length])
             kv.append(self._pool.gather(layer, index))
-        return hf.build_cache(self.config, self.specs, kv, length)
+        return hf.build_cache(self.config, self.specs, kv, length, state)
 
     def clear(self) -> int:
         """Evict every unlocked, unpinned token (what `/flush_cache` asks for); returns how many went.

@@ -65,6 +65,12 @@ class ModelDrafter(Drafter):
     """A smaller model with the same tokenizer, with its own prefix cache (`draft_cache`)."""
 
     def __init__(self, draft_model, draft_cache: KVCacheTrie | None = None) -> None:
+        if (draft_cache.state if draft_cache is not None else hf.describe(draft_model)[1]) is not None:
+            raise hf.UnsupportedModelError(
+                f"draft model type '{draft_model.config.model_type}' keeps recurrent state, which a "
+                "drafter rolls back after every rejection; use an attention-only drafter (a hybrid "
+                "target is fine)"
+            )
         self.model = draft_model
         self.cache = draft_cache
         self.runner = ModelRunner(draft_model)

@@ -5,6 +5,10 @@ once over [uncomputed committed tokens] + drafts and `verify` accepts a prefix o
 one token of its own. Both caches are then cropped to len(committed) - 1 (roll back by target
 length, never by deltas), so rejected drafts vanish. Only committed tokens reach either trie, when
 the request ends.
+
+A target with recurrent state (a hybrid or SSM model) cannot be cropped: its state is snapshotted
+before each verify, and after a rejection it is restored and the accepted tokens are fed again
+(one more forward of the accepted length), so the cache holds exactly the committed tokens.
 """
 
 from __future__ import annotations
@@ -126,6 +130,7 @@ class SpeculativeGenerator(CachedGenerator):
         self.max_gamma = max(max_gamma, gamma)
         self.on_round = on_round
         self.target_vocab = self.vocab_size
+        self._target_state = False  # probed on first use when there is no cache to say it
 
     def check_params(self, params: GenerationParams) -> None:
         """Logits processing is refused: a round verifies up to gamma positions at once against
@@ -177,16 +182,24 @@ class SpeculativeGenerator(CachedGenerator):
         gamma = self.gamma
         # the engine interleaves requests: each one drafts in its own session (cache, trie lock, salt)
         drafter = self.drafter.start(ids, run.salt)
+        state = self._state_layout(run)
         try:
+            if state is not None and run.computed < len(ids) - 1:  # snapshots along the prompt
+                self._prefill(ids, run, len(ids) - 1)
             while True:
                 drafts, q, tail_q = self.propose(drafter, committed, gamma, params, rng)
                 feed = committed[run.computed :] + drafts
+                saved = hf.capture_state(run.past, state) if state is not None and drafts else None
                 logits = self.runner.forward(feed, run.past, keep=len(drafts) + 1)
                 n, token = verify(distribution(logits, params), drafts, q, params.greedy, rng, tail_q=tail_q)
                 new = [*drafts[:n], token]
                 committed.extend(new)
-                hf.crop(run.past, len(committed) - 1)
+                if saved is not None and n < len(drafts):
+                    self._rewind(run, saved, feed[: len(feed) - len(drafts) + n])
+                else:
+                    hf.crop(run.past, len(committed) - 1)
                 run.computed = len(committed) - 1
+                self._snapshot(run)
                 drafter.rollback(len(committed) - 1)
                 stats.record(len(drafts), n)
                 if self.on_round is not None:
@@ -198,6 +211,22 @@ class SpeculativeGenerator(CachedGenerator):
                     yield emitted
         finally:
             drafter.end(run.sequence)
+
+    def _state_layout(self, run: DecodeState):
+        """The target's recurrent-state layout (None for an attention-only target)."""
+        if self.cache is not None:
+            return self.cache.state
+        if self._target_state is False:
+            self._target_state = hf.describe(self.model)[1]
+        return self._target_state
+
+    def _rewind(self, run: DecodeState, saved: torch.Tensor, accepted: list[int]) -> None:
+        """Undo a verify on a recurrent target: the state from before it, the attention layers
+        cropped to the same position, then the accepted tokens fed again."""
+        state = self._state_layout(run)
+        hf.apply_state(run.past, state, saved)
+        hf.crop(run.past, run.computed, state_restored=True)
+        self.runner.forward(accepted, run.past)
 
 
 def _match_vocab(q: torch.Tensor, size: int) -> torch.Tensor:

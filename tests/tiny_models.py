@@ -111,12 +111,122 @@ ARCHITECTURES = (
 )
 
 
+# Recurrent and hybrid families (kvblocks.adapters.hf.STATEFUL_MODEL_TYPES), 4 layers each with
+# recurrent layers and, for hybrids, attention layers. initializer_range=0.2 makes the recurrent
+# state matter: at the default init an SSM layer barely moves the logits, and a test that reset
+# the state by mistake could still pass.
+_SSM = dict(mamba_d_state=16, mamba_d_conv=4, mamba_expand=2)
+_ATTN = dict(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+HYBRID_CONFIGS = {
+    "mamba": dict(hidden_size=64, state_size=8, num_hidden_layers=4, expand=2, conv_kernel=4),
+    "mamba2": dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_heads=8,
+        head_dim=16,
+        expand=2,
+        state_size=16,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=8,
+    ),
+    "jamba": dict(
+        **_ATTN,
+        hidden_size=64,
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+    ),
+    "falcon_h1": dict(
+        **_ATTN,
+        **_SSM,
+        hidden_size=64,
+        num_hidden_layers=4,
+        mamba_d_ssm=128,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_chunk_size=8,
+    ),
+    "lfm2": dict(
+        **_ATTN,
+        hidden_size=64,
+        num_hidden_layers=4,
+        block_auto_adjust_ff_dim=False,
+        conv_L_cache=3,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+    ),
+    "qwen3_next": dict(
+        **_ATTN,
+        hidden_size=64,
+        num_hidden_layers=4,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    ),
+    "granitemoehybrid": dict(
+        **(_ATTN | _SSM | dict(intermediate_size=32)),
+        hidden_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        position_embedding_type="rope",
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_chunk_size=8,
+    ),
+    # time_step_min=1e-6: transformers' one-token Zamba2 step leaves out the time_step_min clamp that its
+    # prefill applies, so with a clamp that bites, plain transformers itself gives other logits for a
+    # prompt fed in two calls than in one (README, "Recurrent and hybrid models").
+    "zamba2": dict(
+        **_SSM,
+        hidden_size=64,
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        mamba_ngroups=1,
+        n_mamba_heads=8,
+        chunk_size=8,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_mem_blocks=1,
+        max_position_embeddings=512,
+        time_step_min=1e-6,
+    ),
+}
+HYBRID_ARCHITECTURES = tuple(HYBRID_CONFIGS)
+
+
 def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     """A random-weight model of family `arch` in eval mode, attention that keeps float64 where possible."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_cls, fields = _configs()[arch]
     torch.manual_seed(seed)
+    if arch in HYBRID_CONFIGS:
+        fields = _common(**HYBRID_CONFIGS[arch], vocab_size=VOCAB, initializer_range=0.2)
+        config = AutoConfig.for_model(arch, **fields)
+        return AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager", experts_implementation="eager", dtype=dtype
+        ).eval()
+    config_cls, fields = _configs()[arch]
     config = config_cls(**fields)
     return AutoModelForCausalLM.from_config(config, attn_implementation=_attention(arch), dtype=dtype).eval()
 

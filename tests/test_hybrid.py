@@ -1,0 +1,422 @@
+"""Recurrent and hybrid models: prefix reuse through state snapshots is exact, family by family.
+
+A recurrent layer's state after token t summarises every token up to t, so kvblocks serves a
+prefix only where it holds a snapshot of that state (`KVCacheTrie.snapshot_points`). Each request
+is checked like the attention-only suite (tests/test_exactness.py) against two references built
+from plain transformers:
+
+* one-shot (what a user compares against): the whole prompt in one forward into a fresh cache,
+  then one token per step. Greedy tokens must be identical, in float32 and float64. The logits are
+  only compared loosely in float64: the Mamba2-style and gated-delta layers keep their state in
+  float32 even in a float64 model, so a prompt fed in two calls already differs from one call by
+  up to ~1e-6 in plain transformers.
+* replay, which makes the same forward calls as kvblocks: the prefill stops where the request's
+  `prefill_splits` say, and a request with a hit of h tokens resumes from the attention KV of the
+  earliest earlier run that computed those h tokens (the trie keeps the first KV it is given) and
+  from the recurrent state of the earliest run that snapshotted position h (the trie keeps the
+  first snapshot of a position). Each run keeps a copy of its live cache after every forward.
+  Logits must then be bit-identical (`torch.equal`), float32 and float64: the snapshot handed back
+  is bit for bit the state that was computed.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from conftest import IdTokenizer
+from redis_server import RedisServer
+from tiny_models import HYBRID_ARCHITECTURES, VOCAB, tiny_model
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+from kvblocks import CachedGenerator, GenerationResult, KVCacheTrie, UnsupportedModelError
+from kvblocks.adapters import hf
+from kvblocks.explain import explain
+
+DTYPES = [torch.float32, torch.float64]
+NEW_TOKENS = 5
+EVERY = 16
+STEPWISE = {"mamba", "jamba"}  # the families whose tokens after a snapshot go one per forward
+
+
+@functools.cache
+def model_for(arch: str, dtype: torch.dtype):
+    return tiny_model(arch, dtype)
+
+
+def random_ids(n: int, seed: int, low: int = 0, high: int = VOCAB) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (n,), generator=g).tolist()
+
+
+def has_state(cache: DynamicCache) -> bool:
+    return any(
+        isinstance(layer, LinearAttentionCacheLayerMixin) and any(layer.has_previous_state.values())
+        for layer in cache.layers
+    )
+
+
+@dataclass
+class Run:
+    sequence: list[int]  # prompt + generated tokens whose state the run computed
+    copies: dict[int, DynamicCache] = field(default_factory=dict)  # live cache after each forward
+    snapshots: list[int] = field(default_factory=list)
+
+
+class Replay:
+    """Plain-transformers runs that repeat kvblocks' forward calls (see the module doc)."""
+
+    def __init__(self, arch: str, model) -> None:
+        self.model = model
+        self.stepwise = arch in STEPWISE
+        self.runs: list[Run] = []
+
+    @torch.inference_mode()
+    def forward(self, cache: DynamicCache, ids: list[int]) -> torch.Tensor:
+        if self.stepwise and len(ids) > 1 and has_state(cache):
+            return [self.forward(cache, [t]) for t in ids][-1]
+        out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].clone()
+
+    def run(self, ids: list[int], result: GenerationResult) -> tuple[list[int], list[torch.Tensor]]:
+        hit = result.cached_tokens
+        cache = self._resume(ids, hit)
+        run = Run(list(ids[:hit]), snapshots=result.snapshot_positions)
+        done = hit
+        for end in result.prefill_splits:
+            row = self.forward(cache, ids[done:end])
+            done = end
+            run.copies[end] = copy.deepcopy(cache)
+        tokens, logits = [], []
+        while True:
+            logits.append(row)
+            tokens.append(int(row.argmax()))
+            if len(tokens) == len(result.token_ids):
+                break
+            row = self.forward(cache, tokens[-1:])
+            done += 1
+            run.copies[done] = copy.deepcopy(cache)
+        run.sequence = [*ids, *tokens[:-1]]
+        self.runs.append(run)
+        return tokens, logits
+
+    def _resume(self, ids: list[int], hit: int) -> DynamicCache:
+        if hit == 0:
+            return DynamicCache(config=self.model.config)
+        state = next(
+            (
+                r
+                for r in self.runs
+                if hit in r.snapshots and r.sequence[:hit] == ids[:hit] and hit in r.copies
+            ),
+            None,
+        )
+        assert state is not None, f"kvblocks hit {hit} tokens that no earlier run snapshotted"
+        cache = copy.deepcopy(state.copies[hit])
+        # each position's KV from the first run that computed it (a run that missed for want of a
+        # snapshot recomputes tokens the trie already holds; the trie keeps the first KV)
+        pieces, start = [], 0
+        for r in self.runs:
+            covered = next(
+                (p for p, (a, b) in enumerate(zip(r.sequence[:hit], ids[:hit])) if a != b),
+                min(len(r.sequence), hit),
+            )
+            if covered > start:
+                pieces.append((r.copies[max(r.copies)], start, covered))
+                start = covered
+        assert start == hit
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, DynamicLayer) and layer.is_initialized:
+                layer.keys = torch.cat([c.layers[i].keys[..., a:b, :] for c, a, b in pieces], dim=-2)
+                layer.values = torch.cat([c.layers[i].values[..., a:b, :] for c, a, b in pieces], dim=-2)
+        return cache
+
+
+def one_shot(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    cache = DynamicCache(config=model.config)
+    tokens, logits = [], []
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+        while True:
+            row = out.logits[0, -1]
+            logits.append(row.clone())
+            tokens.append(int(row.argmax()))
+            if len(tokens) == n:
+                return tokens, logits
+            out = model(input_ids=torch.tensor([tokens[-1:]]), cache=cache, use_cache=True)
+
+
+class Harness:
+    """One model, one trie, both references; `request` asserts exactness and returns the result."""
+
+    def __init__(self, arch: str, dtype: torch.dtype, capacity_tokens: int = 1 << 16, **trie_options) -> None:
+        self.arch = arch
+        self.dtype = dtype
+        self.model = model_for(arch, dtype)
+        self.trie = KVCacheTrie.for_model(
+            self.model, capacity_tokens=capacity_tokens, snapshot_every=EVERY, **trie_options
+        )
+        self.generator = CachedGenerator(self.model, IdTokenizer(), self.trie)
+        self.replay = Replay(arch, self.model)
+
+    def request(self, ids: list[int], n: int = NEW_TOKENS) -> GenerationResult:
+        result = self.generator.generate(ids, max_new_tokens=n, output_logits=True, ignore_eos=True)
+        assert len(result.logits) == len(result.token_ids) == n
+        tokens, logits = self.replay.run(ids, result)
+        assert result.token_ids == tokens
+        for step, (got, want) in enumerate(zip(result.logits, logits)):
+            assert torch.equal(got, want), (
+                f"{self.arch}: step {step} logits differ from the replayed forward calls by "
+                f"{(got - want).abs().max().item():.3e} (hit {result.cached_tokens} of {len(ids)})"
+            )
+        reference, ref_logits = one_shot(self.model, ids, n)
+        assert result.token_ids == reference, (
+            f"{self.arch}: greedy tokens differ from a run without the cache"
+        )
+        if self.dtype == torch.float64:
+            diff = max((a - b).abs().max().item() for a, b in zip(result.logits, ref_logits))
+            assert diff <= 1e-4, f"{self.arch}: max logit diff {diff:.3e} against one call"
+        assert self.trie.stats()["locked_tokens"] == 0
+        return result
+
+
+arch_and_dtype = pytest.mark.parametrize(
+    ("arch", "dtype"),
+    [
+        pytest.param(a, d, id=f"{a}-{str(d).removeprefix('torch.')}")
+        for a in HYBRID_ARCHITECTURES
+        for d in DTYPES
+    ],
+)
+
+
+@arch_and_dtype
+def test_partial_hits_at_a_snapshot_and_at_the_branch_point(arch, dtype):
+    h = Harness(arch, dtype)
+    system = random_ids(40, seed=1)
+    first = h.request([*system, *random_ids(7, seed=2)])
+    assert first.cached_tokens == 0
+    second = h.request([*system, *random_ids(6, seed=3)])
+    # at the last periodic snapshot inside the shared prefix; a family fed one token per forward after
+    # a snapshot takes none inside its first prefill
+    assert second.cached_tokens == (0 if arch in STEPWISE else 32)
+    assert 40 in second.snapshot_positions  # the branch point, taken while prefilling
+    third = h.request([*system, *random_ids(5, seed=4)])
+    assert third.cached_tokens == 40
+    assert h.trie.stats()["snapshot_misses"] >= 1
+
+
+@arch_and_dtype
+def test_full_hit_recomputes_only_the_last_token(arch, dtype):
+    h = Harness(arch, dtype)
+    prompt = random_ids(30, seed=5)
+    first = h.request(prompt)
+    assert {len(prompt) - 1, len(prompt)} <= set(first.snapshot_positions)
+    again = h.request(prompt)
+    assert again.cached_tokens == len(prompt) - 1
+    assert again.token_ids == first.token_ids
+
+
+@arch_and_dtype
+def test_strict_prefix_of_a_cached_sequence_is_exact(arch, dtype):
+    h = Harness(arch, dtype)
+    long = random_ids(40, seed=6)
+    h.request(long)
+    for n in (35, 17, 16, 2, 1):
+        result = h.request(long[:n])
+        assert result.cached_tokens < n
+
+
+@arch_and_dtype
+def test_second_turn_resumes_at_the_reply_end(arch, dtype):
+    h = Harness(arch, dtype)
+    prompt = random_ids(20, seed=7)
+    turn1 = h.request(prompt)
+    history = prompt + turn1.token_ids
+    turn2 = h.request(history + random_ids(4, seed=8))
+    # the last generated token was never fed to the model: the state after the one before it is kept
+    assert turn2.cached_tokens == len(history) - 1
+
+
+@arch_and_dtype
+def test_request_after_eviction_is_exact(arch, dtype):
+    model = model_for(arch, dtype)
+    _, state = hf.describe(model)
+    probe = KVCacheTrie.for_model(model, capacity_tokens=64)
+    per_snapshot = probe.pool.slots_for(state.nbytes)
+    # room for one prompt with its snapshots, not two
+    h = Harness(arch, dtype, capacity_tokens=40 + 5 * per_snapshot)
+    prompt = random_ids(30, seed=9, high=VOCAB // 2)
+    first = h.request(prompt)
+    h.request(random_ids(30, seed=10, low=VOCAB // 2))  # shares nothing: evicts what `prompt` left
+    stats = h.trie.stats()
+    assert stats["evicted_tokens"] > 0
+    assert stats["snapshot_slots"] == stats["snapshots"] * per_snapshot
+    again = h.request(prompt)
+    assert again.cached_tokens < len(prompt) - 1
+    assert again.token_ids == first.token_ids
+
+
+@arch_and_dtype
+def test_interleaved_conversations_share_one_cache_exactly(arch, dtype):
+    h = Harness(arch, dtype)
+    system = random_ids(12, seed=11)
+    histories = [list(system) for _ in range(3)]
+    for turn in range(2):
+        for c, history in enumerate(histories):
+            prompt = [*history, c, *random_ids(3, seed=100 * turn + c)]
+            result = h.request(prompt, n=3)
+            if turn:
+                assert result.cached_tokens == len(history) - 1
+            history[:] = prompt + result.token_ids
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_restored_state_is_bit_identical_to_the_computed_state(arch):
+    """The cache built for a hit holds exactly the live cache's KV and recurrent state."""
+    model = model_for(arch, torch.float64)
+    _, state = hf.describe(model)
+    trie = KVCacheTrie.for_model(model, capacity_tokens=4096)
+    ids = random_ids(20, seed=12)
+    live = hf.empty_cache(model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), cache=live, use_cache=True)
+    snap = hf.capture_state(live, state)
+    trie.insert(ids, live, snapshots={len(ids): snap})
+    with trie.match([*ids, 0]) as hit:
+        assert hit.length == len(ids)
+        rebuilt = hit.to_hf_cache()
+    for got, want in zip(rebuilt.layers, live.layers):
+        if isinstance(want, DynamicLayer) and want.is_initialized:
+            assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        if isinstance(want, LinearAttentionCacheLayerMixin):
+            for i in range(want.number_of_states):
+                for name in ("conv_states", "recurrent_states"):
+                    a, b = getattr(got, name)[i], getattr(want, name)[i]
+                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+                assert got.has_previous_state[i] == want.has_previous_state[i]
+    # without a snapshot there the prefix is resident but cannot be served
+    with trie.match([*ids[:10], 0]) as hit:
+        assert hit.length == 0 and hit.matched == 10
+
+
+def test_refused_families_are_named():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "bamba", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, vocab_size=VOCAB,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError, match=r"'bamba'.*mamba2"):
+        KVCacheTrie.for_model(model, capacity_tokens=64)
+
+
+def test_explain_names_the_missing_snapshot():
+    h = Harness("lfm2", torch.float32)
+    system = random_ids(40, seed=13)
+    h.request([*system, *random_ids(7, seed=14)])
+    prompt = [*system, *random_ids(6, seed=15)]
+    why = explain(h.trie, IdTokenizer(), prompt)
+    assert why.reason == "no_state_snapshot"
+    assert why.cached_tokens == 32 and why.divergence == 40
+    assert "no state snapshot at the divergence point" in why.detail
+
+
+def test_snapshots_are_evicted_by_value_per_slot():
+    """GDSF drops the snapshot that saves fewest tokens per slot first; a leaf's snapshot goes with it."""
+    h = Harness("lfm2", torch.float32)
+    h.request(random_ids(40, seed=16))
+    stats = h.trie.stats()
+    assert stats["snapshots"] >= 4  # 16, 32, 39, 40 and the reply's end
+    per = stats["snapshot_slots"] // stats["snapshots"]
+    freed = h.trie.evict(per)  # cheapest first: the one at 40 saves one token over the one at 39
+    assert freed == per
+    after = h.trie.stats()
+    assert (
+        after["snapshots"] == stats["snapshots"] - 1 and after["resident_tokens"] == stats["resident_tokens"]
+    )
+    prompt = h.replay.runs[0].sequence
+    assert h.trie.snapshot(prompt[:40]) is None
+    assert h.trie.snapshot(prompt[:39]) is not None and h.trie.snapshot(prompt[:32]) is not None
+
+
+def test_snapshots_spill_to_redis_and_restore_in_another_process(tmp_path):
+    """Snapshots at chunk ends are sealed records; another trie on the same Redis resumes from them
+    with the same bits, and a forged record is a counted miss."""
+    from kvblocks import RedisTier
+
+    server = RedisServer(tmp_path / "redis").start()  # must start: a missing Redis fails this test
+    url = server.url
+    secret = b"s" * 32
+    model = model_for("qwen3_next", torch.float64)
+    writer = KVCacheTrie.for_model(
+        model, capacity_tokens=4096, snapshot_every=16, spill=RedisTier(url, chunk_tokens=16, secret=secret)
+    )
+    prompt = random_ids(40, seed=17)
+    first = CachedGenerator(model, IdTokenizer(), writer).generate(prompt, max_new_tokens=4)
+    writer.spill.flush()
+    assert writer.stats()["redis_written_states"] >= 2  # at 16 and 32
+    reader = KVCacheTrie.for_model(
+        model, capacity_tokens=4096, snapshot_every=16, spill=RedisTier(url, chunk_tokens=16, secret=secret)
+    )
+    follow = [*prompt[:35], *random_ids(5, seed=18)]
+    result = CachedGenerator(model, IdTokenizer(), reader).generate(follow, max_new_tokens=4)
+    assert result.cached_tokens == 32
+    assert reader.stats()["redis_state_hits"] == 1
+    assert torch.equal(reader.snapshot(prompt[:32]), writer.snapshot(prompt[:32]))
+    assert result.token_ids == one_shot(model, follow, 4)[0]
+    assert first.cached_tokens == 0
+
+    # a record sealed for another position is rejected (the seal binds key, namespace and tokens)
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(url)
+    keys = sorted(k for k in client.keys("kvblocks:*") if k.endswith(b":state"))
+    assert len(keys) >= 2
+    values = [client.get(k) for k in keys]
+    client.set(keys[0], values[1])
+    client.set(keys[1], values[0])
+    victim = KVCacheTrie.for_model(
+        model, capacity_tokens=4096, snapshot_every=16, spill=RedisTier(url, chunk_tokens=16, secret=secret)
+    )
+    result = CachedGenerator(model, IdTokenizer(), victim).generate(follow, max_new_tokens=4)
+    assert result.cached_tokens == 0
+    assert victim.stats()["redis_verify_failures"] >= 1
+    assert result.token_ids == one_shot(model, follow, 4)[0]
+    for trie in (writer, reader, victim):
+        trie.close()
+    server.stop()
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_next", "mamba2", "jamba"])
+def test_speculative_decoding_on_a_hybrid_target_is_greedy_exact(arch):
+    """Rejected drafts roll back by restoring the snapshot taken before the verify and feeding the
+    accepted tokens again; tokens equal a plain run without the cache, round after round."""
+    from kvblocks.specdec import ModelDrafter, PromptLookupDrafter, SpeculativeGenerator
+
+    model = model_for(arch, torch.float64)
+    trie = KVCacheTrie.for_model(model, capacity_tokens=1 << 16, snapshot_every=EVERY)
+    # a repetitive prompt so that prompt lookup drafts, and some drafts are rejected
+    prompt = random_ids(12, seed=19) * 3
+    rejected = 0
+    for drafter in (PromptLookupDrafter(), ModelDrafter(tiny_model("llama", torch.float64))):
+        sg = SpeculativeGenerator(model, IdTokenizer(), trie, drafter=drafter, gamma=3)
+        for ids in (prompt, [*prompt, 7, 8]):
+            result = sg.generate(ids, max_new_tokens=12, ignore_eos=True)
+            assert result.token_ids == one_shot(model, ids, 12)[0]
+            rejected += result.spec.rejected_rounds
+        assert trie.stats()["locked_tokens"] == 0
+    assert rejected > 0  # the rollback path ran
+
+
+def test_a_recurrent_drafter_is_refused():
+    from kvblocks.specdec import ModelDrafter
+
+    with pytest.raises(UnsupportedModelError, match="recurrent state"):
+        ModelDrafter(model_for("lfm2", torch.float32))
