@@ -30,6 +30,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="what leaves a full pool first: gdsf (frequency x recompute cost, aged; default) or lru "
         "(least recently used); see BENCHMARKS.md",
     )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=256,
+        metavar="N",
+        help="recurrent and hybrid models (mamba, lfm2, qwen3_next, ...): snapshot the recurrent state every N "
+        "tokens, besides prompt and reply ends, the last-but-one prompt token and branch points (default "
+        "256; 0: only those); a prefix is reused up to its last snapshot. Ignored by attention-only models",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--redis", default=None, metavar="URL", help="spill tier, e.g. redis://127.0.0.1:6379/0")
     p.add_argument("--redis-chunk-tokens", type=int, default=64, help="tokens per Redis chunk (default 64)")
@@ -104,7 +113,9 @@ def load_stack(args: argparse.Namespace):
             print(warning, file=sys.stderr, flush=True)
     try:
         model, tokenizer = models.load(args.model, args.dtype, args.device)
-        cache = KVCacheTrie.for_model(model, **capacity, spill=spill, eviction=args.eviction)
+        cache = KVCacheTrie.for_model(
+            model, **capacity, spill=spill, eviction=args.eviction, snapshot_every=args.snapshot_every
+        )
     except (models.ModelLoadError, UnsupportedModelError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     return model, tokenizer, cache

@@ -29,7 +29,7 @@ import pytest
 import torch
 from conftest import IdTokenizer
 from redis_server import RedisServer
-from tiny_models import HYBRID_ARCHITECTURES, VOCAB, tiny_model
+from tiny_models import HYBRID_ARCHITECTURES, HYBRID_CONFIGS, VOCAB, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
@@ -420,3 +420,43 @@ def test_a_recurrent_drafter_is_refused():
 
     with pytest.raises(UnsupportedModelError, match="recurrent state"):
         ModelDrafter(model_for("lfm2", torch.float32))
+
+
+def test_kvblocks_serve_reuses_a_hybrid_prefix_over_http(tmp_path):
+    """`kvblocks serve` on an LFM2-shaped hybrid (SmolLM2's tokenizer), driven by the openai client:
+    the third request sharing a system prompt hits it through the snapshot taken at the second one's
+    branch point, and every reply equals the model's greedy reply without the cache."""
+    import openai
+    from server_proc import SMOLLM2_TOKENIZER_FILES, smollm2_dir, start_server, stop_cleanly
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    fields = dict(HYBRID_CONFIGS["lfm2"], vocab_size=49152, initializer_range=0.2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("lfm2", **fields, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    ).eval()
+    model.save_pretrained(tmp_path)
+    for name in SMOLLM2_TOKENIZER_FILES:
+        (tmp_path / name).write_bytes((smollm2_dir() / name).read_bytes())
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    reference = CachedGenerator(model, tokenizer, None)
+
+    system = "You are a terse assistant for a lighthouse keeper. " * 6
+    server = start_server("--model", str(tmp_path), "--snapshot-every", "16")
+    try:
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+            cached = []
+            for question in ("Is the lamp lit?", "How high are the waves?", "When does the ferry come?"):
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+                reply = client.chat.completions.create(
+                    model=str(tmp_path), messages=messages, max_tokens=8, temperature=0
+                )
+                want = reference.generate(messages, max_new_tokens=8, ignore_eos=False)
+                assert reply.choices[0].message.content == want.text
+                cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        turn = tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
+        system_tokens = len(tokenizer(turn, add_special_tokens=False)["input_ids"])
+        assert cached[0] == 0
+        assert 0 < cached[1] < system_tokens <= cached[2]  # a periodic snapshot, then the branch point
+    finally:
+        stop_cleanly(server)

@@ -13,6 +13,7 @@ def bench_parser() -> argparse.ArgumentParser:
     from kvblocks.bench import (
         constrained,
         fleet,
+        hybrid,
         inspection,
         micro,
         packed,
@@ -28,6 +29,6 @@ def bench_parser() -> argparse.ArgumentParser:
         "missed (--no-fail only reports).",
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
-    for suite in (micro, workloads, redis, specdec, server, fleet, packed, inspection, constrained):
+    for suite in (micro, workloads, redis, specdec, server, fleet, packed, hybrid, inspection, constrained):
         suite.add_parser(suites)
     return p
