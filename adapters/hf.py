@@ -64,18 +64,28 @@ STATEFUL_MODEL_TYPES = frozenset(
     {
         "mamba",
         "mamba2",
+        "falcon_mamba",
         "jamba",
         "falcon_h1",
         "lfm2",
+        "lfm2_moe",
         "qwen3_next",
+        "qwen3_5_text",
         "granitemoehybrid",
+        "zamba",
         "zamba2",
+        "nemotron_h",
     }
 )
 # Families whose recurrent layers start from a zero state whenever a forward gets more than one
 # token (transformers' mamba scan keeps only the conv state): after a snapshot, their tokens are
 # fed one per forward, which continues the state exactly.
-STEPWISE_MODEL_TYPES = frozenset({"mamba", "jamba"})
+STEPWISE_MODEL_TYPES = frozenset({"mamba", "falcon_mamba", "jamba", "zamba"})
+# Families whose one-token step computes differently from their multi-token prefill (transformers'
+# Zamba2 and Nemotron-H mixers leave out the time_step_min clamp on one token): kvblocks never
+# prefills a single token for them (every prefill forward takes at least this many tokens), so a
+# cached prompt is computed along the same path as an uncached one; decoding is one token either way.
+MIN_PREFILL_TOKENS = {"zamba2": 2, "nemotron_h": 2}
 RECURRENT_LAYER_TYPES = frozenset(
     {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "attention_mamba"}
 )
@@ -105,6 +115,11 @@ def check_supported(config) -> None:
 
 def is_stateful_layer(layer) -> bool:
     return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def min_prefill_tokens(config) -> int:
+    """The fewest tokens a prefill forward of this model takes (see MIN_PREFILL_TOKENS)."""
+    return MIN_PREFILL_TOKENS.get(getattr(config, "model_type", None), 1)
 
 
 def has_state(cache: DynamicCache) -> bool:

@@ -321,6 +321,10 @@ class CachedGenerator:
         """Insert what the request computed, with the snapshots taken so far; at its end, also the
         state where it stops (the reply's end, where the next turn resumes)."""
         end = min(run.computed, len(run.sequence))
+        if self.cache.min_prefill > 1 and run.splits:
+            # a model whose one-token step differs from its prefill (hf.MIN_PREFILL_TOKENS): the KV and
+            # state of decoded tokens are not what a prefill of them computes, so they are not reused
+            end = min(end, run.splits[-1])
         if final and self.cache.state is not None and end and end not in run.snapped:
             run.snapshots[end] = hf.capture_state(run.past, self.cache.state)
             run.snapped.append(end)

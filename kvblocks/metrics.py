@@ -104,6 +104,20 @@ REDIS_COUNTERS = (
     ("kvblocks_redis_write_drops", "Chunk writes dropped (queue full or Redis down).", "redis_write_drops"),
 )
 
+# recurrent and hybrid models only (the stats have "snapshots")
+SNAPSHOT_COUNTERS = (
+    ("kvblocks_state_snapshots_stored", "Recurrent-state snapshots stored in the pool.", "snapshots_stored"),
+    (
+        "kvblocks_state_snapshot_misses",
+        "Lookups cut short because no snapshot ended where the cached prefix did.",
+        "snapshot_misses",
+    ),
+)
+SNAPSHOT_GAUGES = (
+    ("kvblocks_state_snapshots", "Recurrent-state snapshots resident in the pool.", "snapshots"),
+    ("kvblocks_state_snapshot_bytes", "Bytes of the resident recurrent-state snapshots.", "snapshot_bytes"),
+)
+
 KV_EVENT_COUNTERS = (
     ("kvblocks_kv_events_batches", "KV event batches published.", "kv_events_batches"),
     ("kvblocks_kv_events_stored_blocks", "Blocks reported stored (BlockStored).", "kv_events_stored_blocks"),
@@ -156,9 +170,13 @@ class CacheCollector(Collector):
         yield queried
         yield hits
         events = "kv_events_batches" in s
+        stateful = "snapshots" in s
         for name, doc, key in (
-            CACHE_COUNTERS + (REDIS_COUNTERS if spills else ()) + (KV_EVENT_COUNTERS if events else ())
+            CACHE_COUNTERS
+            + (REDIS_COUNTERS if spills else ())
+            + (KV_EVENT_COUNTERS if events else ())
+            + (SNAPSHOT_COUNTERS if stateful else ())
         ):
             yield CounterMetricFamily(name, doc, value=s[key])
-        for name, doc, key in CACHE_GAUGES:
+        for name, doc, key in CACHE_GAUGES + (SNAPSHOT_GAUGES if stateful else ()):
             yield GaugeMetricFamily(name, doc, value=s[key])

@@ -174,6 +174,9 @@ class KVCacheTrie:
         self.namespace = namespace
         self.state = state
         self.snapshot_every = snapshot_every
+        # tokens every prefill forward takes (and a hit leaves uncached): 1, or 2 for a model whose
+        # one-token step differs from its prefill (hf.MIN_PREFILL_TOKENS)
+        self.min_prefill = hf.min_prefill_tokens(config) if state is not None else 1
         layout = KVLayout(dtype, tuple(specs))
         arena = STATE_ARENA_BYTES if state is not None and not layout.token_bytes() else 0
         self._pool = KVPool(layout, capacity_tokens, device, arena_bytes=arena)
@@ -242,7 +245,7 @@ class KVCacheTrie:
         """
         ids = as_token_array(token_ids)
         ns = self.namespace.with_salt(salt)
-        limit = max(len(ids) - 1, 0)
+        limit = max(len(ids) - self.min_prefill, 0)
         fetched = state = None
         if self.spill is not None:
             with self._lock:
@@ -301,15 +304,21 @@ class KVCacheTrie:
         """Where a request prefilling positions [start, prompt_length) stops to snapshot the
         recurrent state: every `snapshot_every` tokens, the branch point `matched` (where the
         resident tokens end; the next request sharing this prefix then hits there), the position
-        before the last prompt token (a repeated prompt recomputes one token) and the prompt's end.
-        Empty for a model without recurrent state."""
+        before the last prompt token (a repeated prompt recomputes one token; two where
+        `min_prefill` is 2, as no forward gets fewer) and the prompt's end. Empty for a model
+        without recurrent state."""
         if self.state is None:
             return []
-        every = self.snapshot_every
-        points = {prompt_length - 1, prompt_length, matched}
+        every, least = self.snapshot_every, self.min_prefill
+        points = {prompt_length - least, prompt_length, matched}
         if every:
             points.update(range((start // every + 1) * every, prompt_length, every))
-        return sorted(p for p in points if start < p <= prompt_length)
+        kept, previous = [], start
+        for p in sorted(p for p in points if start < p <= prompt_length):
+            if p - previous >= least and (p == prompt_length or prompt_length - p >= least):
+                kept.append(p)
+                previous = p
+        return kept
 
     def wants_snapshot(self, position: int) -> bool:
         """Whether a decoding request snapshots its state after `position` tokens."""
