@@ -393,6 +393,23 @@ def test_snapshots_spill_to_redis_and_restore_in_another_process(tmp_path):
     assert result.token_ids == one_shot(model, follow, 4)[0]
     for trie in (writer, reader, victim):
         trie.close()
+
+    # write-back: a snapshot reaches Redis when it leaves the device pool
+    client.flushall()
+    back = KVCacheTrie.for_model(
+        model,
+        capacity_tokens=4096,
+        snapshot_every=16,
+        spill=RedisTier(url, chunk_tokens=16, secret=secret, write_mode="back"),
+    )
+    CachedGenerator(model, IdTokenizer(), back).generate(prompt, max_new_tokens=4)
+    back.spill.flush()
+    assert back.stats()["redis_written_states"] == 0
+    back.clear()
+    back.spill.flush()
+    assert back.stats()["redis_written_states"] >= 2
+    assert back.stats()["snapshots"] == 0
+    back.close()
     server.stop()
 
 
@@ -429,7 +446,8 @@ def test_kvblocks_serve_reuses_a_hybrid_prefix_over_http(tmp_path):
     the third request sharing a system prompt hits it through the snapshot taken at the second one's
     branch point, and every reply equals the model's greedy reply without the cache."""
     import openai
-    from server_proc import SMOLLM2_TOKENIZER_FILES, smollm2_dir, start_server, stop_cleanly
+    import httpx
+    from server_proc import SMOLLM2_TOKENIZER_FILES, scrape, smollm2_dir, start_server, stop_cleanly
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     fields = dict(HYBRID_CONFIGS["lfm2"], vocab_size=49152, initializer_range=0.2, tie_word_embeddings=True)
@@ -460,5 +478,9 @@ def test_kvblocks_serve_reuses_a_hybrid_prefix_over_http(tmp_path):
         system_tokens = len(tokenizer(turn, add_special_tokens=False)["input_ids"])
         assert cached[0] == 0
         assert 0 < cached[1] < system_tokens <= cached[2]  # a periodic snapshot, then the branch point
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            metrics = scrape(http)
+        assert metrics["kvblocks_state_snapshots"] > 0
+        assert metrics["kvblocks_state_snapshot_misses_total"] >= 1
     finally:
         stop_cleanly(server)
