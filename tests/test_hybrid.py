@@ -445,8 +445,8 @@ def test_kvblocks_serve_reuses_a_hybrid_prefix_over_http(tmp_path):
     """`kvblocks serve` on an LFM2-shaped hybrid (SmolLM2's tokenizer), driven by the openai client:
     the third request sharing a system prompt hits it through the snapshot taken at the second one's
     branch point, and every reply equals the model's greedy reply without the cache."""
-    import openai
     import httpx
+    import openai
     from server_proc import SMOLLM2_TOKENIZER_FILES, scrape, smollm2_dir, start_server, stop_cleanly
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
