@@ -114,6 +114,10 @@ def _rates(now: dict, before: dict | None) -> dict:
         "evicted_tokens": d.get("evicted_tokens", 0),
         "redis_errors": d.get("redis_errors"),
         "redis_verify_failures": d.get("redis_verify_failures"),
+        # recurrent and hybrid models only
+        "snapshots": c1.get("snapshots"),
+        "snapshot_bytes": c1.get("snapshot_bytes", 0),
+        "snapshot_misses": d.get("snapshot_misses", 0),
     }
 
 
@@ -135,6 +139,9 @@ def _stats_table(now: dict, r: dict, title: str):
         "occupancy", f"{r['resident_tokens']:,} / {r['capacity_tokens']:,} tokens ({r['occupancy']:.1%})"
     )
     t.add_row("evicted tokens", f"{r['evicted_tokens']:,}")
+    if r["snapshots"] is not None:
+        t.add_row("state snapshots", f"{r['snapshots']:,} ({r['snapshot_bytes'] / 2**20:,.1f} MiB)")
+        t.add_row("lookups short of a snapshot", f"{r['snapshot_misses']:,}")
     if r["redis_errors"] is not None:
         t.add_row("redis errors / verify failures", f"{r['redis_errors']:,} / {r['redis_verify_failures']:,}")
     if "tenant" in now:  # a tenant's key: its own counters, no server-wide engine figures

@@ -92,3 +92,17 @@ class StopTextAssembler:
         delta = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return delta
+
+
+class IdTokenizer:
+    """Stand-in tokenizer for random-weight models (tests, benchmarks): text is the ids joined by
+    spaces, and no token ends a reply."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return {"input_ids": [int(t) for t in text.split()]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f" {int(t)}" for t in ids)

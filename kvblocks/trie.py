@@ -96,6 +96,7 @@ class Counters:
     spill_lost_tokens: int = 0
     snapshot_misses: int = 0  # lookups cut short because no snapshot ends where the match does
     snapshots_stored: int = 0
+    snapshots_evicted: int = 0
     snapshot_dropped: int = 0  # snapshots that found no room (everything locked or pinned)
 
 
@@ -539,9 +540,12 @@ class KVCacheTrie:
             return self._evict(num_tokens)
 
     def _evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` slots; returns how many were freed (tokens, and the slots of
+        recurrent-state snapshots that went)."""
+        snapshot_slots = self._tree.snapshot_slots
         freed = self._tree.evict(num_tokens, self._before_trim, self._before_drop)
         self._pool.release(freed)
-        self._counters.evicted_tokens += len(freed)
+        self._counters.evicted_tokens += len(freed) - (snapshot_slots - self._tree.snapshot_slots)
         return len(freed)
 
     def _before_trim(self, node: Node, count: int) -> None:
@@ -559,12 +563,14 @@ class KVCacheTrie:
             self.events.evicted(ids, len(ids) - count, len(ids) // chunk * chunk)
 
     def _before_drop(self, node: Node) -> None:
-        """A snapshot leaves the device: in write-back mode it is spilled first."""
-        if self.spill is not None and self.spill.write_mode == "back" and self.state is not None:
+        """A snapshot leaves the device: counted, and in write-back mode spilled first."""
+        ns_key = self._tree.namespace_of(node)
+        ns = self._namespaces.get(ns_key)
+        for c in (self._counters,) if ns is None else (self._counters, self._tenant_counters[ns.tenant]):
+            c.snapshots_evicted += 1
+        if self.spill is not None and self.spill.write_mode == "back":
             ids, _ = self._tree.path(node)
-            self.spill.on_snapshot(
-                self._tree.namespace_of(node), ids, self._pool.read_blob(node.snap, self.state.nbytes)
-            )
+            self.spill.on_snapshot(ns_key, ids, self._pool.read_blob(node.snap, self.state.nbytes))
 
     def pin(self, token_ids: TokenIds, *, salt: Salt = None) -> int:
         """Exempt the resident prefix of `token_ids` from eviction; returns the pinned length L.
@@ -648,6 +654,7 @@ class KVCacheTrie:
                     "snapshot_bytes": self._tree.snapshots * self.state.nbytes,
                     "snapshot_slots": self._tree.snapshot_slots,
                     "snapshots_stored": c.snapshots_stored,
+                    "snapshots_evicted": c.snapshots_evicted,
                     "snapshot_dropped": c.snapshot_dropped,
                     "snapshot_misses": c.snapshot_misses,
                 }

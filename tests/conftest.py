@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+from kvblocks.text import IdTokenizer  # noqa: F401  (the tests import it from here)
+
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -28,19 +30,6 @@ def tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     )
     fields.update(overrides)
     return LlamaForCausalLM(LlamaConfig(**fields)).to(dtype).eval()
-
-
-class IdTokenizer:
-    """Stand-in tokenizer for random-weight models: text is the ids joined by spaces."""
-
-    eos_token_id = None
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        return {"input_ids": [int(t) for t in text.split()]}
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(f" {int(t)}" for t in ids)
 
 
 @pytest.fixture(scope="session")

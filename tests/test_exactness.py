@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import IdTokenizer
-from tiny_models import ARCHITECTURES, VOCAB, WINDOW, tiny_model
+from tiny_models import ARCHITECTURES, VOCAB, WINDOW, random_ids, tiny_model
 from transformers import DynamicCache
 
 from kvblocks import CachedGenerator, GenerationResult, KVCacheTrie
@@ -44,11 +44,6 @@ FP64_TOLERANCE = {"bloom": 1e-8}
 @functools.cache
 def model_for(arch: str, dtype: torch.dtype):
     return tiny_model(arch, dtype)
-
-
-def random_ids(n: int, seed: int, low: int = 0, high: int = VOCAB) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(low, high, (n,), generator=g).tolist()
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ from tiny_models import VOCAB, WINDOW, tiny_model
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvblocks import KVCacheTrie, UnsupportedModelError
+from kvblocks import UnsupportedModelError
 from kvblocks.adapters import hf
 from kvblocks.layout import LayerSpec
 
@@ -141,20 +141,16 @@ def test_crop_refuses_to_roll_back_a_sliding_layer_without_recorded_past(gemma3)
         hf.crop(cache, LENGTH - 1)
 
 
-def test_recurrent_model_without_a_proven_restore_is_refused_by_name():
-    """falcon_mamba's scan restarts from a zero state on multi-token input and is not in
-    STATEFUL_MODEL_TYPES: refused, naming it and the families that are supported."""
-    from transformers import FalconMambaConfig, FalconMambaForCausalLM
-
-    model = FalconMambaForCausalLM(
-        FalconMambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)
-    )
-    with pytest.raises(UnsupportedModelError, match=r"'falcon_mamba'.*lfm2"):
-        KVCacheTrie.for_model(model.eval())
-
-
 @pytest.mark.parametrize(
-    "config_name", ["BambaConfig", "NemotronHConfig", "ZambaConfig", "FalconMambaConfig"]
+    "config_name",
+    [
+        "BambaConfig",
+        "RecurrentGemmaConfig",
+        "Qwen3_5MoeTextConfig",
+        "RwkvConfig",
+        "KimiLinearConfig",
+        "MiniMaxConfig",
+    ],
 )
 def test_unproven_recurrent_configs_are_refused_before_any_forward(config_name):
     import transformers
@@ -164,7 +160,10 @@ def test_unproven_recurrent_configs_are_refused_before_any_forward(config_name):
         hf.check_supported(config)
 
 
-@pytest.mark.parametrize("config_name", ["JambaConfig", "Qwen3NextConfig", "FalconH1Config", "Lfm2Config"])
+@pytest.mark.parametrize(
+    "config_name",
+    ["JambaConfig", "Qwen3NextConfig", "FalconH1Config", "Lfm2Config", "Zamba2Config", "MambaConfig"],
+)
 def test_stateful_families_pass_the_check(config_name):
     import transformers
 

@@ -104,10 +104,11 @@ class _Lane:
 
     def __init__(self, name: str, model, cache) -> None:
         from kvblocks.generator import CachedGenerator
+        from kvblocks.text import IdTokenizer
 
         self.name = name
         self.cache = cache
-        self.generator = CachedGenerator(model, _Ids(), cache)
+        self.generator = CachedGenerator(model, IdTokenizer(), cache)
         self.history: dict[int, list[int]] = {}
         self.prompt_tokens = self.cached_tokens = 0
         self.ttft: list[float] = []
@@ -125,19 +126,6 @@ class _Lane:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-class _Ids:
-    """Token ids are the prompt; text is the ids joined by spaces (random weights have no tokenizer)."""
-
-    eos_token_id = None
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        return {"input_ids": [int(t) for t in text.split()]}
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(f" {int(t)}" for t in ids)
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
@@ -163,6 +151,7 @@ def workload(kind: str, hybrid, attention, args: argparse.Namespace, opts: Bench
         lane.generator.generate(warm, max_new_tokens=2, ignore_eos=True)
         if lane.cache is not None:
             lane.cache.clear()
+    stored_before = lanes[0].cache.stats()["snapshots_stored"]
     with progress(len(w.turns) * len(lanes), f"hybrid {kind}", opts.progress) as bar:
         for i, turn in enumerate(w.turns):
             k = i % len(lanes)
@@ -215,7 +204,7 @@ def workload(kind: str, hybrid, attention, args: argparse.Namespace, opts: Bench
     report.notes = [
         f"ideal hit rate (every computed token reusable) {ideal:.4f}; the attention-only model reaches "
         f"{attn.hit_rate / ideal:.3f} of it, the hybrid {kv.hit_rate / ideal:.3f}",
-        f"snapshots: {stats['snapshots']} resident of {stats['snapshots_stored']} stored, "
+        f"snapshots: {stats['snapshots']} resident of {stats['snapshots_stored'] - stored_before} stored, "
         f"{stats['snapshot_bytes'] / stats['snapshots'] / 1024:,.1f} KiB each; the hybrid's attention KV takes "
         f"{kv_per_token:,} B per token (the attention-only model's {attn.cache.token_bytes:,} B)",
         f"lookups cut short for want of a snapshot where the match ended: {stats['snapshot_misses']} of "
