@@ -41,4 +41,7 @@ def build_drafter(
             raise DraftSpecError(f"{exc} (--draft takes {DRAFT_KINDS})") from exc
         if draft.config.get_text_config().vocab_size < model.config.get_text_config().vocab_size // 2:
             raise DraftSpecError("the draft model's vocabulary does not match the target's tokenizer")
-    return ModelDrafter(draft, KVCacheTrie.for_model(draft, **capacity))
+    try:
+        return ModelDrafter(draft, KVCacheTrie.for_model(draft, **capacity))
+    except ValueError as exc:  # a drafter kvblocks cannot cache or roll back (UnsupportedModelError)
+        raise DraftSpecError(str(exc)) from exc

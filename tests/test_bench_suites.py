@@ -167,6 +167,20 @@ def test_packed_engine_suites_run_on_a_tiny_model(tmp_path, capsys):
     assert checks(reports, "head-of-line")["short-request TTFT loaded / idle, Engine (batch 1)"] > 0
 
 
+@pytest.mark.parametrize("shape", ["lfm2", "qwen3_next"])
+def test_hybrid_suite_matches_the_attention_only_hit_rate_on_tiny_models(tmp_path, capsys, shape):
+    sizes = {"hidden": 64, "layers": 4, "vocab": 256, "system": 40, "question": 8, "user": 8, "output": 3}
+    sizes |= {"snapshot-every": 16, "groups": 2, "prompts-per-group": 3, "conversations": 2, "turns": 2}
+    args = ["hybrid", "--shape", shape, *(f"--{k}={v}" for k, v in sizes.items())]
+    reports = run_suite(tmp_path, capsys, *args)
+    for kind, requests in (("shared-prompt", 6), ("multi-turn", 4)):
+        found = checks(reports, f"hybrid-{kind}")
+        assert found["replies equal to no cache"] == requests
+        # tiny prompts: the one request that resumes at a periodic snapshot weighs more than at scale
+        assert found["hit rate hybrid / attention-only"] >= 0.85
+        assert found["snapshot bytes per cached token"] > 0
+
+
 def test_suites_reject_bad_sizes_with_one_line(capsys):
     assert main(["bench", "specdec", "--only", "trie", "--trie-gamma", "8", "--trie-tokens", "10"]) == 2
     assert "at least 2 x (gamma + 1)" in capsys.readouterr().err

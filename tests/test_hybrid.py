@@ -435,6 +435,13 @@ def test_a_recurrent_drafter_is_refused():
 
     with pytest.raises(UnsupportedModelError, match="recurrent state"):
         ModelDrafter(model_for("lfm2", torch.float32))
+    # `--draft self:K` on a hybrid target: the same refusal, as the one-line error the CLI prints
+    from kvblocks.specdec.factory import DraftSpecError, build_drafter
+
+    with pytest.raises(DraftSpecError, match="recurrent state"):
+        build_drafter(
+            "self:2", model_for("lfm2", torch.float32), None, {"capacity_tokens": 64}, "float32", "cpu"
+        )
 
 
 def test_kvblocks_serve_reuses_a_hybrid_prefix_over_http(tmp_path):
