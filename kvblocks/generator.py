@@ -75,6 +75,9 @@ class DecodeState:
     snapshots: dict[int, torch.Tensor] = field(default_factory=dict)  # taken, not inserted yet
     snapped: list[int] = field(default_factory=list)  # every position snapshotted
     splits: list[int] = field(default_factory=list)
+    # positions past this one were prefilled along a path a prefill of them would not take (a
+    # one-token forward where the cache's min_prefill is 2): not reused
+    reusable: int | None = None
 
 
 @dataclass(slots=True)
@@ -302,10 +305,7 @@ class CachedGenerator:
         assert run.computed == 0
         if len(ids) == 1:
             return [None]
-        rows = self.runner.forward(ids[:-1], run.past, keep=len(ids) - 1)
-        run.computed = len(ids) - 1
-        run.splits.append(run.computed)
-        self._snapshot(run)
+        rows = self._prefill(ids, run, len(ids) - 1, keep=0)
         return [None, *token_logprobs(rows, ids[1:], k)]
 
     def _commit_prompt(self, run: DecodeState) -> None:
@@ -325,7 +325,9 @@ class CachedGenerator:
             # a model whose one-token step differs from its prefill (hf.MIN_PREFILL_TOKENS): the KV and
             # state of decoded tokens are not what a prefill of them computes, so they are not reused
             end = min(end, run.splits[-1])
-        if final and self.cache.state is not None and end and end not in run.snapped:
+        if run.reusable is not None:
+            end = min(end, run.reusable)
+        if final and self.cache.state is not None and end and end == run.computed and end not in run.snapped:
             run.snapshots[end] = hf.capture_state(run.past, self.cache.state)
             run.snapped.append(end)
         self.cache.insert(run.sequence[:end], run.past, salt=run.salt, snapshots=run.snapshots)
@@ -336,22 +338,30 @@ class CachedGenerator:
         cache = self.cache
         if cache is None or cache.state is None or run.computed in run.snapped:
             return
+        if run.reusable is not None and run.computed > run.reusable:
+            return
         if run.computed in run.points or cache.wants_snapshot(run.computed):
             run.snapshots[run.computed] = hf.capture_state(run.past, cache.state)
             run.snapped.append(run.computed)
 
     def _prefill(self, ids: list[int], run: DecodeState, end: int, keep: int = 1) -> torch.Tensor:
         """Forward `ids[run.computed:end]`, stopping at each snapshot point on the way (a recurrent
-        model's state can only be copied where a forward ends); the logits of the last forward."""
+        model's state can only be copied where a forward ends); the logits of the last `keep`
+        positions of the last forward, or with `keep=0` of every position prefilled."""
         stops = [p for p in run.points if run.computed < p < end] + [end]
+        out = []
         for stop in stops:
-            rows = self.runner.forward(
-                ids[run.computed : stop], run.past, keep=min(keep, stop - run.computed)
+            short = self.cache is not None and stop - run.computed < self.cache.min_prefill
+            if short and run.reusable is None:  # e.g. the last prompt token after prompt logprobs
+                run.reusable = run.computed
+            width = stop - run.computed
+            out.append(
+                self.runner.forward(ids[run.computed : stop], run.past, keep=min(keep, width) or width)
             )
             run.computed = stop
             run.splits.append(stop)
             self._snapshot(run)
-        return rows
+        return torch.cat(out) if keep == 0 and len(out) > 1 else out[-1]
 
     def _decode(
         self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None

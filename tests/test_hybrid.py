@@ -499,3 +499,22 @@ def test_kvblocks_serve_reuses_a_hybrid_prefix_over_http(tmp_path):
         assert stats.returncode == 0 and "state snapshots" in stats.stdout, stats.stderr
     finally:
         stop_cleanly(server)
+
+
+@pytest.mark.parametrize("arch", ["zamba2", "lfm2"])
+def test_prompt_logprobs_requests_store_only_what_a_prefill_computes(arch):
+    """A prompt-logprobs request computes all but the last prompt token, then that token alone. On a
+    model whose one-token step differs from its prefill (zamba2) nothing past that point is stored;
+    elsewhere (lfm2) the whole prompt and reply are. Either way later requests stay exact."""
+    h = Harness(arch, torch.float32)
+    prompt = random_ids(30, seed=21)
+    result = h.generator.generate(prompt, max_new_tokens=4, prompt_logprobs=1, ignore_eos=True)
+    assert result.cache_bypass == "prompt_logprobs"
+    assert result.token_ids == one_shot(h.model, prompt, 4)[0]
+    stored = h.trie.cached_length([*prompt, *result.token_ids], servable=True)
+    # zamba2: up to the snapshot two tokens before the end (the last forward of the prompt took one)
+    assert stored == (len(prompt) - 2 if arch == "zamba2" else len(prompt) + 3)
+    follow = [*prompt, *random_ids(5, seed=22)]
+    again = h.generator.generate(follow, max_new_tokens=4, ignore_eos=True)
+    assert 0 < again.cached_tokens <= stored
+    assert again.token_ids == one_shot(h.model, follow, 4)[0]
