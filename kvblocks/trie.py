@@ -420,12 +420,16 @@ class KVCacheTrie:
         length (e.g. the last sampled one) are skipped. When eviction cannot make room (too much
         locked or pinned) only the leading part that fits is stored. `snapshots` maps positions
         to recurrent-state snapshots (`hf.capture_state`) taken there; those at resident
-        positions without one are stored too.
+        positions without one are stored too. Without `snapshots`, a hybrid model's `past` is
+        snapshotted where it stands when all of it is stored; a model without attention layers
+        has no length to check that against and needs `snapshots` given.
         """
         ids = as_token_array(token_ids)
         held = hf.seq_length(past)
         n = len(ids) if held is None else min(len(ids), held)
         ns = self.namespace.with_salt(salt)
+        if snapshots is None and self.state is not None and held is not None and n == held:
+            snapshots = {n: hf.capture_state(past, self.state)}  # the state `past` stands at
 
         def source(start: int, end: int) -> list[torch.Tensor | None]:
             return [

@@ -518,3 +518,23 @@ def test_prompt_logprobs_requests_store_only_what_a_prefill_computes(arch):
     again = h.generator.generate(follow, max_new_tokens=4, ignore_eos=True)
     assert 0 < again.cached_tokens <= stored
     assert again.token_ids == one_shot(h.model, follow, 4)[0]
+
+
+def test_low_level_insert_of_a_hybrid_keeps_the_state_where_past_stands():
+    """`match`/`to_hf_cache`/`insert` without the generator: a hybrid's insert snapshots `past`."""
+    model = model_for("qwen3_next", torch.float64)
+    trie = KVCacheTrie.for_model(model, capacity_tokens=4096)
+    ids = random_ids(20, seed=23)
+    with trie.match(ids) as hit:
+        past = hit.to_hf_cache()
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([ids[hit.length : -1]]), cache=past, use_cache=True)
+        trie.insert(ids, past)  # 19 positions computed: stored with the state after them
+    follow = [*ids[:-1], 7, 8, 9]
+    with trie.match(follow) as hit:
+        assert hit.length == 19
+        past = hit.to_hf_cache()
+        with torch.inference_mode():
+            got = model(input_ids=torch.tensor([follow[19:]]), cache=past, use_cache=True).logits[0, -1]
+    want = one_shot(model, follow, 1)[1][0]
+    assert (got - want).abs().max().item() < 1e-4 and int(got.argmax()) == int(want.argmax())
