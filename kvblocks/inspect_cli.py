@@ -261,6 +261,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for node in body["tree"]:
             label = (f"[cyan]{node['run']}[/cyan] tok (to {node['prefix_length']}) hits={node['hits']}"
                      f"{' [red]locked[/red]' if node['locked'] else ''}{' [yellow]pinned[/yellow]' if node['pinned'] else ''}"
+                     f"{' [green]snapshot[/green]' if node.get('snapshot') else ''}"
                      f"  {repr(node['preview'])[1:-1][:60]}")  # fmt: skip
             parent = branches.get(node["parent"], root)
             branches[node["id"]] = parent.add(label)

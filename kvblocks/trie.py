@@ -82,6 +82,7 @@ class TreeNode:
     locked: bool
     pinned: bool
     run_ids: list[int]
+    snapshot: bool = False  # a recurrent-state snapshot after its last token (hybrid models)
 
 
 @dataclass(slots=True)
@@ -397,6 +398,7 @@ class KVCacheTrie:
                             node.lock_ref > 0,
                             node.pin_ref > 0,
                             node.tokens[:16].tolist(),
+                            node.snap is not None,
                         )
                     )
                 child_depth = depth + len(node.tokens)

@@ -497,6 +497,13 @@ def test_kvblocks_serve_reuses_a_hybrid_prefix_over_http(tmp_path):
             [*kvblocks_command(), "stats", "--url", server.url], capture_output=True, text=True, env=cli_env()
         )
         assert stats.returncode == 0 and "state snapshots" in stats.stdout, stats.stderr
+        tree = subprocess.run(
+            [*kvblocks_command(), "inspect", "--tree", "--url", server.url],
+            capture_output=True,
+            text=True,
+            env=cli_env(),
+        )
+        assert tree.returncode == 0 and "snapshot" in tree.stdout, tree.stderr
     finally:
         stop_cleanly(server)
 
