@@ -307,14 +307,20 @@ class KVCacheTrie:
         recurrent state: every `snapshot_every` tokens, the branch point `matched` (where the
         resident tokens end; the next request sharing this prefix then hits there), the position
         before the last prompt token (a repeated prompt recomputes one token; two where
-        `min_prefill` is 2, as no forward gets fewer) and the prompt's end. Empty for a model
-        without recurrent state."""
+        `min_prefill` is 2, as no forward gets fewer), the prompt's end and, with a spill tier,
+        the last chunk end before it (what Redis can hold). Empty for a model without recurrent
+        state."""
         if self.state is None:
             return []
         every, least = self.snapshot_every, self.min_prefill
         points = {prompt_length - least, prompt_length, matched}
         if every:
             points.update(range((start // every + 1) * every, prompt_length, every))
+        if self.spill is not None and self.spill.spills_state:
+            # the last chunk end before the prompt's end: the spill tier keeps snapshots only
+            # there, so another process resumes this prompt at most a chunk short of it
+            chunk = self.spill.chunk_tokens
+            points.add((prompt_length - least) // chunk * chunk)
         kept, previous = [], start
         for p in sorted(p for p in points if start < p <= prompt_length):
             if p - previous >= least and (p == prompt_length or prompt_length - p >= least):

@@ -545,3 +545,32 @@ def test_low_level_insert_of_a_hybrid_keeps_the_state_where_past_stands():
             got = model(input_ids=torch.tensor([follow[19:]]), cache=past, use_cache=True).logits[0, -1]
     want = one_shot(model, follow, 1)[1][0]
     assert (got - want).abs().max().item() < 1e-4 and int(got.argmax()) == int(want.argmax())
+
+
+def test_with_redis_the_last_chunk_end_of_a_prompt_is_snapshotted_for_other_processes(tmp_path):
+    """Redis keeps snapshots only where a chunk ends: with a spill tier the prefill also stops at the
+    last chunk end before the prompt's end, so another process resumes a multi-turn history at most
+    a chunk short of it, whatever --snapshot-every is."""
+    from kvblocks import RedisTier
+
+    server = RedisServer(tmp_path / "redis").start()
+    model = model_for("lfm2", torch.float32)
+
+    def process():
+        spill = RedisTier(server.url, chunk_tokens=16, secret=b"k" * 32)
+        trie = KVCacheTrie.for_model(model, capacity_tokens=1 << 16, snapshot_every=256, spill=spill)
+        return trie, CachedGenerator(model, IdTokenizer(), trie)
+
+    first, gen1 = process()
+    prompt = random_ids(45, seed=24)
+    turn1 = gen1.generate(prompt, max_new_tokens=6, ignore_eos=True)
+    assert 32 in turn1.snapshot_positions  # 45 - 1 = 44 -> the chunk end at 32
+    first.spill.flush()
+    second, gen2 = process()
+    history = [*prompt, *turn1.token_ids, *random_ids(4, seed=25)]
+    turn2 = gen2.generate(history, max_new_tokens=4, ignore_eos=True)
+    assert turn2.cached_tokens == 32
+    assert turn2.token_ids == one_shot(model, history, 4)[0]
+    for trie in (first, second):
+        trie.close()
+    server.stop()
