@@ -76,7 +76,7 @@ class RadixTree:
         self.roots: dict[Hashable, Node] = {}
         self.resident_tokens = 0
         self.snapshot_slots = 0
-        self.snapshots = 0
+        self._snapshot_nodes: set[Node] = set()  # nodes owning a snapshot (eviction's candidates)
         self.pinned_tokens = 0
         self.num_nodes = 0
         self._clock = 0
@@ -148,16 +148,20 @@ class RadixTree:
             return None
         return self.split(match.node, match.node_offset)
 
+    @property
+    def snapshots(self) -> int:
+        return len(self._snapshot_nodes)
+
     def set_snapshot(self, node: Node, slots: np.ndarray) -> None:
         assert node.snap is None and not node.is_root
         node.snap = slots
         self.snapshot_slots += len(slots)
-        self.snapshots += 1
+        self._snapshot_nodes.add(node)
 
     def drop_snapshot(self, node: Node) -> np.ndarray:
         slots, node.snap = node.snap, None
         self.snapshot_slots -= len(slots)
-        self.snapshots -= 1
+        self._snapshot_nodes.discard(node)
         return slots
 
     def path(self, node: Node) -> tuple[np.ndarray, np.ndarray]:
@@ -291,12 +295,11 @@ class RadixTree:
         """
         policy = self.policy
         heap = [(policy.key(n, self.depth(n)), id(n), n, False) for n in self._leaves if n.evictable()]
-        if self.snapshots:
-            heap.extend(
-                (self._snapshot_key(n), id(n), n, True)
-                for n in self.iter_nodes()
-                if n.snap is not None and n.children and n.lock_ref == 0 and n.pin_ref == 0
-            )
+        heap.extend(
+            (self._snapshot_key(n), id(n), n, True)
+            for n in self._snapshot_nodes
+            if n.children and n.lock_ref == 0 and n.pin_ref == 0
+        )
         heapq.heapify(heap)
         freed: list[np.ndarray] = []
         remaining = num_tokens

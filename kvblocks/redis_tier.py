@@ -3,8 +3,9 @@
 Reads happen on a device miss, before the model runs: one pipelined EXISTS finds the longest run
 of consecutive chunks present, one pipelined GET fetches them, each is verified and promoted into
 the device pool. For a recurrent or hybrid model, snapshots of the recurrent state taken where a
-chunk ends are records too (`on_snapshot`, `fetch_state`), authenticated like KV chunks. Writes never block generation: they go through a bounded queue to a background
-thread, and a full queue drops (and counts) the write. Any Redis failure is a miss, never an
+chunk ends are records too (`on_snapshot`, `fetch_state`), authenticated like KV chunks. Writes
+never block generation: they go through a bounded queue to a background thread, and a full queue
+drops (and counts) the write. Any Redis failure is a miss, never an
 error; after a failure the tier stays quiet for `retry_interval_s`, then reconnects.
 """
 
@@ -252,7 +253,7 @@ class RedisTier:
             return None
         c = self.chunk_tokens
         hashes = self.codec.chunk_hashes(namespace_key, ids[:high], c)
-        ends = [(k + 1) * c for k in range(low // c, len(hashes)) if (k + 1) * c > low][::-1]
+        ends = [(k + 1) * c for k in range(len(hashes) - 1, low // c - 1, -1)]  # furthest first
         if not ends:
             return None
         if time.monotonic() < self._down_until:
