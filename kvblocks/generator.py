@@ -75,8 +75,8 @@ class DecodeState:
     snapshots: dict[int, torch.Tensor] = field(default_factory=dict)  # taken, not inserted yet
     snapped: list[int] = field(default_factory=list)  # every position snapshotted
     splits: list[int] = field(default_factory=list)
-    # positions past this one were prefilled along a path a prefill of them would not take (a
-    # one-token forward where the cache's min_prefill is 2): not reused
+    # positions past this one were computed along a path a prefill of them would not take (one-token
+    # forwards, prefill or decode, where the cache's min_prefill is 2): not reused
     reusable: int | None = None
 
 
@@ -321,10 +321,6 @@ class CachedGenerator:
         """Insert what the request computed, with the snapshots taken so far; at its end, also the
         state where it stops (the reply's end, where the next turn resumes)."""
         end = min(run.computed, len(run.sequence))
-        if self.cache.min_prefill > 1 and run.splits:
-            # a model whose one-token step differs from its prefill (hf.MIN_PREFILL_TOKENS): the KV and
-            # state of decoded tokens are not what a prefill of them computes, so they are not reused
-            end = min(end, run.splits[-1])
         if run.reusable is not None:
             end = min(end, run.reusable)
         if final and self.cache.state is not None and end and end == run.computed and end not in run.snapped:
@@ -361,6 +357,10 @@ class CachedGenerator:
             run.computed = stop
             run.splits.append(stop)
             self._snapshot(run)
+        if self.cache is not None and self.cache.min_prefill > 1 and run.reusable is None:
+            # what follows is decoded one token per forward, which such a model (hf.MIN_PREFILL_TOKENS)
+            # computes otherwise than a prefill of the same tokens: not reused either
+            run.reusable = run.computed
         return torch.cat(out) if keep == 0 and len(out) > 1 else out[-1]
 
     def _decode(
