@@ -1,7 +1,9 @@
 """API keys bound to tenants: who is calling, and which part of the cache they may see.
 
 A tenants file is JSON: `{"keys": [{"key": "...", "tenant": "acme"}, {"key": "...", "tenant":
-"ops", "admin": true}]}`. A tenant's requests live in namespaces of that tenant only; a client's
+"ops", "admin": true}]}`. An entry may also bound its tenant's share of the engine:
+`"max_running"` (requests generating at once), `"max_waiting"` (requests queued) and `"weight"`
+(its share of admissions against other tenants with waiting work; default 1). A tenant's requests live in namespaces of that tenant only; a client's
 `cache_salt` refines them inside it. Admins also see every tenant in the inspection endpoints.
 """
 
@@ -26,6 +28,18 @@ class Principal:
     admin: bool
 
 
+@dataclass(slots=True, frozen=True)
+class TenantLimits:
+    """A tenant's bounds in the engine. None: only the server-wide bound applies."""
+
+    max_running: int | None = None
+    max_waiting: int | None = None
+    weight: float = 1.0
+
+
+LIMIT_FIELDS = ("max_running", "max_waiting", "weight")
+
+
 # Who calls a server started without any key: one trusted user, the default tenant.
 OPEN = Principal("", admin=True)
 
@@ -37,6 +51,11 @@ class ApiKeys:
         if not entries:
             raise ValueError("no API keys given")
         self._entries = [(_digest(key), principal) for key, principal in entries.items()]
+        self._limits: dict[str, TenantLimits] = {}
+
+    def limits(self, tenant: str) -> TenantLimits:
+        """The bounds the keys file sets for `tenant` (none set: no bounds of its own, weight 1)."""
+        return self._limits.get(tenant, TenantLimits())
 
     @classmethod
     def single_admin(cls, key: str) -> ApiKeys:
@@ -57,10 +76,14 @@ class ApiKeys:
         if not isinstance(keys, list) or not keys:
             raise ValueError(f'the API keys file {path} needs a non-empty "keys" list')
         entries: dict[str, Principal] = {}
+        limits: dict[str, TenantLimits | None] = {}
         for i, entry in enumerate(keys):
             where = f"{path}: keys[{i}]"
-            if not isinstance(entry, dict) or set(entry) - {"key", "tenant", "admin"}:
-                raise ValueError(f'{where} must be an object with "key", "tenant" and optional "admin"')
+            if not isinstance(entry, dict) or set(entry) - {"key", "tenant", "admin", *LIMIT_FIELDS}:
+                raise ValueError(
+                    f'{where} must be an object with "key", "tenant" and optional "admin", '
+                    + ", ".join(f'"{f}"' for f in LIMIT_FIELDS)
+                )
             key, tenant, admin = entry.get("key"), entry.get("tenant"), entry.get("admin", False)
             _check_key(key, where)
             if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_CHARS:
@@ -70,7 +93,10 @@ class ApiKeys:
             if key in entries:
                 raise ValueError(f"{where}: this key is listed twice")
             entries[key] = Principal(tenant, admin)
-        return cls(entries)
+            limits[tenant] = _merge_limits(limits.get(tenant), _read_limits(entry, where), tenant, where)
+        keys = cls(entries)
+        keys._limits = {t: lim for t, lim in limits.items() if lim is not None}
+        return keys
 
     def principal(self, authorization: str) -> Principal | None:
         """The principal of an `Authorization` header value, or None if no key matches."""
@@ -83,6 +109,29 @@ class ApiKeys:
             if hmac.compare_digest(known, digest):
                 found = principal
         return found
+
+
+def _read_limits(entry: dict, where: str) -> TenantLimits | None:
+    """The limit fields of one keys-file entry, checked; None when it sets none."""
+    if not any(f in entry for f in LIMIT_FIELDS):
+        return None
+    counts = {}
+    for name in ("max_running", "max_waiting"):
+        value = entry.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f'{where}: "{name}" must be a whole number of at least 1')
+        counts[name] = value
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= 1000:
+        raise ValueError(f'{where}: "weight" must be a number above 0 and at most 1000')
+    return TenantLimits(counts["max_running"], counts["max_waiting"], float(weight))
+
+
+def _merge_limits(known: TenantLimits | None, new: TenantLimits | None, tenant: str, where: str):
+    """Limits are the tenant's, whichever of its keys states them: two keys may not disagree."""
+    if known is None or new is None or known == new:
+        return known or new
+    raise ValueError(f"{where}: tenant '{tenant}' has other limits on another key; state them once")
 
 
 def _check_key(key, where: str) -> None:

@@ -28,6 +28,7 @@ forwards.
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,6 +165,7 @@ class BatchEngine(Engine):
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._beat = time.monotonic()
             self._take(block=not (self._running or self._waiting or self._active))
             self._admit()
             self._step_packed()

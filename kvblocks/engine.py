@@ -57,7 +57,10 @@ class Engine:
         self._active: list[Request] = []
         self._ids = itertools.count(1)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvblocks-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvblocks-engine", daemon=True)
+        self.stall_s = 30.0
+        self._beat = time.monotonic()  # when the loop last completed a step
+        self._death: str | None = None
 
     def start(self) -> Engine:
         self._thread.start()
@@ -83,6 +86,16 @@ class Engine:
     def active(self) -> int:
         return len(self._active)
 
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve right now (its thread died, or it stopped stepping while work
+        waits for longer than `stall_s`), or None when it is healthy. Safe from any thread."""
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stop.is_set():
+            return f"the engine thread died: {self._death or 'unknown cause'}"
+        stalled = time.monotonic() - self._beat
+        if stalled > self.stall_s and (self.active or self.queued):
+            return f"the engine has not completed a step for {stalled:.0f} s while requests wait"
+        return None
+
     def load(self) -> Load:
         """A snapshot taken from any thread: the engine thread may admit or finish requests meanwhile,
         so the counts are each exact at the moment they are read, not jointly."""
@@ -100,8 +113,16 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # reported by health_problem, then re-raised for the thread's hook
+            self._death = f"{type(exc).__name__}: {exc}"
+            raise
+
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._beat = time.monotonic()
             self._admit(block=not self._active)
             for request in self._schedule():
                 self._step(request)
