@@ -27,15 +27,17 @@ forwards.
 
 from __future__ import annotations
 
-import queue
-import time
+import itertools
+import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvblocks import paged
-from kvblocks.engine import Engine, Request
+from kvblocks.admission import LimitsOf, RoomLimits, no_limits
+from kvblocks.engine import Engine, EngineError, Request
 from kvblocks.generator import CachedGenerator, GenerationResult, Piece
 from kvblocks.metrics import Metrics
 from kvblocks.params import GenerationParams
@@ -47,6 +49,9 @@ from kvblocks.text import StopTextAssembler
 from kvblocks.trie import Hit, PoolFullError
 
 CHUNK = 64  # batch-invariant mode cuts prompts at every multiple of this many positions
+LOOK = 32  # waiting requests per tenant that admission considers each step (never the whole line)
+SERIAL = object()  # Request.prepared of a request on the one-request path
+DEFERRED = object()  # admission stopped: the pool lacks room for the next request in fair order
 
 
 def check_settings(
@@ -102,6 +107,16 @@ class Sequence:
     held_back: int = 0  # steps in a row this long prefill sat out for a request's first token
 
 
+@dataclass(slots=True)
+class _AdmissionStep:
+    """What one admission pass has learnt: free slots left, cached lengths, requests looked at."""
+
+    available: int
+    counted_evictable: bool = False
+    cached: dict[int, int] = field(default_factory=dict)
+    seen: dict[int, Sequence] = field(default_factory=dict)
+
+
 class BatchEngine(Engine):
     """`Engine` with packed forwards; the requests on the one-request path are `Engine`'s `_active`."""
 
@@ -117,11 +132,13 @@ class BatchEngine(Engine):
         invariant: bool = False,
         chunk: int = CHUNK,
         watermark: float = 0.01,
+        limits: RoomLimits | None = None,
+        limits_of: LimitsOf = no_limits,
     ) -> None:
         if generator.cache is None or not paged.supports(generator.model):
             raise ValueError("the batched engine needs a prefix cache and a model kvblocks.paged supports")
         check_settings(max_batch_size, max_batch_tokens, invariant, chunk)
-        super().__init__(generator, metrics, max_active)
+        super().__init__(generator, metrics, max_active, limits, limits_of)
         # plain decoding, or draft/verify rounds as multi-token chunks of the packed forward
         self.speculative = type(generator) is SpeculativeGenerator
         if type(generator) is not CachedGenerator and not self.speculative:
@@ -138,7 +155,6 @@ class BatchEngine(Engine):
         self.chunk = chunk
         scratch = self.cache.reserve(paged.MIN_ROWS - 1) if invariant else None  # held for the engine's life
         self.runner = paged.PagedRunner(generator.model, self.cache.pool, invariant, chunk, scratch)
-        self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []
         self._step_no = 0
         self.preemptions = 0
@@ -148,59 +164,51 @@ class BatchEngine(Engine):
     # ---- what Engine reports, with the packed path's requests counted in ------------------------
 
     @property
-    def queued(self) -> int:
-        return super().queued + len(self._waiting)
-
-    @property
     def active(self) -> int:
         return len(self._running) + len(self._active)
 
     def _running_requests(self) -> list[Request]:
         return [s.request for s in list(self._running)] + list(self._active)
 
-    def _waiting_requests(self) -> list[Request]:
-        return [s.request for s in list(self._waiting)]
-
     # ---- the loop --------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._beat = time.monotonic()
-            self._take(block=not (self._running or self._waiting or self._active))
-            self._admit()
-            self._step_packed()
-            for request in list(self._active):  # the one-request path: one step each, as in Engine
-                self._step(request)
-        for s in list(self._running) + list(self._waiting):
-            self._drop(s)
-        for request in list(self._active):
-            self._finish(request)
+    def _cycle(self) -> None:
+        if not (self._running or self._active):
+            self.room.wait(0.5)
+        self._admit()
+        self._step_packed()
+        for request in list(self._active):  # the one-request path: one step each, as in Engine
+            self._step(request)
 
-    def _take(self, block: bool) -> None:
-        """Move submitted requests to the waiting list (or the fallback path)."""
-        while True:
+    def _contain(self, exc: Exception) -> None:
+        super()._contain(exc)
+        for s in list(self._running):
+            self._fail_sequence(s, exc, "engine step")
+
+    def _shutdown(self) -> None:
+        for s in list(self._running):
+            self._drop(s)
+        super()._shutdown()
+
+    def _prepared(self, request: Request) -> Sequence | None:
+        """`request`'s packed-path state (made once), or None once it went to the one-request path
+        or failed (a bad prompt or parameter: the client gets the error)."""
+        if request.prepared is None:
             try:
-                request = self._inbox.get(block=block, timeout=0.5 if block else None)
-            except queue.Empty:
-                return
-            block = False
-            if request is None:
-                return
-            if request.cancelled.is_set():
-                self.metrics.inc("kvblocks_requests_cancelled_total")
-                continue
-            try:
-                s = self._sequence(request)
-            except Exception as exc:  # a bad prompt or parameter: the client gets the error
+                request.prepared = self._sequence(request) or SERIAL
+            except Exception as exc:
+                self.room.remove(request.tenant, request)
                 self.metrics.inc("kvblocks_requests_failed_total")
                 request.emit(exc)
-                continue
-            if s is None:
-                request.stream = self.generator.stream(request.prompt, **request.options)
-                self._active.append(request)
-                self.one_at_a_time += 1
-            else:
-                self._waiting.append(s)
+                return None
+        if request.prepared is SERIAL:
+            if len(self._active) >= self.max_active:
+                return None
+            self.room.remove(request.tenant, request)
+            self._start_serial(request)
+            self.one_at_a_time += 1
+            return None
+        return request.prepared
 
     def _sequence(self, request: Request) -> Sequence | None:
         """The packed path's state for `request`, or None when it needs the one-request path."""
@@ -238,46 +246,73 @@ class BatchEngine(Engine):
     # ---- admission ------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Longest cached prefix first; a request passed over `max_wait_steps` times goes first. A
-        request is admitted only while the pool can take its uncached prompt plus `watermark` of
+        """Tenants in fair order (`WaitingRoom.fair_order`); within a tenant's first `LOOK` waiting
+        requests, one passed over `max_wait_steps` times goes first, then the longest cached prefix.
+        A request is admitted only while the pool can take its uncached prompt plus `watermark` of
         the capacity (or when nothing runs); what the replies grow into later, preemption handles."""
-        if not self._waiting:
-            return
-        room = min(self.max_batch_size, self.max_active) - len(self._running)
-        if room <= 0:
-            for s in self._waiting:
+        running = Counter(r.tenant for r in self._running_requests())
+        step = _AdmissionStep(self.cache.pool.num_free)
+        done: set[str] = set()
+        while len(self._running) < min(self.max_batch_size, self.max_active):
+            order = self.room.fair_order(running, done)
+            if not order:
+                break
+            tenant = order[0]
+            s = self._admit_from(tenant, step)
+            if s is None:
+                done.add(tenant)
+            elif s is DEFERRED:
+                break
+            else:
+                running[tenant] += 1
+        for s in step.seen.values():
+            if s not in self._running:
                 s.waited += 1
-            return
-        for s in list(self._waiting):
-            if s.request.cancelled.is_set():
-                self._waiting.remove(s)
-                self.metrics.inc("kvblocks_requests_cancelled_total")
-        starved = [s for s in self._waiting if s.waited >= self.max_wait_steps]
-        cached = {id(s): self.cache.cached_length(s.sequence, salt=s.salt) for s in self._waiting}
-        rest = sorted(
-            (s for s in self._waiting if s.waited < self.max_wait_steps), key=lambda s: -cached[id(s)]
-        )
-        available, evictable = self.cache.pool.num_free, None
-        for s in starved + rest:
-            if room == 0:
-                break
-            if s.waited < self.max_wait_steps and self._joins(s, cached[id(s)]):
+
+    def _admit_from(self, tenant: str, step: _AdmissionStep):
+        """Admit one waiting request of `tenant`: the Sequence, None when none of its first ones can
+        start this step, or DEFERRED when the pool lacks room (nobody else jumps ahead then)."""
+        candidates = []
+        for request in self.room.heads(tenant, LOOK):
+            s = self._prepared(request)
+            if s is not None:
+                candidates.append(s)
+                step.seen[id(s)] = s
+        for s in list(candidates):
+            if id(s) in step.cached:
                 continue
-            need = len(s.sequence) - cached[id(s)] + self.watermark
-            if need > available and evictable is None:  # a walk of the tree, only when free slots fall short
-                evictable = self.cache.evictable_tokens()
-                available += evictable
-            if need > available and self._running:  # admitted now, it would only preempt someone
+            try:
+                step.cached[id(s)] = self.cache.cached_length(s.sequence, salt=s.salt)
+            except Exception as exc:  # e.g. a namespace that cannot be keyed: this request only
+                self.room.remove(tenant, s.request)
+                candidates.remove(s)
+                self._fail_sequence(s, exc, "admission")
+        starved = [s for s in candidates if s.waited >= self.max_wait_steps]
+        rest = sorted(
+            (s for s in candidates if s.waited < self.max_wait_steps), key=lambda s: -step.cached[id(s)]
+        )
+        for s in starved + rest:
+            cached = step.cached[id(s)]
+            if s.waited < self.max_wait_steps and self._joins(s, cached):
+                continue
+            need = len(s.sequence) - cached + self.watermark
+            if need > step.available and not step.counted_evictable:  # a tree walk, only when short
+                step.available += self.cache.evictable_tokens()
+                step.counted_evictable = True
+            if need > step.available and self._running:  # admitted now, it would only preempt someone
                 self.deferred += 1
-                break
-            available -= need - self.watermark
-            self._waiting.remove(s)
-            self._lock_prefix(s)
+                return DEFERRED
+            self.room.remove(tenant, s.request)
+            try:
+                self._lock_prefix(s)
+            except Exception as exc:
+                self._fail_sequence(s, exc, "admission")
+                continue
+            step.available -= need - self.watermark
             s.admitted_at = self._step_no
             self._running.append(s)
-            room -= 1
-        for s in self._waiting:
-            s.waited += 1
+            return s
+        return None
 
     def _joins(self, s: Sequence, cached: int) -> bool:
         """Whether `s` waits for a running request that is computing a prompt `s` shares beyond what
@@ -291,7 +326,7 @@ class BatchEngine(Engine):
         )
 
     def _lock_prefix(self, s: Sequence) -> None:
-        s.hit = self.cache.match(s.sequence, salt=s.salt)
+        s.hit = self.cache.match_or_miss(s.sequence, salt=s.salt)
         if not s.started:
             s.cached_tokens = s.hit.length
             s.started = True
@@ -301,11 +336,27 @@ class BatchEngine(Engine):
     # ---- one packed forward ------------------------------------------------------------------------
 
     def _step_packed(self) -> None:
+        """Schedule this step's tokens, run them as one packed forward, then emit what they yield."""
         self._step_no += 1
         for s in list(self._running):
             if s.request.cancelled.is_set():
                 self.metrics.inc("kvblocks_requests_cancelled_total")
                 self._drop(s)
+        batch = self._schedule_batch()
+        if not batch:
+            return
+        segments = [self._segments(s, n) for s, n in batch]
+        outputs = self._forward(batch, segments)
+        for (s, n), logits in zip(batch, outputs):
+            if logits is None or s not in self._running:
+                continue
+            try:
+                self._postprocess(s, n, logits)
+            except Exception as exc:
+                self._fail_sequence(s, exc, "sampling")
+
+    def _schedule_batch(self) -> list[tuple[Sequence, int]]:
+        """(request, tokens it feeds) for this step, under the token budget."""
         budget = self.max_batch_tokens
         batch: list[tuple[Sequence, int]] = []
         # decodes first (one token each), then prefills, fewest tokens left first: a short prompt is not
@@ -320,57 +371,83 @@ class BatchEngine(Engine):
             if urgent and long and s.held_back < self.max_wait_steps:
                 s.held_back += 1
                 continue
-            take = self._take_tokens(s, budget)
-            if take <= 0 or s not in self._running:
+            if s not in self._running:  # preempted for an earlier one's slots
                 continue
-            s.held_back = 0
-            if s.draft is not None and take == len(s.sequence) - s.computed:  # a draft/verify round
-                room = min(s.gamma, budget - take)
-                if not self._reserve(s, take + room, batch):  # slots first: drafting consumes the rng
-                    continue
-                take += self._propose(s, room)
-                if len(s.slots) > s.computed + take:  # fewer drafts than room
-                    self.cache.release_slots(s.slots[s.computed + take :])
-                    s.slots = s.slots[: s.computed + take]
-            elif not self._reserve(s, take, batch):
+            try:
+                take = self._plan(s, budget, batch)
+            except Exception as exc:
+                self._fail_sequence(s, exc, "scheduling")
                 continue
-            batch.append((s, take))
-            budget -= take
-        if not batch:
-            return
-        segments, last = [], []
-        for s, n in batch:
-            if s.proposal:  # the last token and the drafts, every row's logits kept for verification
-                tokens = s.sequence + s.proposal[0]
-                segments.append(paged.Segment(tokens[s.computed :], s.slots[: s.computed + n], keep=n))
-                last.append(len(segments) - 1)
-                continue
-            ends = (
-                paged.chunk_ends(s.computed, s.computed + n, self.chunk)
-                if self.invariant
-                else [s.computed + n]
-            )
-            begin = s.computed
-            for end in ends:  # a request's later pieces read the K/V its earlier ones write
-                segments.append(paged.Segment(s.sequence[begin:end], s.slots[:end]))
-                begin = end
-            last.append(len(segments) - 1)
+            if take > 0:
+                batch.append((s, take))
+                budget -= take
+        return batch
+
+    def _plan(self, s: Sequence, budget: int, batch: list[tuple[Sequence, int]]) -> int:
+        """Tokens `s` feeds this step with its slots reserved (and its drafts proposed); 0: none."""
+        take = self._take_tokens(s, budget)
+        if take <= 0:
+            return 0
+        s.held_back = 0
+        if s.draft is not None and take == len(s.sequence) - s.computed:  # a draft/verify round
+            room = min(s.gamma, budget - take)
+            if not self._reserve(s, take + room, batch):  # slots first: drafting consumes the rng
+                return 0
+            take += self._propose(s, room)
+            if len(s.slots) > s.computed + take:  # fewer drafts than room
+                self.cache.release_slots(s.slots[s.computed + take :])
+                s.slots = s.slots[: s.computed + take]
+            return take
+        return take if self._reserve(s, take, batch) else 0
+
+    def _segments(self, s: Sequence, n: int) -> list[paged.Segment]:
+        """The packed forward's segments for `n` tokens of `s`; the last one's logits are its output."""
+        if s.proposal:  # the last token and the drafts, every row's logits kept for verification
+            tokens = s.sequence + s.proposal[0]
+            return [paged.Segment(tokens[s.computed :], s.slots[: s.computed + n], keep=n)]
+        ends = (
+            paged.chunk_ends(s.computed, s.computed + n, self.chunk) if self.invariant else [s.computed + n]
+        )
+        segments, begin = [], s.computed
+        for end in ends:  # a request's later pieces read the K/V its earlier ones write
+            segments.append(paged.Segment(s.sequence[begin:end], s.slots[:end]))
+            begin = end
+        return segments
+
+    def _forward(self, batch: list[tuple[Sequence, int]], segments: list[list[paged.Segment]]) -> list:
+        """Each request's output logits. When the packed forward fails, each request is run alone so
+        the fault fails only the request it belongs to (None in its place); the others go on."""
         try:
-            outputs = self.runner.forward(segments)
-        except Exception as exc:  # a failed forward fails the requests in it, not the loop
-            for s, _ in batch:
-                self.metrics.inc("kvblocks_requests_failed_total")
-                self._drop(s)
-                s.request.emit(exc)
+            outputs = self.runner.forward([seg for group in segments for seg in group])
+        except Exception as exc:
+            if len(batch) == 1:
+                self._fail_sequence(batch[0][0], exc, "forward")
+                return [None]
+            return [self._forward_alone(s, group) for (s, _), group in zip(batch, segments)]
+        ends = list(itertools.accumulate(len(group) for group in segments))
+        return [outputs[end - 1] for end in ends]
+
+    def _forward_alone(self, s: Sequence, segments: list[paged.Segment]):
+        try:
+            return self.runner.forward(segments)[-1]
+        except Exception as exc:
+            self._fail_sequence(s, exc, "forward")
+            return None
+
+    def _postprocess(self, s: Sequence, n: int, logits) -> None:
+        if s.proposal:
+            self._verify(s, logits)
             return
-        for (s, n), i in zip(batch, last):
-            logits = outputs[i]
-            if s.proposal:
-                self._verify(s, logits)
-                continue
-            s.computed += n
-            if s.computed == len(s.sequence):
-                self._next_token(s, logits[-1])
+        s.computed += n
+        if s.computed == len(s.sequence):
+            self._next_token(s, logits[-1])
+
+    def _fail_sequence(self, s: Sequence, exc: BaseException, phase: str) -> None:
+        """`s` ends with an error naming `phase` (its traceback on stderr); its slots and lock go back."""
+        traceback.print_exception(exc)
+        self.metrics.inc("kvblocks_requests_failed_total")
+        self._drop(s)
+        s.request.emit(EngineError(phase, exc))
 
     def _take_tokens(self, s: Sequence, budget: int) -> int:
         """How many of `s`'s uncomputed tokens this step takes: as many as the budget allows, or in
@@ -430,12 +507,13 @@ class BatchEngine(Engine):
         return True
 
     def _preempt(self, s: Sequence) -> None:
-        """Free `s`'s own slots and lock; it waits again with its output state and resumes later."""
+        """Free `s`'s own slots and lock; it waits again, first in its tenant's line, with its output
+        state, and resumes later."""
         self.preemptions += 1
         self._release(s)
         self._running.remove(s)
         s.computed = 0
-        self._waiting.insert(0, s)
+        self.room.put_front(s.request.tenant, s.request)
 
     def _release(self, s: Sequence) -> None:
         if len(s.slots) > s.start:
@@ -534,8 +612,6 @@ class BatchEngine(Engine):
         """A cancelled or failed request: its own slots go back, its lock is released."""
         if s in self._running:
             self._running.remove(s)
-        if s in self._waiting:
-            self._waiting.remove(s)
         self._release(s)
         if s.draft is not None:
             s.draft.end(s.sequence)

@@ -128,16 +128,21 @@ def batch_size(args: argparse.Namespace) -> int:
     return DEFAULT_BATCH_SIZE if args.max_batch_size is None else args.max_batch_size
 
 
-def build_engine(args: argparse.Namespace, gen):
+def build_engine(args: argparse.Namespace, gen, keys=None):
     """`BatchEngine` where the packed path serves the model (unless --max-batch-size 1), else `Engine`
     (one request per forward); when a batch size was asked for and cannot be had, a line on stderr
-    says why."""
+    says why. Its waiting room takes the --max-waiting bounds and the keys file's tenant limits."""
     from kvblocks import paged
+    from kvblocks.admission import RoomLimits, no_limits
     from kvblocks.engine import Engine
 
+    room = {
+        "limits": RoomLimits(args.max_waiting, args.max_waiting_per_tenant),
+        "limits_of": keys.limits if keys is not None else no_limits,
+    }
     size = batch_size(args)
     if size == 1:
-        return Engine(gen)
+        return Engine(gen, **room)
     why = None
     if gen.cache is None:
         why = "--no-cache"
@@ -146,7 +151,7 @@ def build_engine(args: argparse.Namespace, gen):
     if why is not None:
         if args.max_batch_size is not None:  # asked for, not the default
             print(f"kvblocks: --max-batch-size {size} ignored: {why}", file=sys.stderr, flush=True)
-        return Engine(gen)
+        return Engine(gen, **room)
     from kvblocks.batch_engine import BatchEngine
 
     return BatchEngine(
@@ -154,6 +159,7 @@ def build_engine(args: argparse.Namespace, gen):
         max_batch_size=size,
         max_batch_tokens=args.max_batch_tokens,
         invariant=args.batch_invariant,
+        **room,
     )
 
 
@@ -247,6 +253,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(
             f"{exc}{'; or pass --no-batch-invariant' if 'invariant' in str(exc) else ''}"
         ) from exc
+    for flag in ("max_waiting", "max_waiting_per_tenant", "max_prompts", "max_branches"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
         raise UserError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     if args.kv_event_block_size < 1:
@@ -275,7 +284,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache.attach_events(publisher)
     gen = build_generator(args, model, tokenizer, None if args.no_cache else cache)
     name = models.served_name(args.served_model_name, args.model)
-    engine = build_engine(args, gen).start()
+    engine = build_engine(args, gen, keys).start()
     config = ServerConfig(
         name,
         keys,
@@ -284,6 +293,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.read_timeout,
         lenient=args.lenient,
         tool_parser=args.tool_parser,
+        max_prompts=args.max_prompts,
+        max_branches=args.max_branches,
     )
     app = create_app(engine, config)
     stats = cache.stats()
@@ -493,6 +504,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --max-batch-size above 1: every request's logits are bit-identical to what it gets alone, "
         "whatever it shares a forward with (prompts cut every 64 tokens, no matrix product under 4 rows; "
         "default on, --no-batch-invariant trades that for a few percent of speed)",
+    )
+    sv.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="requests waiting for the engine, all tenants together; more get 429 with Retry-After (default 1024)",
+    )
+    sv.add_argument(
+        "--max-waiting-per-tenant",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests one tenant may have waiting (a keys-file entry's max_waiting overrides it; default 256)",
+    )
+    sv.add_argument(
+        "--max-prompts",
+        type=int,
+        default=128,
+        metavar="N",
+        help="prompts in one completions request; more is a 400 (default 128)",
+    )
+    sv.add_argument(
+        "--max-branches",
+        type=int,
+        default=256,
+        metavar="N",
+        help="generations one request may start (prompts x best_of, or n); more is a 400 (default 256)",
     )
     sv.add_argument("--no-cache", action="store_true", help="no prefix reuse: prefill every prompt in full")
     sv.set_defaults(func=cmd_serve)

@@ -1,23 +1,40 @@
 """Engine: the one loop that owns the model. Requests queue up; the loop interleaves them fairly.
 
-Every forward pass runs on the engine thread, so two requests never race on the model. Each
-cycle the scheduler picks the requests to advance (today: every active request, one step each,
-round-robin); `_step` advances one request. Batching several requests into one forward would
-replace `_step` over a batch without changing how requests enter or leave.
+Every forward pass runs on the engine thread, so two requests never race on the model. Submitted
+requests wait in the `WaitingRoom` (bounded per tenant and in total; a full room refuses with
+`QueueFullError`); each cycle admits from it in weighted fair order across tenants, then advances
+every active request one step (`_step`). `BatchEngine` keeps this loop and admission and replaces
+the steps with packed forwards.
+
+A fault stays where it happened: an exception while serving one request fails that request (the
+client gets an `EngineError` naming the phase), and one outside any request fails the requests of
+that cycle; neither stops the thread. `health_problem` says when the thread died or stalled anyway.
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvblocks.admission import LimitsOf, QueueFullError, RoomLimits, WaitingRoom, no_limits
 from kvblocks.generator import CachedGenerator, Piece
 from kvblocks.metrics import CacheCollector, Metrics
+
+__all__ = ["Engine", "EngineError", "Load", "QueueFullError", "Request"]
+
+
+class EngineError(RuntimeError):
+    """What a request's client receives when the engine failed it: the phase and the cause."""
+
+    def __init__(self, phase: str, cause: BaseException) -> None:
+        super().__init__(f"{phase} failed: {type(cause).__name__}: {cause}")
+        self.phase = phase
 
 
 @dataclass(eq=False)
@@ -28,11 +45,13 @@ class Request:
     options: dict
     emit: Callable[[Piece | BaseException], None]
     id: int = 0
+    tenant: str = ""
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     stream: Iterator[Piece] | None = None
     last_token_at: float = 0.0
     tokens: int = 0  # prompt ids plus tokens generated so far (the request's KV footprint)
+    prepared: Any = None  # the batched engine's state for it, made once at its first admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,14 +65,21 @@ class Load:
 
 class Engine:
     def __init__(
-        self, generator: CachedGenerator, metrics: Metrics | None = None, max_active: int = 64
+        self,
+        generator: CachedGenerator,
+        metrics: Metrics | None = None,
+        max_active: int = 64,
+        limits: RoomLimits | None = None,
+        limits_of: LimitsOf = no_limits,
     ) -> None:
         self.generator = generator
         self.metrics = metrics or Metrics()
         if generator.cache is not None:
             self.metrics.register(CacheCollector(generator.cache))
         self.max_active = max_active
-        self._inbox: queue.Queue[Request] = queue.Queue()
+        self.room = WaitingRoom(
+            limits, limits_of, lambda: self.metrics.inc("kvblocks_requests_cancelled_total")
+        )
         self._active: list[Request] = []
         self._ids = itertools.count(1)
         self._stop = threading.Event()
@@ -68,19 +94,36 @@ class Engine:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._inbox.put(None)
+        self.room.wake()
         self._thread.join(timeout)
 
-    def submit(self, prompt, emit: Callable[[Piece | BaseException], None], **options) -> Request:
-        ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
-        request = Request(prompt, options, emit, id=next(self._ids), tokens=len(prompt) if ids else 0)
-        request.emit = _guarded(emit, request)
-        self._inbox.put(request)
-        return request
+    def submit(self, prompt, emit: Callable[[Piece | BaseException], None], *, tenant: str = "", **options):
+        """Queue one request; QueueFullError when its tenant's line or the room is full."""
+        return self.submit_all([(prompt, emit, options)], tenant=tenant)[0]
+
+    def submit_all(
+        self, items: Iterable[tuple[object, Callable[[Piece | BaseException], None], dict]], tenant: str = ""
+    ) -> list[Request]:
+        """Queue several requests of one tenant together, or none (QueueFullError): the branches of
+        one HTTP request are refused as a whole, never half admitted."""
+        requests = []
+        for prompt, emit, options in items:
+            ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+            request = Request(
+                prompt, options, emit, next(self._ids), tenant, tokens=len(prompt) if ids else 0
+            )
+            request.emit = _guarded(emit, request)
+            requests.append(request)
+        try:
+            self.room.put_all(tenant, requests)
+        except QueueFullError:
+            self.metrics.inc("kvblocks_requests_rejected_total", len(requests))
+            raise
+        return requests
 
     @property
     def queued(self) -> int:
-        return self._inbox.qsize()
+        return len(self.room)
 
     @property
     def active(self) -> int:
@@ -100,16 +143,11 @@ class Engine:
         """A snapshot taken from any thread: the engine thread may admit or finish requests meanwhile,
         so the counts are each exact at the moment they are read, not jointly."""
         running = self._running_requests()
-        with self._inbox.mutex:
-            waiting = self._waiting_requests() + [r for r in self._inbox.queue if r is not None]
+        waiting = self.room.items()
         return Load(len(running), len(waiting), sum(r.tokens for r in running + waiting))
 
     def _running_requests(self) -> list[Request]:
         return list(self._active)
-
-    def _waiting_requests(self) -> list[Request]:
-        """Requests taken from the inbox but not running yet (none here: admission is the take)."""
-        return []
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -123,30 +161,54 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._beat = time.monotonic()
-            self._admit(block=not self._active)
-            for request in self._schedule():
-                self._step(request)
+            try:
+                self._cycle()
+            except Exception as exc:  # a fault outside every per-request guard: a bug, contained
+                self._contain(exc)
+        self._shutdown()
+
+    def _cycle(self) -> None:
+        if not self._active:
+            self.room.wait(0.5)
+        self._admit()
+        for request in list(self._active):
+            self._step(request)
+
+    def _contain(self, exc: Exception) -> None:
+        """Fail the requests this cycle was serving, keep the thread."""
+        traceback.print_exception(exc)
+        self.metrics.inc("kvblocks_engine_errors_total")
+        for request in list(self._active):
+            self._fail(request, exc, "engine step")
+
+    def _shutdown(self) -> None:
         for request in list(self._active):  # _finish removes from the list
             self._finish(request)
+        stopping = RuntimeError("the server is shutting down")
+        for request in self.room.items():
+            request.emit(EngineError("admission", stopping))
 
-    def _admit(self, block: bool) -> None:
+    def _next_waiting(self, skip: set[str] = frozenset()) -> Request | None:
+        """The request admission offers next: the head of the least served tenant's line."""
+        running = Counter(r.tenant for r in self._running_requests())
+        for tenant in self.room.fair_order(running, skip):
+            heads = self.room.heads(tenant, 1)
+            if heads:
+                return heads[0]
+        return None
+
+    def _admit(self) -> None:
         while len(self._active) < self.max_active:
-            try:
-                request = self._inbox.get(block=block, timeout=0.5 if block else None)
-            except queue.Empty:
-                return
+            request = self._next_waiting()
             if request is None:
                 return
-            block = False
-            if request.cancelled.is_set():  # its client left while it waited
-                self.metrics.inc("kvblocks_requests_cancelled_total")
-                continue
-            request.stream = self.generator.stream(request.prompt, **request.options)
-            self._active.append(request)
+            self.room.remove(request.tenant, request)
+            self._start_serial(request)
 
-    def _schedule(self) -> list[Request]:
-        """Which requests advance this cycle: all active ones, in arrival order (fair round-robin)."""
-        return list(self._active)
+    def _start_serial(self, request: Request) -> None:
+        """Run `request` one `CachedGenerator.stream` step per cycle (its errors surface in `_step`)."""
+        request.stream = self.generator.stream(request.prompt, **request.options)
+        self._active.append(request)
 
     def _step(self, request: Request) -> None:
         if request.cancelled.is_set():
@@ -169,6 +231,12 @@ class Engine:
             self._record(piece)
         request.emit(piece)
 
+    def _fail(self, request: Request, exc: BaseException, phase: str) -> None:
+        """`request` ends with an error naming `phase`; whatever it held goes back."""
+        self.metrics.inc("kvblocks_requests_failed_total")
+        self._finish(request)
+        request.emit(EngineError(phase, exc))
+
     def _observe(self, request: Request, tokens: int) -> float:
         """Time `tokens` new tokens of `request`: TTFT (queueing included, what the client waits for)
         or the gap since its last token. Returns the time."""
@@ -182,10 +250,15 @@ class Engine:
         return now
 
     def _finish(self, request: Request) -> None:
-        if request.stream is not None:
-            request.stream.close()  # commits computed tokens to the cache and releases trie locks
         if request in self._active:
             self._active.remove(request)
+        if request.stream is not None:
+            stream, request.stream = request.stream, None
+            try:
+                stream.close()  # commits computed tokens to the cache and releases trie locks
+            except Exception:  # the commit failed: the reply stands, the cache does without it
+                traceback.print_exc()
+                self.metrics.inc("kvblocks_engine_errors_total")
 
     def _record(self, piece: Piece) -> None:
         r = piece.result

@@ -225,7 +225,7 @@ class CachedGenerator:
         ids, max_new_tokens, rng, text, processor = self.prepare(prompt, params)
         # Prompt log-probabilities need logits at every prompt position: no prefix reuse.
         bypass = "prompt_logprobs" if params.prompt_logprobs is not None and self.cache is not None else None
-        hit = self.cache.match(ids, salt=salt) if self.cache is not None and bypass is None else None
+        hit = self.cache.match_or_miss(ids, salt=salt) if self.cache is not None and bypass is None else None
         rows: list[torch.Tensor] | None = [] if output_logits or params.logprobs is not None else None
         run = DecodeState(list(ids), hit.length if hit is not None else 0, rows, salt, processor=processor)
         if self.cache is not None:

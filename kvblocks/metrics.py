@@ -28,6 +28,8 @@ COUNTERS = {
     "kvblocks_requests_total": "Finished generation requests.",
     "kvblocks_requests_failed_total": "Requests that failed inside the engine.",
     "kvblocks_requests_cancelled_total": "Requests abandoned by their client (disconnects).",
+    "kvblocks_requests_rejected_total": "Requests refused because their tenant's queue or the server was full.",
+    "kvblocks_engine_errors_total": "Faults in an engine step outside any one request (the step's requests failed).",
     "kvblocks_prompt_tokens_total": "Prompt tokens of finished requests.",
     "kvblocks_cached_prompt_tokens_total": "Prompt tokens served from the prefix cache.",
     "kvblocks_generation_tokens_total": "Generated tokens.",
@@ -89,6 +91,11 @@ CACHE_COUNTERS = (
     ("kvblocks_prefix_cache_queries", "Prefix-cache lookups.", "queries"),
     ("kvblocks_prefix_cache_inserted_tokens", "Tokens stored in the device pool.", "inserted_tokens"),
     ("kvblocks_prefix_cache_evicted_tokens", "Tokens evicted from the device pool.", "evicted_tokens"),
+    (
+        "kvblocks_prefix_cache_lookup_errors",
+        "Lookups that failed and were served as misses.",
+        "lookup_errors",
+    ),
 )
 CACHE_GAUGES = (
     ("kvblocks_prefix_cache_resident_tokens", "Tokens resident in the device pool.", "resident_tokens"),

@@ -36,6 +36,12 @@ class ConstraintFactory(Protocol):
     def start(self) -> Constraint: ...
 
 
+# Dividing logits by a tinier penalty overflows them to inf (and sampling fails); above the
+# maximum the schema's bound applies.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
+
+
 @dataclass(slots=True)
 class GenerationParams:
     """What one generated sequence is asked for.
@@ -75,9 +81,11 @@ class GenerationParams:
             value = getattr(self, name)
             if not (-2.0 <= value <= 2.0):
                 raise ParamError(name, f"{name} must be in [-2, 2], got {value}")
-        if not (self.repetition_penalty > 0):
+        if not (MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
             raise ParamError(
-                "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+                "repetition_penalty",
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                f"got {self.repetition_penalty}",
             )
         if self.min_tokens < 0:
             raise ParamError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")

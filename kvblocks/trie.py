@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+import traceback
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ class Counters:
     snapshots_stored: int = 0
     snapshots_evicted: int = 0
     snapshot_dropped: int = 0  # snapshots that found no room (everything locked or pinned)
+    lookup_errors: int = 0  # lookups that failed and were served as misses (match_or_miss)
 
 
 class Hit:
@@ -274,6 +276,18 @@ class KVCacheTrie:
                 c.hit_tokens += m.length
                 c.snapshot_misses += m.length < matched
             return Hit(self, ns, m, m.length, matched)
+
+    def match_or_miss(self, token_ids: TokenIds, *, salt: Salt = None) -> Hit:
+        """`match`, where any failure of the lookup (a spill tier fault, a bad namespace) is an empty
+        hit: the request then prefills in full, and the fault stays with this lookup (its traceback
+        on stderr, `lookup_errors` counted)."""
+        try:
+            return self.match(token_ids, salt=salt)
+        except Exception:
+            traceback.print_exc()
+            with self._lock:
+                self._counters.lookup_errors += 1
+            return self.hold([], salt=salt)
 
     def _promote(self, ns: Namespace, ids: np.ndarray, fetched: Fetched) -> None:
         """Store KV fetched from the spill tier, if the device still holds the prefix it continues.
@@ -659,6 +673,7 @@ class KVCacheTrie:
                 "nodes": count,
                 "spill_hit_tokens": c.spill_hit_tokens,
                 "spill_lost_tokens": c.spill_lost_tokens,
+                "lookup_errors": c.lookup_errors,
             }
             if self.state is not None:
                 out |= {

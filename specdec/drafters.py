@@ -89,7 +89,7 @@ class ModelDraftSession(DraftSession):
         self.salt = salt
         self.hit: Hit | None = None
         if drafter.cache is not None:
-            self.hit = drafter.cache.match(prompt_ids, salt=salt)
+            self.hit = drafter.cache.match_or_miss(prompt_ids, salt=salt)
             self.past = self.hit.to_hf_cache()
             self.length = self.hit.length
         else:

@@ -380,7 +380,7 @@ class SlotOwnership(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         model = _machine_model()
-        self.cache = KVCacheTrie.for_model(model, capacity_tokens=28)
+        self.cache = KVCacheTrie.for_model(model, capacity_tokens=24)
         self.engine = BatchEngine(CachedGenerator(model, IdTokenizer(), self.cache), max_batch_size=3,
                                   max_batch_tokens=12, join_min_tokens=2)  # fmt: skip
         self.requests = []
@@ -392,7 +392,6 @@ class SlotOwnership(RuleBasedStateMachine):
         i = len(self.requests)
         emit = lambda item, i=i: self.finished.add(i) if getattr(item, "result", None) else None  # noqa: E731
         self.requests.append(self.engine.submit(ids, emit, params=GenerationParams(max_new_tokens=new)))
-        self.engine._take(block=False)
 
     @rule(data=st.data())
     def cancel(self, data):

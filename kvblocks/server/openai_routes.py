@@ -17,10 +17,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from kvblocks import grammar, tools
+from kvblocks.admission import QueueFullError
 from kvblocks.generator import GenerationResult, Piece
 from kvblocks.params import GenerationParams, ParamError
 from kvblocks.sampling import TokenLogprob
@@ -56,6 +58,7 @@ async def chat_completions(request: Request):
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     params = replace(params, logprobs=logprobs, constraint=plan.constraint)
     check_params(s, params)
+    check_fanout(s, 1, body.n or 1)
     branches = [Branch(i, plan.ids, with_seed(params, i)) for i in range(body.n or 1)]
     call = Call(request, "chatcmpl", chat=True, plan=plan, salt=scope_of(request, body.cache_salt))
     if body.stream:
@@ -77,6 +80,7 @@ async def completions(request: Request):
     echo = bool(body.echo)
     if echo and body.logprobs is not None and body.stream:
         raise APIError(400, "echo with logprobs is not supported when streaming", param="echo")
+    check_fanout(s, count_prompts(body.prompt), best_of)
     prompts = await encode_prompts(s, body.prompt)
     base = sampling(s, body, 1)
     logprobs = body.logprobs
@@ -168,12 +172,33 @@ def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
     return ChatPlan(ids, parser if offered else None, constraint)
 
 
+def count_prompts(prompt) -> int:
+    """How many prompts a completions `prompt` holds: a string or one id list is one."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        return 1
+    return len(prompt)
+
+
+def check_fanout(s: Served, prompts: int, per_prompt: int) -> None:
+    """One request may not become more engine requests than the server allows, before any work."""
+    if prompts > s.config.max_prompts:
+        raise APIError(
+            400,
+            f"prompt holds {prompts} prompts; this server takes at most {s.config.max_prompts} per request",
+            param="prompt",
+        )
+    if prompts * per_prompt > s.config.max_branches:
+        raise APIError(
+            400,
+            f"{prompts} prompt(s) x best_of/n {per_prompt} = {prompts * per_prompt} generations; this "
+            f"server runs at most {s.config.max_branches} per request",
+            param="best_of" if prompts == 1 else "prompt",
+        )
+
+
 async def encode_prompts(s: Served, prompt) -> list[list[int]]:
     """Completions accept a string, a list of strings, a list of ids or a list of id lists."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
+    prompts = [prompt] if count_prompts(prompt) == 1 else list(prompt)
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt")
     out = []
@@ -339,16 +364,41 @@ class Submitted:
             self.handle.cancelled.set()
 
 
-def submit(s: Served, call: Call, branch: Branch) -> Submitted:
+class RetryLater(APIError):
+    """429 with `Retry-After`: the tenant's line or the server's waiting room is full."""
+
+    def __init__(self, full: QueueFullError) -> None:
+        super().__init__(429, str(full), type_="rate_limit_error", code="queue_full")
+        self.retry_after_s = full.retry_after_s
+
+    def response(self):
+        reply = super().response()
+        reply.headers["Retry-After"] = str(self.retry_after_s)
+        return reply
+
+
+def submit_all(s: Served, call: Call, branches: list[Branch]) -> list[Submitted]:
+    """Queue every branch of the call, or none of them (RetryLater when they cannot wait)."""
     loop = asyncio.get_running_loop()
-    inbox: asyncio.Queue = asyncio.Queue()
-    handle = s.engine.submit(
-        branch.ids,
-        lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
-        params=branch.params,
-        salt=call.salt,
-    )
-    return Submitted(handle, inbox)
+    inboxes = [asyncio.Queue() for _ in branches]
+
+    def emitter(inbox: asyncio.Queue):
+        return lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item)
+
+    items = [
+        (b.ids, emitter(inbox), {"params": b.params, "salt": call.salt})
+        for b, inbox in zip(branches, inboxes)
+    ]
+    try:
+        handles = s.engine.submit_all(items, tenant=call.salt.tenant)
+    except QueueFullError as exc:
+        raise RetryLater(exc) from exc
+    return [Submitted(handle, inbox) for handle, inbox in zip(handles, inboxes)]
+
+
+def cancel_all(running: list[Submitted]) -> None:
+    for r in running:
+        r.cancel()
 
 
 async def cancel_on_disconnect(request: Request, running: list[Submitted]) -> None:
@@ -362,7 +412,7 @@ async def cancel_on_disconnect(request: Request, running: list[Submitted]) -> No
 
 async def gather(s: Served, call: Call, branches: list[Branch]) -> list[GenerationResult]:
     """Run every branch to its result (non-streaming); a client that leaves cancels them all."""
-    running = [submit(s, call, b) for b in branches]
+    running = submit_all(s, call, branches)
 
     async def result_of(r: Submitted) -> GenerationResult | None:
         result = None
@@ -375,8 +425,7 @@ async def gather(s: Served, call: Call, branches: list[Branch]) -> list[Generati
         results = await asyncio.gather(*(result_of(r) for r in running))
     finally:
         watcher.cancel()
-        for r in running:
-            r.cancel()
+        cancel_all(running)
     if any(r is None for r in results):  # the client went away; nobody reads this
         raise APIError(499, "client closed the request", code="client_closed_request")
     return results
@@ -475,20 +524,25 @@ def usage(results: list[GenerationResult], prompts_counted: int = 1) -> dict:
 
 
 def stream(s: Served, call: Call, branches: list[Branch], options) -> StreamingResponse:
+    """Branches are queued before the response starts, so a full queue is still a 429; the
+    background task cancels them also when the client left before the first chunk."""
     include_usage = bool(options and options.include_usage)
+    running = submit_all(s, call, branches)
     return StreamingResponse(
-        sse(s, call, branches, include_usage),
+        sse(s, call, branches, running, include_usage),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
+        background=BackgroundTask(cancel_all, running),
     )
 
 
-async def sse(s: Served, call: Call, branches: list[Branch], include_usage: bool) -> AsyncIterator[str]:
+async def sse(
+    s: Served, call: Call, branches: list[Branch], running: list[Submitted], include_usage: bool
+) -> AsyncIterator[str]:
     """Pieces of every branch as they come, each chunk tagged with its choice index."""
     base = {"id": call.id, "created": call.created, "model": s.config.model_name}
     obj = "chat.completion.chunk" if call.chat else "text_completion"
     queue: asyncio.Queue = asyncio.Queue()
-    running = [submit(s, call, b) for b in branches]
 
     async def pump(i: int) -> None:
         try:
@@ -569,8 +623,7 @@ async def sse(s: Served, call: Call, branches: list[Branch], include_usage: bool
             yield data(base | {"object": obj, "choices": [], "usage": usage(results, prompts)})
         yield "data: [DONE]\n\n"
     finally:  # no awaits here: when the client left, this runs inside a cancelled scope
-        for r in running:
-            r.cancel()
+        cancel_all(running)
         for t in tasks:
             t.cancel()
 

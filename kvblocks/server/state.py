@@ -25,6 +25,8 @@ class ServerConfig:
     read_timeout_s: float = 30.0
     lenient: bool = False
     tool_parser: str | None = None
+    max_prompts: int = 128  # prompts in one completions request
+    max_branches: int = 256  # engine requests one HTTP request may become (prompts x best_of, n)
 
 
 @dataclass(slots=True)

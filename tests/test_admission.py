@@ -1,0 +1,200 @@
+"""The waiting room: bounded per tenant and in total, refused whole, admitted in weighted fair order.
+
+Unit properties of `WaitingRoom`, then the batched engine's admission (driven step by step), then
+the server over real HTTP with the openai client: caps on prompts and branches are 400s naming the
+parameter, a full queue is a 429 with Retry-After, and a flooding tenant cannot hold up another.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import openai
+import pytest
+import torch
+from server_proc import start_server, stop_cleanly, tiny_model_dir
+from tiny_models import tiny_model
+
+from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie
+from kvblocks.admission import QueueFullError, RoomLimits, WaitingRoom
+from kvblocks.auth import TenantLimits
+from kvblocks.batch_engine import BatchEngine
+from kvblocks.text import IdTokenizer
+
+
+@dataclass(eq=False)
+class Item:
+    tenant: str
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+def test_a_tenant_beyond_its_waiting_bound_is_refused_and_nothing_of_the_request_waits():
+    room = WaitingRoom(RoomLimits(max_waiting=100, max_waiting_per_tenant=3))
+    room.put_all("a", [Item("a"), Item("a")])
+    with pytest.raises(QueueFullError) as refused:
+        room.put_all("a", [Item("a"), Item("a")])
+    assert "tenant" in str(refused.value) and refused.value.retry_after_s >= 1
+    assert room.waiting("a") == 2 and len(room) == 2
+    room.put_all("b", [Item("b")] * 3)  # another tenant has its own bound
+
+
+def test_the_room_as_a_whole_is_bounded_too():
+    room = WaitingRoom(RoomLimits(max_waiting=4, max_waiting_per_tenant=3))
+    room.put_all("a", [Item("a")] * 3)
+    with pytest.raises(QueueFullError, match="capacity"):
+        room.put_all("b", [Item("b")] * 2)
+
+
+def test_a_keys_file_limit_replaces_the_default_bound():
+    limits = {"big": TenantLimits(max_waiting=10)}
+    room = WaitingRoom(RoomLimits(max_waiting_per_tenant=2), lambda t: limits.get(t, TenantLimits()))
+    room.put_all("big", [Item("big")] * 10)
+    with pytest.raises(QueueFullError):
+        room.put_all("small", [Item("small")] * 3)
+
+
+def test_fair_order_puts_the_least_served_tenant_per_weight_first_and_skips_full_ones():
+    limits = {"heavy": TenantLimits(weight=3.0), "capped": TenantLimits(max_running=1)}
+    room = WaitingRoom(limits_of=lambda t: limits.get(t, TenantLimits()))
+    for tenant in ("heavy", "light", "capped"):
+        room.put_all(tenant, [Item(tenant)])
+    assert room.fair_order({"heavy": 2, "light": 1, "capped": 0}) == ["heavy", "capped", "light"]
+    assert room.fair_order({"heavy": 3, "light": 0, "capped": 1}) == ["light", "heavy"]
+
+
+def test_cancelled_requests_at_the_head_of_a_line_leave_it():
+    dropped = []
+    room = WaitingRoom(on_cancelled=lambda: dropped.append(1))
+    items = [Item("a") for _ in range(3)]
+    room.put_all("a", items)
+    items[0].cancelled.set()
+    items[1].cancelled.set()
+    assert room.heads("a", 5) == [items[2]]
+    assert len(room) == 1 and len(dropped) == 2
+
+
+# ---- the batched engine's admission --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", torch.float32)
+
+
+def engine_for(model, limits=None, batch: int = 4) -> BatchEngine:
+    cache = KVCacheTrie.for_model(model, capacity_tokens=4096)
+    lookup = (lambda t: limits.get(t, TenantLimits())) if limits else (lambda t: TenantLimits())
+    room = RoomLimits(max_waiting=10_000, max_waiting_per_tenant=5_000)
+    return BatchEngine(
+        CachedGenerator(model, IdTokenizer(), cache), max_batch_size=batch, limits=room, limits_of=lookup
+    )
+
+
+def submit(engine, tenant: str, n: int, new: int = 40) -> list:
+    params = GenerationParams(max_new_tokens=new)
+    items = [([7, 8, 9, 10 + i, 20 + len(tenant)], lambda item: None, {"params": params}) for i in range(n)]
+    return engine.submit_all(items, tenant=tenant)
+
+
+def running_tenants(engine) -> list[str]:
+    return sorted(s.request.tenant for s in engine._running)
+
+
+def test_a_flooding_tenant_gets_its_share_and_a_newcomer_is_admitted_next(model):
+    engine = engine_for(model, batch=4)
+    submit(engine, "flood", 200)
+    engine._admit()
+    assert running_tenants(engine) == ["flood"] * 4
+    submit(engine, "victim", 1)
+    while len(engine._running) == 4:  # until a flood request finishes and frees its place
+        engine._step_packed()
+    engine._admit()
+    assert "victim" in running_tenants(engine)
+
+
+def test_weights_share_the_batch_and_max_running_caps_a_tenant(model):
+    limits = {"gold": TenantLimits(weight=3.0), "capped": TenantLimits(max_running=1)}
+    engine = engine_for(model, limits, batch=5)
+    for tenant in ("gold", "bronze", "capped"):
+        submit(engine, tenant, 20)
+    engine._admit()
+    assert running_tenants(engine) == ["bronze", "capped", "gold", "gold", "gold"]
+
+
+def test_admission_looks_at_a_few_heads_per_tenant_not_the_whole_line(model):
+    """Admitting from a line of thousands costs what admitting from a short one does."""
+    engine = engine_for(model, batch=1)
+    submit(engine, "flood", 3000, new=1)
+    looked = []
+    real = engine.cache.cached_length
+    engine.cache.cached_length = lambda ids, salt=None, servable=False: looked.append(1) or real(ids, salt=salt)
+    engine._admit()
+    engine._step_packed()
+    engine._admit()
+    assert len(looked) <= 2 * 32
+
+
+# ---- over HTTP ----------------------------------------------------------------------------------
+
+KEYS = {"flood": "sk-flood-0001", "victim": "sk-victim-0002"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    entries = [
+        {"key": KEYS["flood"], "tenant": "flood", "max_waiting": 4, "max_running": 1},
+        {"key": KEYS["victim"], "tenant": "victim"},
+    ]
+    path.write_text(json.dumps({"keys": entries}))
+    path.chmod(0o600)
+    server = start_server(
+        "--model", str(tiny_model_dir()), "--served-model-name", "tiny", "--capacity", "4096",
+        "--api-keys", str(path), "--max-batch-size", "2", "--max-prompts", "6", "--max-branches", "8",
+    )  # fmt: skip
+    yield server
+    stop_cleanly(server)
+
+
+def client(server, tenant: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS[tenant], max_retries=0, timeout=120)
+
+
+def test_too_many_prompts_or_branches_is_a_400_naming_the_parameter(server):
+    with client(server, "victim") as c:
+        with pytest.raises(openai.BadRequestError) as many:
+            c.completions.create(model="tiny", prompt=["a"] * 7, max_tokens=1)
+        assert many.value.body["param"] == "prompt" and "at most 6" in many.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as fanout:
+            c.completions.create(model="tiny", prompt="a", max_tokens=1, n=3, best_of=9)
+        assert fanout.value.body["param"] == "best_of"
+
+
+def test_a_full_tenant_queue_is_a_429_with_retry_after_and_nothing_runs(server):
+    with client(server, "flood") as c:
+        with pytest.raises(openai.RateLimitError) as full:
+            c.completions.create(model="tiny", prompt=["a b", "c d", "e f", "g h", "i j"], max_tokens=1)
+    assert int(full.value.response.headers["retry-after"]) >= 1
+    assert full.value.body["code"] == "queue_full"
+
+
+def test_a_flooding_tenant_does_not_hold_up_another(server):
+    def flood(i: int) -> float:
+        with client(server, "flood") as c:
+            c.completions.create(model="tiny", prompt=f"flood {i} " * 20, max_tokens=48, temperature=0)
+        return time.perf_counter()
+
+    with ThreadPoolExecutor(4) as pool:
+        floods = [pool.submit(flood, i) for i in range(4)]
+        time.sleep(0.5)
+        with client(server, "victim") as c:
+            r = c.completions.create(model="tiny", prompt="hello there", max_tokens=4, temperature=0)
+        victim_done = time.perf_counter()
+        ends = [f.result() for f in floods]
+    assert r.choices[0].text is not None
+    assert victim_done < max(ends), "the victim waited for the whole flood"
