@@ -132,7 +132,9 @@ def test_admission_looks_at_a_few_heads_per_tenant_not_the_whole_line(model):
     submit(engine, "flood", 3000, new=1)
     looked = []
     real = engine.cache.cached_length
-    engine.cache.cached_length = lambda ids, salt=None, servable=False: looked.append(1) or real(ids, salt=salt)
+    engine.cache.cached_length = lambda ids, salt=None, servable=False: (
+        looked.append(1) or real(ids, salt=salt)
+    )
     engine._admit()
     engine._step_packed()
     engine._admit()
@@ -176,9 +178,8 @@ def test_too_many_prompts_or_branches_is_a_400_naming_the_parameter(server):
 
 
 def test_a_full_tenant_queue_is_a_429_with_retry_after_and_nothing_runs(server):
-    with client(server, "flood") as c:
-        with pytest.raises(openai.RateLimitError) as full:
-            c.completions.create(model="tiny", prompt=["a b", "c d", "e f", "g h", "i j"], max_tokens=1)
+    with client(server, "flood") as c, pytest.raises(openai.RateLimitError) as full:
+        c.completions.create(model="tiny", prompt=["a b", "c d", "e f", "g h", "i j"], max_tokens=1)
     assert int(full.value.response.headers["retry-after"]) >= 1
     assert full.value.body["code"] == "queue_full"
 

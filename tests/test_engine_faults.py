@@ -38,7 +38,8 @@ def prompts() -> list[list[int]]:
 
 def params(victim: int, logprobs: bool) -> list[GenerationParams]:
     return [
-        GenerationParams(max_new_tokens=6, logprobs=1 if (logprobs and i == victim) else None) for i in range(5)
+        GenerationParams(max_new_tokens=6, logprobs=1 if (logprobs and i == victim) else None)
+        for i in range(5)
     ]
 
 
@@ -55,7 +56,9 @@ def reference(model, victim: int) -> list[list[int]]:
     if victim not in _reference:
         ps = prompts()
         ps[victim] = ps[victim] + [POISON]
-        engine = Engine(CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, capacity_tokens=2048)))
+        engine = Engine(
+            CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, capacity_tokens=2048))
+        )
         engine.start()
         try:
             _reference[victim] = [r["tokens"] for r in run_all(engine, ps, params(victim, False))]
@@ -87,7 +90,9 @@ def inject(engine: BatchEngine, cache: KVCacheTrie, phase: str, monkeypatch) -> 
         monkeypatch.setattr(
             engine.runner,
             "forward",
-            lambda segments: _raise() if any(poisoned(s.token_ids) for s in segments) else real_forward(segments),
+            lambda segments: (
+                _raise() if any(poisoned(s.token_ids) for s in segments) else real_forward(segments)
+            ),
         )
     elif phase == "logprobs":  # only the victim asks for log-probabilities
         monkeypatch.setattr(batch_engine, "token_logprobs", lambda *a, **k: _raise())
