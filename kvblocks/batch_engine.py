@@ -8,9 +8,10 @@ prefills out (head-of-line blocking is then the step in flight plus one short st
 KV is a slot list: its locked cached prefix (the trie's own
 slots, never copied) plus slots it reserves for its own tokens. When its prompt is computed, the
 prompt's slots pass to the trie (`adopt`, no copy) so requests admitted later hit it; when it ends,
-its reply's do. Waiting requests are admitted longest cached prefix first, except that one waiting
-longer than `max_wait_steps` loop iterations goes first, and only while the pool has room for the
-uncached prompt plus a watermark. When the pool runs out of slots, the youngest other running
+its reply's do. Waiting requests are admitted from the `WaitingRoom` in weighted fair order across
+tenants; within a tenant's first few, longest cached prefix first, except that one passed over
+`max_wait_steps` times goes first, and only while the pool has room for the uncached prompt plus a
+watermark. When the pool runs out of slots, the youngest other running
 request is preempted: its private slots are freed, it keeps its sampling and text state and resumes
 later by prefilling what it had (mostly a cache hit of its own prompt).
 
@@ -23,6 +24,10 @@ a shorter slot list). Same drafts, same rng order, same tokens as the one-reques
 Requests the packed path does not serve (prompt log-probabilities, prompts too large for the pool)
 run as in `Engine`: one `CachedGenerator.stream` step per loop iteration, between the packed
 forwards.
+
+Every phase is guarded per request (`_fail_sequence`): a fault in admission, scheduling, sampling or
+committing fails its own request; a failed packed forward is rerun one request at a time so that
+only the request that cannot run fails; a failed prefix lookup is a miss (`match_or_miss`).
 """
 
 from __future__ import annotations

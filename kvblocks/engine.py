@@ -250,15 +250,17 @@ class Engine:
         return now
 
     def _finish(self, request: Request) -> None:
-        if request in self._active:
-            self._active.remove(request)
+        """Close its stream (which commits its tokens and releases its locks), then forget it: in this
+        order, so that a request no longer active holds nothing."""
         if request.stream is not None:
             stream, request.stream = request.stream, None
             try:
-                stream.close()  # commits computed tokens to the cache and releases trie locks
+                stream.close()
             except Exception:  # the commit failed: the reply stands, the cache does without it
                 traceback.print_exc()
                 self.metrics.inc("kvblocks_engine_errors_total")
+        if request in self._active:
+            self._active.remove(request)
 
     def _record(self, piece: Piece) -> None:
         r = piece.result

@@ -19,6 +19,7 @@ def bench_parser() -> argparse.ArgumentParser:
         packed,
         redis,
         server,
+        soak,
         specdec,
         workloads,
     )
@@ -29,6 +30,18 @@ def bench_parser() -> argparse.ArgumentParser:
         "missed (--no-fail only reports).",
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
-    for suite in (micro, workloads, redis, specdec, server, fleet, packed, hybrid, inspection, constrained):
+    for suite in (
+        micro,
+        workloads,
+        redis,
+        specdec,
+        server,
+        fleet,
+        packed,
+        hybrid,
+        inspection,
+        constrained,
+        soak,
+    ):
         suite.add_parser(suites)
     return p

@@ -1,0 +1,428 @@
+"""`kvblocks bench soak`: several tenants' agent traffic for minutes while faults are injected.
+
+One `kvblocks serve` with a keys file, a sealed Redis tier and a small device pool (so prefixes
+spill and come back) serves agent tenants holding multi-turn conversations, one victim tenant that
+streams and measures its TTFT, and one tenant that floods the queue. Meanwhile faults arrive in
+turn: Redis paused (SIGSTOP), killed and restarted, FLUSHALL, stored values bit-flipped, replaced by
+oversized ones or by keys of the wrong type; clients that vanish mid-stream; malformed bodies.
+
+Then every agent and victim request is replayed against a `--no-cache` server: a reply that differs
+is a wrong output. Reported: wrong outputs (target 0), engine deaths (/health not 200 or the process
+gone; 0), 5xx answers to well-formed requests (0) and to malformed ones, RSS growth from warm-up to
+the end (within 10%), and the victim's TTFT p99 during the soak against its p99 on the idle server
+(at most 2x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from kvblocks.bench.fixtures import RedisServer, Service, spawn_serve, wait_serve
+from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, int_options
+
+TENANTS = ("victim", "alpha", "beta", "flood")
+MODEL = "unknown"  # what a request that names no model sends (sglang-router's placeholder): the served one
+TOPICS = ("refunds", "shipping", "invoices", "passwords", "warranty", "upgrades", "outages", "billing")
+
+
+def add_parser(suites: argparse._SubParsersAction) -> None:
+    p = add_suite(
+        suites,
+        "soak",
+        run,
+        help="several tenants' agent traffic while Redis, clients and a flooding tenant misbehave",
+        description="Agent traffic of several tenants against kvblocks serve with a Redis tier while faults "
+        "are injected; every reply is checked against a no-cache server.",
+        model=True,
+    )
+    int_options(
+        p,
+        "",
+        [
+            ("duration", 120, "seconds of traffic under faults"),
+            ("agents", 3, "concurrent agents per agent tenant"),
+            ("max-tokens", 8, "max_tokens per agent request"),
+            ("system-tokens", 300, "words in each tenant's system prompt"),
+            ("fault-every", 6, "seconds between injected faults"),
+            ("oversized-mb", 64, "size of the oversized values written under cache keys"),
+            ("capacity", 3000, "device pool in tokens (small: prefixes spill to Redis and return)"),
+        ],
+    )
+
+
+@dataclass(slots=True)
+class Tally:
+    """What the traffic saw, shared by its threads (under `lock`)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    replies: list[tuple[dict, str]] = field(default_factory=list)  # (chat body, reply text)
+    good_5xx: list[str] = field(default_factory=list)
+    bad_5xx: list[str] = field(default_factory=list)
+    bad_not_4xx: list[str] = field(default_factory=list)
+    rejected_429: int = 0
+    health_failures: list[str] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+
+    def add(self, name: str, value) -> None:
+        with self.lock:
+            getattr(self, name).append(value)
+
+
+def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
+    with tempfile.TemporaryDirectory(prefix="kvblocks-soak-") as tmp:
+        work = Path(tmp)
+        keys = write_keys(work)
+        secret = work / "secret"
+        secret.write_text("soak-secret-" + "x" * 32)
+        secret.chmod(0o600)
+        with RedisServer(work / "redis") as redis:
+            redis.start()
+            server = spawn_serve(serve_args(args, keys, redis.url, secret), work)
+            try:
+                wait_serve(server)
+                tally, rss = soak(server, redis, args)
+            finally:
+                server.stop(60)
+        wrong = replay(args, tally, work)
+    return [report(args, tally, rss, wrong)]
+
+
+def serve_args(args: argparse.Namespace, keys: Path, redis_url: str, secret: Path) -> list[str]:
+    model = ["--model", args.model] if args.model else []
+    return [
+        *model, "--capacity", str(args.capacity), "--api-keys", str(keys),
+        "--redis", redis_url, "--redis-secret-file", str(secret), "--redis-chunk-tokens", "32",
+    ]  # fmt: skip
+
+
+def write_keys(work: Path) -> Path:
+    entries = [{"key": f"sk-soak-{t}-0000", "tenant": t} for t in TENANTS]
+    entries[-1] |= {"max_running": 4, "max_waiting": 32}  # the flooder, as an operator would bound it
+    entries.append({"key": "sk-soak-admin-0000", "tenant": "ops", "admin": True})
+    path = work / "keys.json"
+    path.write_text(json.dumps({"keys": entries}))
+    path.chmod(0o600)
+    return path
+
+
+def headers(tenant: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer sk-soak-{tenant}-0000"}
+
+
+def system_prompt(tenant: str, words: int) -> str:
+    rng = random.Random(tenant)
+    return f"You are {tenant}'s support agent. " + " ".join(rng.choice(TOPICS) for _ in range(words))
+
+
+def soak(server: Service, redis: RedisServer, args: argparse.Namespace) -> tuple[Tally, dict[str, float]]:
+    """Idle victim TTFT, then the timed soak under faults; returns the tally and the RSS samples."""
+    tally = Tally()
+    idle = Tally()
+    for i in range(12):  # warm-up, and the victim's TTFT on an otherwise idle server
+        victim_turn(server, args, idle, i)
+    rss = {"warm": rss_mib(server), "idle_ttft_p99": float(np.percentile(idle.ttft_s, 99))}
+    stop = threading.Event()
+    workers = [threading.Thread(target=agent, args=(server, args, tally, t, a, stop))
+               for t in ("alpha", "beta") for a in range(args.agents)]  # fmt: skip
+    turns = itertools.count()
+    steps = [
+        lambda: victim_turn(server, args, tally, next(turns)),
+        lambda: flood(server, tally),
+        lambda: malformed(server, tally),
+        lambda: vanish(server),
+        lambda: health(server, tally),
+    ]
+    workers += [threading.Thread(target=loop, args=(stop, step)) for step in steps]
+    workers.append(threading.Thread(target=faults, args=(stop, redis, args, tally)))
+    for w in workers:
+        w.start()
+    stop.wait(args.duration)
+    stop.set()
+    for w in workers:
+        w.join(300)
+    if redis.paused:
+        redis.resume()
+    rss["end"] = rss_mib(server)
+    rss["alive"] = float(server.alive())
+    return tally, rss
+
+
+def loop(stop: threading.Event, step: Callable[[], None]) -> None:
+    while not stop.is_set():
+        step()
+
+
+def chat(server: Service, tenant: str, body: dict, tally: Tally, timeout: float = 300) -> str | None:
+    """A well-formed chat request: its reply text (recorded for the replay), None when refused."""
+    try:
+        r = httpx.post(
+            f"{server.url}/v1/chat/completions", json=body, headers=headers(tenant), timeout=timeout
+        )
+    except httpx.TransportError as exc:
+        tally.add("good_5xx", f"{tenant}: transport error {exc}")
+        return None
+    if r.status_code == 429:
+        with tally.lock:
+            tally.rejected_429 += 1
+        return None
+    if r.status_code != 200:
+        tally.add(
+            "good_5xx" if r.status_code >= 500 else "bad_not_4xx", f"{tenant}: {r.status_code} {r.text[:200]}"
+        )
+        return None
+    text = r.json()["choices"][0]["message"]["content"] or ""
+    tally.add("replies", (body, text))
+    return text
+
+
+def agent(server: Service, args, tally: Tally, tenant: str, index: int, stop: threading.Event) -> None:
+    """Conversations of three turns on the tenant's system prompt; the replies become the history."""
+    rng = random.Random(f"{tenant}-{index}")
+    system = {"role": "system", "content": system_prompt(tenant, args.system_tokens)}
+    while not stop.is_set():
+        messages = [system]
+        for _ in range(3):
+            messages.append(
+                {"role": "user", "content": f"Agent {index}: tell me about {rng.choice(TOPICS)}."}
+            )
+            body = {
+                "model": MODEL,
+                "messages": list(messages),
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+            }
+            reply = chat(server, tenant, body, tally)
+            if reply is None or stop.is_set():
+                break
+            messages.append({"role": "assistant", "content": reply})
+
+
+def victim_turn(server: Service, args, tally: Tally, i: int) -> None:
+    """One streamed request of the victim tenant; its TTFT is the first chunk carrying text."""
+    body = {
+        "model": MODEL, "max_tokens": 4, "temperature": 0, "stream": True,
+        "messages": [{"role": "system", "content": system_prompt("victim", args.system_tokens)},
+                     {"role": "user", "content": f"Question {i % 5}: where is my order?"}],
+    }  # fmt: skip
+    start = time.perf_counter()
+    first, text = None, ""
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=headers("victim"),
+                          timeout=300) as r:  # fmt: skip
+            if r.status_code != 200:
+                r.read()
+                kind = "good_5xx" if r.status_code >= 500 else "bad_not_4xx"
+                tally.add(kind, f"victim: {r.status_code} {r.text[:200]}")
+                return
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                delta = json.loads(line[6:])["choices"][0]["delta"] if json.loads(line[6:])["choices"] else {}
+                if delta.get("content") and first is None:
+                    first = time.perf_counter() - start
+                text += delta.get("content") or ""
+    except httpx.TransportError as exc:
+        tally.add("good_5xx", f"victim: transport error {exc}")
+        return
+    tally.add("ttft_s", first if first is not None else time.perf_counter() - start)
+    tally.add("replies", ({**body, "stream": False}, text))
+
+
+def flood(server: Service, tally: Tally) -> None:
+    """Eight prompts per request, as fast as the server answers; 429s are what it should get."""
+    body = {"model": MODEL, "prompt": [f"flood {i} " * 30 for i in range(8)], "max_tokens": 16}
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers("flood"), timeout=300)
+    except httpx.TransportError as exc:
+        tally.add("good_5xx", f"flood: transport error {exc}")
+        return
+    if r.status_code == 429:
+        with tally.lock:
+            tally.rejected_429 += 1
+        time.sleep(0.05)
+    elif r.status_code != 200:
+        tally.add(
+            "good_5xx" if r.status_code >= 500 else "bad_not_4xx", f"flood: {r.status_code} {r.text[:200]}"
+        )
+
+
+MALFORMED: tuple[tuple[str, bytes], ...] = (
+    ("not json", b"{not json"),
+    ("deep nesting", b'{"model": "x", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    ("lone surrogate", b'{"model": "x", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+    ("unknown field", b'{"model": "x", "messages": [], "frobnicate": 1}'),
+    ("huge prompt", b'{"model": "x", "prompt": "' + b"word " * 700_000 + b'", "max_tokens": 1}'),
+    ("bad penalty", b'{"model": "x", "prompt": "0", "max_tokens": 2, "repetition_penalty": 1e-38}'),
+)
+
+
+def malformed(server: Service, tally: Tally) -> None:
+    for name, raw in MALFORMED:
+        route = "/v1/completions" if b'"prompt"' in raw else "/v1/chat/completions"
+        try:
+            r = httpx.post(f"{server.url}{route}", content=raw, timeout=60,
+                           headers=headers("beta") | {"Content-Type": "application/json"})  # fmt: skip
+        except httpx.TransportError as exc:
+            tally.add("bad_5xx", f"{name}: transport error {exc}")
+            continue
+        if r.status_code >= 500:
+            tally.add("bad_5xx", f"{name}: {r.status_code} {r.text[:200]}")
+        elif not 400 <= r.status_code < 500:
+            tally.add("bad_not_4xx", f"{name}: {r.status_code}")
+    time.sleep(1.0)
+
+
+def vanish(server: Service) -> None:
+    """A client that starts a stream and hangs up after its first chunk."""
+    body = {"model": MODEL, "prompt": "vanishing client " * 20, "max_tokens": 64, "stream": True}
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers("alpha"),
+                          timeout=60) as r:  # fmt: skip
+            for _ in r.iter_lines():
+                break
+    except httpx.TransportError:
+        pass
+    time.sleep(0.5)
+
+
+def health(server: Service, tally: Tally) -> None:
+    try:
+        r = httpx.get(f"{server.url}/health", timeout=10)
+        if r.status_code != 200:
+            tally.add("health_failures", f"{r.status_code} {r.text[:200]}")
+    except httpx.TransportError as exc:
+        tally.add("health_failures", f"transport error {exc}")
+    if not server.alive():
+        tally.add("health_failures", "the server process exited")
+    time.sleep(0.5)
+
+
+def faults(stop: threading.Event, redis: RedisServer, args, tally: Tally) -> None:
+    """One Redis fault every `fault_every` seconds, in turn."""
+    kinds = (pause, kill_restart, flushall, bitflip, oversize, wrong_type)
+    i = 0
+    while not stop.wait(args.fault_every):
+        kind = kinds[i % len(kinds)]
+        try:
+            kind(redis, args)
+            tally.add("faults", kind.__name__)
+        except Exception as exc:
+            tally.add("faults", f"{kind.__name__} failed: {exc}")
+        i += 1
+
+
+def pause(redis: RedisServer, args) -> None:
+    redis.pause()
+    time.sleep(2.0)
+    redis.resume()
+
+
+def kill_restart(redis: RedisServer, args) -> None:
+    redis.kill()
+    time.sleep(1.0)
+    redis.start()
+
+
+def flushall(redis: RedisServer, args) -> None:
+    with redis.client() as c:
+        c.flushall()
+
+
+def cache_keys(redis: RedisServer, n: int) -> list[bytes]:
+    with redis.client() as c:
+        return [k for _, k in zip(range(n), c.scan_iter(count=100))]
+
+
+def bitflip(redis: RedisServer, args) -> None:
+    with redis.client() as c:
+        for key in cache_keys(redis, 8):
+            value = bytearray(c.get(key) or b"")
+            if value:
+                value[len(value) // 2] ^= 0x40
+                c.set(key, bytes(value))
+
+
+def oversize(redis: RedisServer, args) -> None:
+    with redis.client(socket_timeout=30) as c:
+        for key in cache_keys(redis, 2):
+            c.set(key, b"\x00" * (args.oversized_mb << 20))
+
+
+def wrong_type(redis: RedisServer, args) -> None:
+    with redis.client() as c:
+        for key in cache_keys(redis, 4):
+            c.delete(key)
+            c.rpush(key, b"not a record")
+
+
+def rss_mib(server: Service) -> float:
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def replay(args: argparse.Namespace, tally: Tally, work: Path) -> list[str]:
+    """Every recorded request against a no-cache server: the replies that differ."""
+    model = ["--model", args.model] if args.model else []
+    server = spawn_serve([*model, "--no-cache"], work, "reference")
+    wrong = []
+    try:
+        wait_serve(server)
+        with httpx.Client(base_url=server.url, timeout=300) as c:
+            for body, text in tally.replies:
+                r = c.post("/v1/chat/completions", json=body)
+                expected = r.json()["choices"][0]["message"]["content"] or ""
+                if expected != text:
+                    wrong.append(f"{body['messages'][-1]['content']!r}: {text!r} != {expected!r}")
+    finally:
+        server.stop(30)
+    return wrong
+
+
+def report(args: argparse.Namespace, tally: Tally, rss: dict[str, float], wrong: list[str]) -> Report:
+    r = Report(
+        "soak",
+        "Soak: agent tenants, a victim and a flooder while Redis and clients misbehave",
+        {
+            "duration_s": args.duration,
+            "agents": args.agents * 2,
+            "max_tokens": args.max_tokens,
+            "capacity": args.capacity,
+            "fault_every_s": args.fault_every,
+        },
+    )
+    soak_p99 = float(np.percentile(tally.ttft_s, 99)) if tally.ttft_s else float("inf")
+    growth = (rss["end"] - rss["warm"]) / rss["warm"]
+    r.checks += [
+        Check("wrong outputs", len(wrong), "", 0),
+        Check("engine deaths (health not 200)", len(tally.health_failures) + (1 - rss["alive"]), "", 0),
+        Check("5xx on well-formed requests", len(tally.good_5xx), "", 0),
+        Check("5xx on malformed requests", len(tally.bad_5xx), "", 0),
+        Check("victim TTFT p99 / idle p99", soak_p99 / rss["idle_ttft_p99"], "x", 2.0),
+        Check("RSS growth after warm-up", 100 * growth, "%", 10.0),
+    ]
+    r.notes += [
+        f"{len(tally.replies)} replies checked against a --no-cache server; {tally.rejected_429} requests "
+        f"refused with 429; faults injected: {len(tally.faults)} ({', '.join(sorted(set(tally.faults)))})",
+        f"victim TTFT p99 {soak_p99 * 1e3:.0f} ms under load vs {rss['idle_ttft_p99'] * 1e3:.0f} ms idle; "
+        f"RSS {rss['warm']:.0f} MiB after warm-up, {rss['end']:.0f} MiB at the end",
+    ]
+    r.notes += [f"wrong: {w}" for w in wrong[:5]] + [
+        f"5xx: {e}" for e in (tally.good_5xx + tally.bad_5xx)[:5]
+    ]
+    r.notes += [f"health: {h}" for h in tally.health_failures[:5]] + tally.bad_not_4xx[:5]
+    return r

@@ -1,0 +1,32 @@
+"""A short soak in CI: tenants' agent traffic on a tiny model while Redis, clients and a flooding
+tenant misbehave (`kvblocks bench soak`). What must hold whatever the machine's speed: no reply
+differs from a no-cache server's, the engine never dies, no request gets a 5xx, and every kind of
+fault was injected. TTFT and RSS ratios are the full benchmark's business (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+
+from server_proc import tiny_model_dir
+
+from kvblocks.cli import main
+
+
+def test_a_soak_under_faults_gives_no_wrong_output_no_engine_death_and_no_5xx(tmp_path, capsys):
+    args = [
+        "bench", "soak", "--model", str(tiny_model_dir()), "--duration", "40", "--agents", "2",
+        "--system-tokens", "60", "--oversized-mb", "8", "--capacity", "400", "--fault-every", "4",
+        "--out", str(tmp_path), "--warmup", "0", "--no-progress", "--no-plots", "--no-fail",
+    ]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads((tmp_path / "soak.json").read_text())
+    checks = {c["name"]: c["value"] for c in report["checks"]}
+    notes = "\n".join(report["notes"])
+    assert checks["wrong outputs"] == 0, notes
+    assert checks["engine deaths (health not 200)"] == 0, notes
+    assert checks["5xx on well-formed requests"] == 0, notes
+    assert checks["5xx on malformed requests"] == 0, notes
+    for fault in ("pause", "kill_restart", "flushall", "bitflip", "oversize", "wrong_type"):
+        assert fault in notes, notes
+    assert "replies checked" in notes and not notes.startswith("0 replies")
+    capsys.readouterr()
