@@ -509,18 +509,13 @@ def values_of_record_size() -> st.SearchStrategy[bytes]:
 
 def damaged_records() -> st.SearchStrategy[bytes]:
     raw = encode_record(NS, TOKENS, LAYOUT, random_kv(LAYOUT, len(TOKENS)), key=KEY)
-    flips = st.lists(
-        st.tuples(st.integers(0, len(raw) - 1), st.integers(1, 255)),
-        min_size=1,
-        max_size=4,
-        unique_by=lambda f: f[0],
-    )
+    flips = st.dictionaries(st.integers(0, len(raw) - 1), st.integers(1, 255), min_size=1, max_size=4)
     return flips.map(lambda fs: _xor(raw, fs))
 
 
-def _xor(raw: bytes, flips: list[tuple[int, int]]) -> bytes:
+def _xor(raw: bytes, flips: dict[int, int]) -> bytes:
     out = bytearray(raw)
-    for i, bits in flips:
+    for i, bits in flips.items():
         out[i] ^= bits
     return bytes(out)
 
