@@ -257,10 +257,6 @@ class RedisTier:
             try:
                 self.codec.decode_into(raw, keys[i], namespace_key, ids[pos : pos + c], self._layout, rows)
             except VerificationError:
-                # The key fixes format version, namespace and tokens, so this value is useless to
-                # every reader: delete it, or write-through (which skips present keys) never
-                # replaces it and the prefix stays broken at this chunk for everyone. A foreign
-                # format's keys (LMCache) are shared with programs that may read them otherwise.
                 self._reject(keys[i], verify_failures=1)
                 break
             length += c
