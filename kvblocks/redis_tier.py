@@ -496,7 +496,7 @@ class RedisTier:
         keys = [self.key(namespace_key, hashes[k]) for k in wanted]
         lengths = _execute(self._connection(), [("strlen", key) for key in keys])
         present = [
-            _record_sized(n, self.codec.size_bounds(key, namespace_key, c, self._layout))
+            self._holds_record(n, self.codec.size_bounds(key, namespace_key, c, self._layout))
             for key, n in zip(keys, lengths)
         ]
         records = []
@@ -517,7 +517,7 @@ class RedisTier:
         key = self.codec.state_key(namespace_key, self.codec.chunk_hashes(namespace_key, ids, c)[-1])
         client = self._connection()
         bounds = self.codec.state_size_bounds(key, namespace_key, c, self._state)
-        if _record_sized(_execute(client, [("strlen", key)])[0], bounds):
+        if self._holds_record(_execute(client, [("strlen", key)])[0], bounds):
             self._count(write_skipped_present=1)
             return
         value = self.codec.encode_state(key, namespace_key, ids[-c:], self._state, blob)
@@ -564,6 +564,13 @@ class RedisTier:
             return False
         return True
 
+    def _holds_record(self, reply: int | Exception, bounds: tuple[int, int]) -> bool:
+        """Whether a write finds a record where STRLEN answered `reply`: one of a record's size, or
+        for a foreign format any value (other programs read those keys: never overwrite them)."""
+        if not self.codec.delete_invalid:
+            return _wrong_type(reply) or reply > 0
+        return not _wrong_type(reply) and bounds[0] <= reply <= bounds[1]
+
     def _reject(self, key: str, **counter: int) -> None:
         """Count a refused value and delete it: its key fixes format version, namespace and tokens,
         so it is useless to every reader, and write-through (which skips present keys) would never
@@ -604,11 +611,6 @@ def _execute(client: redis.Redis | redis.RedisCluster, calls: list[tuple]) -> li
         if isinstance(reply, Exception) and not _wrong_type(reply):
             raise reply
     return replies
-
-
-def _record_sized(reply: int | Exception, bounds: tuple[int, int]) -> bool:
-    """Whether STRLEN's `reply` is a record's size: anything else is overwritten by a write."""
-    return not _wrong_type(reply) and bounds[0] <= reply <= bounds[1]
 
 
 def _wrong_type(reply: object) -> bool:
