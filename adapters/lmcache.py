@@ -147,6 +147,11 @@ class LMCacheCodec:
             cache_salt=self.cache_salt(namespace_key),
         )
 
+    def size_bounds(self, key: str, namespace_key: str, n: int, layout: KVLayout) -> tuple[int, int]:
+        """A value is the raw KV of `n` tokens, nothing more."""
+        size = n * layout.token_bytes()
+        return size, size
+
     def encode(
         self,
         key: str,

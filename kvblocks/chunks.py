@@ -10,6 +10,9 @@ Two record forms, both msgpack maps with `"v": 2`:
 - sealed (a deployment secret): dtype, shape, nonce and an AES-256-GCM ciphertext of token ids +
   raw KV, authenticated together with the Redis key and the namespace. Keys are keyed hashes.
 Either way restored KV must be finite; anything else is a VerificationError, which is a miss.
+A record's size follows from its layout (`record_size_bounds`), so a value of any other size is
+refused before it is parsed, and whatever the parser raises on a damaged value is a VerificationError
+too: no value in Redis can make a decode fail any other way.
 
 A recurrent-state snapshot taken where a chunk ends is a third record (`encode_state_record`) under
 that chunk's key plus `:state`, framed, checked and sealed the same way, with `"kind": "state"` and
@@ -29,7 +32,7 @@ import torch
 import xxhash
 
 from kvblocks.layout import KVLayout, StateLayout
-from kvblocks.sealing import TAG_BYTES, Sealer, SealError
+from kvblocks.sealing import NONCE_BYTES, TAG_BYTES, Sealer
 
 FORMAT_VERSION = 2
 
@@ -55,6 +58,12 @@ def chain_hashes(
 
 class VerificationError(ValueError):
     """A stored value is not a valid record for the expected key, namespace, tokens and layout."""
+
+
+# What msgpack raises on bytes that are not a well-formed, bounded record: BufferFull, OutOfData,
+# FormatError and StackError are UnpackExceptions; bad UTF-8 and truncation are ValueErrors, an
+# unhashable map key a TypeError.
+MSGPACK_FAILURES = (msgpack.UnpackException, ValueError, TypeError)
 
 
 def _payload(kv: list[torch.Tensor | None]) -> bytes:
@@ -94,6 +103,39 @@ def _frame(
         "sum": xxhash.xxh3_64_intdigest(payload),
     }
     return msgpack.packb(header | fields | {"kv": payload}, use_bin_type=True)
+
+
+def record_size_bounds(
+    namespace_key: str, n: int, layout: KVLayout, *, key: str = "", sealer: Sealer | None = None
+) -> tuple[int, int]:
+    """Smallest and largest size of a valid record of `n` tokens (`encode_record`); equal when sealed,
+    8 bytes apart when plain (msgpack writes the checksum in 1 to 9 bytes)."""
+    header = {"v": FORMAT_VERSION, "dtype": layout.dtype_name, "shape": layout.shape(n)}
+    return _frame_size_bounds(header, namespace_key, n, n * layout.token_bytes(), key, sealer)
+
+
+def state_record_size_bounds(
+    namespace_key: str, n: int, state: StateLayout, *, key: str = "", sealer: Sealer | None = None
+) -> tuple[int, int]:
+    """Like `record_size_bounds`, for the state record after a chunk of `n` tokens."""
+    header = {"v": FORMAT_VERSION, "kind": "state", "layout": state.describe()}
+    return _frame_size_bounds(header, namespace_key, n, state.nbytes, key, sealer)
+
+
+def _frame_size_bounds(
+    header: dict, namespace_key: str, n: int, payload_bytes: int, key: str, sealer: Sealer | None
+) -> tuple[int, int]:
+    """What `_frame` writes, measured on an empty last bin and corrected for the real one."""
+    if sealer is not None:
+        last = 4 * n + payload_bytes + TAG_BYTES
+        fields = {"alg": sealer.algorithm, "nonce": bytes(NONCE_BYTES), "ct": b""}
+        spread = 0
+    else:
+        last = payload_bytes
+        fields = {"ns": namespace_key, "key": key, "tokens": bytes(4 * n), "sum": 0, "kv": b""}
+        spread = 8
+    low = len(msgpack.packb(header | fields, use_bin_type=True)) - 2 + len(_bin_header(last)) + last
+    return low, low + spread
 
 
 def encode_state_record(
@@ -187,13 +229,16 @@ def _open_into(
     payload into `targets` (writable byte arrays, in order). Raises VerificationError."""
     payload_bytes = sum(t.nbytes for t in targets)
     expected_tokens = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+    low, high = _frame_size_bounds(header, namespace_key, len(tokens), payload_bytes, key, sealer)
+    if not low <= len(raw) <= high:  # checked first: nothing of a value of the wrong size is parsed
+        raise VerificationError(f"size mismatch: {len(raw)} bytes, a record has {low} to {high}")
     rec = _split_record(
         raw, payload_bytes if sealer is None else len(expected_tokens) + payload_bytes + TAG_BYTES
     )
     if rec is None:  # not shaped as expected: the full parse names what is wrong
         try:
             rec = msgpack.unpackb(raw, raw=False)
-        except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
+        except MSGPACK_FAILURES as exc:
             raise VerificationError(f"not a msgpack record: {exc}") from exc
     if not isinstance(rec, dict):
         raise VerificationError("record is not a map")
@@ -208,7 +253,7 @@ def _open_into(
         token_bytes = bytearray(len(expected_tokens))
         try:
             sealer.open_into(nonce, sealed, _bound_to(key, namespace_key, header), [token_bytes, *targets])
-        except SealError as exc:
+        except ValueError as exc:  # a SealError, or cryptography refusing a buffer
             raise VerificationError(str(exc)) from exc
         _check(("tokens", token_bytes == expected_tokens))
         return
@@ -236,12 +281,12 @@ def _split_record(raw: bytes, payload_bytes: int) -> dict | None:
     cut = len(raw) - payload_bytes - len(bin_header)
     if cut <= 0 or raw[cut : cut + len(bin_header)] != bin_header:
         return None
-    head = msgpack.Unpacker(raw=False)
-    head.feed(memoryview(raw)[:cut])  # copies the small header only
+    head = msgpack.Unpacker(raw=False, max_buffer_size=max(cut, 1))
     try:
+        head.feed(memoryview(raw)[:cut])  # copies the small header only
         fields = {head.unpack(): head.unpack() for _ in range(head.read_map_header() - 1)}
         last = head.unpack()
-    except (msgpack.OutOfData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError):
+    except MSGPACK_FAILURES:
         return None
     if head.tell() != cut or not isinstance(last, str) or last in fields:
         return None
@@ -303,6 +348,10 @@ class ChunkCodec(Protocol):
 
     def key(self, namespace_key: str, chunk_hash: str) -> str: ...
 
+    def size_bounds(self, key: str, namespace_key: str, n: int, layout: KVLayout) -> tuple[int, int]:
+        """Smallest and largest size of a valid value of `n` tokens: the tier reads nothing else."""
+        ...
+
     def encode(
         self,
         key: str,
@@ -349,6 +398,9 @@ class NativeCodec:
         tag = self.sealer.digest(b"namespace\0" + namespace_key.encode(), size=8).hex()
         return f"{self.key_prefix}:v{FORMAT_VERSION}s:{tag}:{chunk_hash}"
 
+    def size_bounds(self, key: str, namespace_key: str, n: int, layout: KVLayout) -> tuple[int, int]:
+        return record_size_bounds(namespace_key, n, layout, key=key, sealer=self.sealer)
+
     def encode(
         self,
         key: str,
@@ -374,6 +426,9 @@ class NativeCodec:
 
     def state_key(self, namespace_key: str, chunk_hash: str) -> str:
         return self.key(namespace_key, chunk_hash) + ":state"
+
+    def state_size_bounds(self, key: str, namespace_key: str, n: int, state: StateLayout) -> tuple[int, int]:
+        return state_record_size_bounds(namespace_key, n, state, key=key, sealer=self.sealer)
 
     def encode_state(
         self, key: str, namespace_key: str, tokens: np.ndarray, state: StateLayout, blob: torch.Tensor

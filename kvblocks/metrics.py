@@ -108,7 +108,20 @@ REDIS_COUNTERS = (
     ("kvblocks_redis_errors", "Redis operations that failed (read or write).", "redis_errors"),
     ("kvblocks_redis_verify_failures", "Redis values rejected by verification.", "redis_verify_failures"),
     ("kvblocks_redis_written_chunks", "Chunks written to Redis.", "redis_written_chunks"),
-    ("kvblocks_redis_write_drops", "Chunk writes dropped (queue full or Redis down).", "redis_write_drops"),
+    ("kvblocks_redis_write_drops", "Writes dropped (queue or retry queue full).", "redis_write_drops"),
+    (
+        "kvblocks_redis_rejected_size",
+        "Redis values refused unread: not the size of a record.",
+        "redis_rejected_size",
+    ),
+    (
+        "kvblocks_redis_rejected_type",
+        "Redis keys of another type where a record belongs.",
+        "redis_rejected_type",
+    ),
+    ("kvblocks_redis_deleted_invalid", "Invalid Redis values deleted.", "redis_deleted_invalid"),
+    ("kvblocks_redis_write_retried", "Writes retried after Redis was down.", "redis_write_retried"),
+    ("kvblocks_redis_repair_jobs", "Device hits that queued a rewrite of chunks.", "redis_repair_jobs"),
 )
 
 # recurrent and hybrid models only (the stats have "snapshots")

@@ -1,12 +1,19 @@
 """RedisTier: the spill tier below the device pool, shared by every process using the same Redis.
 
-Reads happen on a device miss, before the model runs: one pipelined EXISTS finds the longest run
-of consecutive chunks present, one pipelined GET fetches them, each is verified and promoted into
-the device pool. For a recurrent or hybrid model, snapshots of the recurrent state taken where a
+Reads happen on a device miss, before the model runs: one pipelined STRLEN finds the longest run
+of consecutive chunks present with the size a record must have, one pipelined GETRANGE (bounded by
+that size) fetches them, each is verified and promoted into the device pool. Redis is not trusted
+with memory or time: a value of the wrong size or type is refused unread and deleted, a value that
+fails verification in any way is deleted, and lookups wait at most `fetch_timeout_s` per reply. For a recurrent or hybrid model, snapshots of the recurrent state taken where a
 chunk ends are records too (`on_snapshot`, `fetch_state`), authenticated like KV chunks. Writes
 never block generation: they go through a bounded queue to a background thread, and a full queue
 drops (and counts) the write. Any Redis failure is a miss, never an
 error; after a failure the tier stays quiet for `retry_interval_s`, then reconnects.
+
+The shared tier repairs itself: writes that failed or met a down tier are held (up to `retry_size`,
+oldest dropped first) and retried once Redis answers again, and a device hit on chunks not seen in
+Redis for `recheck_interval_s` queues their write-through, which writes those Redis lacks (after a
+FLUSHALL, a restart or an eviction), so other replicas find them again.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -44,6 +52,8 @@ TRUSTED_REDIS_WARNING = (
 # What an unreachable or failing Redis raises. RedisClusterException is not a RedisError: a
 # RedisCluster client raises it when no startup node answers.
 REDIS_FAILURES = (redis.RedisError, redis.exceptions.RedisClusterException)
+# How many chunk keys the tier remembers having seen in Redis (to rate-limit repairs).
+CONFIRMED_KEYS = 4096
 
 # Reads the tier needs from its trie: (namespace key, ids, start, end) -> per-layer [n, 2, H, D]
 # tensors, or None when those tokens are no longer resident.
@@ -59,6 +69,8 @@ class TierCounters:
     read_bytes: int = 0
     errors: int = 0
     verify_failures: int = 0
+    rejected_size: int = 0
+    rejected_type: int = 0
     deleted_invalid: int = 0
     skipped_while_down: int = 0
     write_jobs: int = 0
@@ -68,6 +80,9 @@ class TierCounters:
     write_skipped_present: int = 0
     write_skipped_evicted: int = 0
     write_errors: int = 0
+    write_deferred: int = 0
+    write_retried: int = 0
+    repair_jobs: int = 0
     state_lookups: int = 0
     state_hits: int = 0
     written_states: int = 0
@@ -93,6 +108,10 @@ class RedisTier:
     and value format (the LMCache one); it excludes `secret`. `client_options` go to redis-py's client
     as they are (TLS certificates, a username, `parser_class`): replies are parsed by hiredis when it
     is installed, as it is with kvblocks.
+
+    Lookups wait at most `fetch_timeout_s` for each Redis reply (they hold up a request), writes
+    `timeout_s` (they run on the writer thread). `retry_size` bounds the writes held while Redis is
+    down; `recheck_interval_s` is how often a device hit checks that Redis still has its chunks.
     """
 
     def __init__(
@@ -104,10 +123,13 @@ class RedisTier:
         secret: bytes | str | None = None,
         ttl_s: float | None = DEFAULT_TTL_S,
         timeout_s: float = 0.5,
+        fetch_timeout_s: float = 0.25,
         connect_timeout_s: float = 0.5,
         retry_interval_s: float = 1.0,
         write_mode: str = "through",
         queue_size: int = 64,
+        retry_size: int = 256,
+        recheck_interval_s: float = 30.0,
         cluster: bool | None = None,
         codec: ChunkCodec | None = None,
         client_options: dict[str, Any] | None = None,
@@ -136,18 +158,28 @@ class RedisTier:
         self.counters = TierCounters()
         self._count_lock = threading.Lock()
         self._down_until = 0.0
-        kwargs = dict(
-            socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s, retry=Retry(NoBackoff(), 0)
-        ) | dict(client_options or {})
         is_cluster = (
             cluster if cluster is not None else url.startswith(("redis+cluster://", "rediss+cluster://"))
         )
-        self._client_factory = lambda: (
-            redis.RedisCluster.from_url(url.replace("+cluster", ""), **kwargs)
-            if is_cluster
-            else redis.Redis.from_url(url, **kwargs)
-        )
-        self._client: redis.Redis | redis.RedisCluster | None = None
+
+        def factory(socket_timeout: float) -> Callable[[], redis.Redis | redis.RedisCluster]:
+            kwargs = dict(
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=connect_timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            ) | dict(client_options or {})
+            if is_cluster:
+                return lambda: redis.RedisCluster.from_url(url.replace("+cluster", ""), **kwargs)
+            return lambda: redis.Redis.from_url(url, **kwargs)
+
+        # Lookups and writes have their own clients: a lookup's timeout is short, a write's longer.
+        self._factories = {"read": factory(fetch_timeout_s), "write": factory(timeout_s)}
+        self._clients: dict[str, redis.Redis | redis.RedisCluster | None] = {"read": None, "write": None}
+        self._held: deque[tuple] = deque()
+        self.retry_size = retry_size
+        self.recheck_interval_s = recheck_interval_s
+        self._confirmed: OrderedDict[str, float] = OrderedDict()  # chunk key -> when seen in Redis
+        self._confirm_lock = threading.Lock()
         self._layout: KVLayout | None = None
         self._state: StateLayout | None = None
         self._device: torch.device | None = None
@@ -196,19 +228,17 @@ class RedisTier:
             self._count(skipped_while_down=1)
             return None
         self._count(lookups=1, lookup_chunks=len(keys))
+        bounds = [self.codec.size_bounds(k, namespace_key, c, self._layout) for k in keys]
         try:
-            client = self._connection()
-            pipe = client.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(k)
-            present = pipe.execute()
-            run = next((i for i, p in enumerate(present) if not p), len(present))
+            client = self._connection("read")
+            lengths = _execute(client, [("strlen", k) for k in keys])
+            run = next(
+                (i for i, (k, n, b) in enumerate(zip(keys, lengths, bounds)) if not self._sized(k, n, b)),
+                len(keys),
+            )
             if run == 0:
                 return None
-            pipe = client.pipeline(transaction=False)
-            for k in keys[:run]:
-                pipe.get(k)
-            values = pipe.execute()
+            values = _execute(client, [("getrange", k, 0, b[1] - 1) for k, b in zip(keys[:run], bounds)])
         except REDIS_FAILURES:
             self._mark_down()
             return None
@@ -217,23 +247,21 @@ class RedisTier:
         restored = self._layout.empty(len(values) * c)
         length = 0
         for i, raw in enumerate(values):
-            if raw is None:
+            if _wrong_type(raw):  # replaced since STRLEN answered
+                self._reject(keys[i], rejected_type=1)
+                break
+            if len(raw) != lengths[i]:  # rewritten since STRLEN answered: the next lookup sees it
                 break
             pos = (first + i) * c
             rows = [None if t is None else t[length : length + c] for t in restored]
             try:
                 self.codec.decode_into(raw, keys[i], namespace_key, ids[pos : pos + c], self._layout, rows)
             except VerificationError:
-                # The key fixes format version, namespace and tokens, so this value is useless to
-                # every reader: delete it, or write-through (which skips present keys) never
-                # replaces it and the prefix stays broken at this chunk for everyone. A foreign
-                # format's keys (LMCache) are shared with programs that may read them otherwise.
-                self._count(verify_failures=1)
-                if self.codec.delete_invalid:
-                    self._enqueue(("delete", keys[i]))
+                self._reject(keys[i], verify_failures=1)
                 break
             length += c
             self._count(read_bytes=len(raw))
+        self._confirm(keys[: length // c])
         if length == 0:
             return None
         # A run cut short is copied out of its buffer, whose rest holds what the failed chunk wrote
@@ -261,25 +289,28 @@ class RedisTier:
             return None
         keys = [self.codec.state_key(namespace_key, hashes[end // c - 1]) for end in ends]
         self._count(state_lookups=1)
+        bounds = [self.codec.state_size_bounds(k, namespace_key, c, self._state) for k in keys]
         try:
-            pipe = self._connection().pipeline(transaction=False)
-            for k in keys:
-                pipe.get(k)
-            values = pipe.execute()
+            client = self._connection("read")
+            lengths = _execute(client, [("strlen", k) for k in keys])
+            for end, key, n, (low, high) in zip(ends, keys, lengths, bounds):
+                if not self._sized(key, n, (low, high)):
+                    continue
+                raw = _execute(client, [("getrange", key, 0, high - 1)])[0]
+                if _wrong_type(raw):
+                    self._reject(key, rejected_type=1)
+                    continue
+                if len(raw) != n:
+                    continue
+                try:
+                    blob = self.codec.decode_state(raw, key, namespace_key, ids[end - c : end], self._state)
+                except VerificationError:
+                    self._reject(key, verify_failures=1)
+                    continue
+                self._count(state_hits=1, read_bytes=len(raw))
+                return end, blob.to(self._device)
         except REDIS_FAILURES:
             self._mark_down()
-            return None
-        for end, key, raw in zip(ends, keys, values):
-            if raw is None:
-                continue
-            try:
-                blob = self.codec.decode_state(raw, key, namespace_key, ids[end - c : end], self._state)
-            except VerificationError:
-                self._count(verify_failures=1)
-                self._enqueue(("delete", key))
-                continue
-            self._count(state_hits=1, read_bytes=len(raw))
-            return end, blob.to(self._device)
         return None
 
     # ---- write path ------------------------------------------------------------------------
@@ -299,6 +330,23 @@ class RedisTier:
         if len(ids) // c <= start // c:
             return
         self._enqueue(("through", namespace_key, ids.copy(), start))
+
+    def on_hit(self, namespace_key: str, ids: np.ndarray, length: int) -> None:
+        """The device holds the first `length` tokens of `ids`. Redis may have lost their chunks
+        (FLUSHALL, a restart, eviction, a write dropped on an outage) while the device kept them:
+        unless every chunk was seen in Redis within `recheck_interval_s`, queue a write-through of
+        them from the first unseen one; the writer writes only those Redis lacks."""
+        c = self.chunk_tokens
+        if self.write_mode != "through" or length < c or time.monotonic() < self._down_until:
+            return
+        end = length // c * c
+        keys = [self.key(namespace_key, h) for h in self.codec.chunk_hashes(namespace_key, ids[:end], c)]
+        first = self._first_unconfirmed(keys)
+        if first is None:
+            return
+        self._confirm(keys[first:])  # checked by the job: one job per chunk and interval
+        self._count(repair_jobs=1)
+        self._enqueue(("through", namespace_key, ids[:end].copy(), first * c))
 
     def on_evict(self, namespace_key: str, ids: np.ndarray, evicted_from: int, read: Callable) -> None:
         """Tokens `[evicted_from, len(ids))` are about to leave the device pool (write-back).
@@ -370,7 +418,8 @@ class RedisTier:
     def stats(self) -> dict[str, int]:
         with self._count_lock:
             return {f"redis_{k}": v for k, v in asdict(self.counters).items()} | {
-                "redis_queue_depth": self._queue.qsize()
+                "redis_queue_depth": self._queue.qsize(),
+                "redis_held_writes": len(self._held),
             }
 
     def close(self) -> None:
@@ -378,8 +427,9 @@ class RedisTier:
         self.flush()
         self._queue.put(None)
         self._writer.join(timeout=5.0)
-        if self._client is not None:
-            self._client.close()
+        for client in self._clients.values():
+            if client is not None:
+                client.close()
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -392,43 +442,68 @@ class RedisTier:
 
     def _write_loop(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
-                self._queue.task_done()
-                return
             try:
-                if time.monotonic() < self._down_until:
-                    self._count(write_drops=1)
-                elif job[0] == "through":
-                    self._write_through(*job[1:])
-                elif job[0] == "state":
-                    self._write_state(*job[1:])
-                elif job[0] == "delete":
-                    self._count(deleted_invalid=self._connection().delete(job[1]))
-                else:
-                    self._write_records([job[1:]])
-            except REDIS_FAILURES:
-                self._count(write_errors=1)
-                self._mark_down()
-            except Exception:  # a bug must not end the writer: later writes would all be dropped
-                self._count(write_errors=1)
-                log.exception("kvblocks: a Redis write job failed; the writer goes on")
+                job = self._queue.get(timeout=self.retry_interval_s)
+            except queue.Empty:  # idle: held writes are retried once Redis may be back
+                self._retry_held()
+                continue
+            try:
+                if job is None:
+                    return
+                self._write(job)
+                self._retry_held()
             finally:
                 self._queue.task_done()
+
+    def _write(self, job: tuple) -> None:
+        """Run one write job; one that meets a down tier or fails in Redis is held for a retry."""
+        if time.monotonic() < self._down_until:
+            self._hold(job)
+            return
+        try:
+            if job[0] == "through":
+                self._write_through(*job[1:])
+            elif job[0] == "state":
+                self._write_state(*job[1:])
+            elif job[0] == "delete":
+                self._count(deleted_invalid=self._connection().delete(job[1]))
+            else:
+                self._write_records([job[1:]])
+        except REDIS_FAILURES:
+            self._count(write_errors=1)
+            self._mark_down()
+            self._hold(job)
+        except Exception:  # a bug must not end the writer: later writes would all be dropped
+            self._count(write_errors=1)
+            log.exception("kvblocks: a Redis write job failed; the writer goes on")
+
+    def _hold(self, job: tuple) -> None:
+        self._held.append(job)
+        self._count(write_deferred=1)
+        if len(self._held) > self.retry_size:
+            self._held.popleft()
+            self._count(write_drops=1)
+
+    def _retry_held(self) -> None:
+        while self._held and time.monotonic() >= self._down_until:
+            self._count(write_retried=1)
+            self._write(self._held.popleft())
 
     def _write_through(self, namespace_key: str, ids: np.ndarray, start: int) -> None:
         c = self.chunk_tokens
         hashes = self.codec.chunk_hashes(namespace_key, ids, c)
         wanted = list(range(start // c, len(hashes)))
         keys = [self.key(namespace_key, hashes[k]) for k in wanted]
-        pipe = self._connection().pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(key)
-        present = pipe.execute()
+        lengths = _execute(self._connection(), [("strlen", key) for key in keys])
+        present = [
+            self._holds_record(n, self.codec.size_bounds(key, namespace_key, c, self._layout))
+            for key, n in zip(keys, lengths)
+        ]
         records = []
         for k, key, there in zip(wanted, keys, present):
             if there:
                 self._count(write_skipped_present=1)
+                self._confirm([key])
                 continue
             kv = self._read_kv(namespace_key, ids[: (k + 1) * c], k * c, (k + 1) * c)
             if kv is None:
@@ -441,7 +516,8 @@ class RedisTier:
         c = self.chunk_tokens
         key = self.codec.state_key(namespace_key, self.codec.chunk_hashes(namespace_key, ids, c)[-1])
         client = self._connection()
-        if client.exists(key):
+        bounds = self.codec.state_size_bounds(key, namespace_key, c, self._state)
+        if self._holds_record(_execute(client, [("strlen", key)])[0], bounds):
             self._count(write_skipped_present=1)
             return
         value = self.codec.encode_state(key, namespace_key, ids[-c:], self._state, blob)
@@ -459,21 +535,83 @@ class RedisTier:
             pipe.set(key, value, px=self.ttl_ms)
         pipe.execute()
         self._count(written_chunks=len(records), written_bytes=total)
+        self._confirm([key for key, *_ in records])
 
-    def _connection(self):
-        if self._client is None:
-            self._client = self._client_factory()
-        return self._client
+    def _connection(self, role: str = "write") -> redis.Redis | redis.RedisCluster:
+        client = self._clients[role]
+        if client is None:
+            client = self._clients[role] = self._factories[role]()
+        return client
 
     def _mark_down(self) -> None:
         self._count(errors=1)
         self._down_until = time.monotonic() + self.retry_interval_s
-        # Drop the client without closing it: another thread (the writer, or a concurrent
-        # request) may be mid-command on it, and closing its sockets under that thread raises
-        # errors redis-py does not wrap (ValueError). It closes once its last user lets go.
-        self._client = None
+        # Drop the clients without closing them: another thread (the writer, or a concurrent
+        # request) may be mid-command on one, and closing its sockets under that thread raises
+        # errors redis-py does not wrap (ValueError). Each closes once its last user lets go.
+        self._clients = {"read": None, "write": None}
+
+    def _sized(self, key: str, reply: int | Exception, bounds: tuple[int, int]) -> bool:
+        """Whether STRLEN's `reply` says `key` holds a value of a record's size. A key of another
+        type or size is refused unread and deleted (an absent key, length 0, is just absent)."""
+        if _wrong_type(reply):
+            self._reject(key, rejected_type=1)
+            return False
+        if reply == 0:
+            return False
+        if not bounds[0] <= reply <= bounds[1]:
+            self._reject(key, rejected_size=1)
+            return False
+        return True
+
+    def _holds_record(self, reply: int | Exception, bounds: tuple[int, int]) -> bool:
+        """Whether a write finds a record where STRLEN answered `reply`: one of a record's size, or
+        for a foreign format any value (other programs read those keys: never overwrite them)."""
+        if not self.codec.delete_invalid:
+            return _wrong_type(reply) or reply > 0
+        return not _wrong_type(reply) and bounds[0] <= reply <= bounds[1]
+
+    def _reject(self, key: str, **counter: int) -> None:
+        """Count a refused value and delete it: its key fixes format version, namespace and tokens,
+        so it is useless to every reader, and write-through (which skips present keys) would never
+        replace it. A foreign format's keys (LMCache) are shared with programs that may read them
+        otherwise, so they stay."""
+        self._count(**counter)
+        if self.codec.delete_invalid:
+            self._enqueue(("delete", key))
+
+    def _confirm(self, keys: list[str]) -> None:
+        now = time.monotonic()
+        with self._confirm_lock:
+            for key in keys:
+                self._confirmed[key] = now
+                self._confirmed.move_to_end(key)
+            while len(self._confirmed) > CONFIRMED_KEYS:
+                self._confirmed.popitem(last=False)
+
+    def _first_unconfirmed(self, keys: list[str]) -> int | None:
+        since = time.monotonic() - self.recheck_interval_s
+        with self._confirm_lock:
+            return next((i for i, k in enumerate(keys) if self._confirmed.get(k, -1e18) < since), None)
 
     def _count(self, **deltas: int) -> None:
         with self._count_lock:
             for name, d in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + d)
+
+
+def _execute(client: redis.Redis | redis.RedisCluster, calls: list[tuple]) -> list:
+    """Run `calls` in one pipeline; a WRONGTYPE reply comes back in place of its result (it is that
+    key's problem), any other failure raises (it is the tier's)."""
+    pipe = client.pipeline(transaction=False)
+    for name, *args in calls:
+        getattr(pipe, name)(*args)
+    replies = pipe.execute(raise_on_error=False)
+    for reply in replies:
+        if isinstance(reply, Exception) and not _wrong_type(reply):
+            raise reply
+    return replies
+
+
+def _wrong_type(reply: object) -> bool:
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")

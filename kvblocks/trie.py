@@ -256,6 +256,7 @@ class KVCacheTrie:
                 m = self._tree.match(ns.key, ids[:limit], touch=False, create=False)
                 device = m.length
                 servable = device if self.state is None else self._tree.snapshot_prefix(m).length
+            self.spill.on_hit(ns.key, ids, device)  # rewrites chunks Redis lost, off this thread
             if device < limit:  # the Redis round trip runs unlocked: other threads go on meanwhile
                 fetched = self.spill.fetch(ns.key, ids, device, limit)
             if servable < limit and self.state is not None:  # a recurrent model needs a state there too

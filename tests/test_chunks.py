@@ -21,11 +21,13 @@ from hypothesis import strategies as st
 from kvblocks.chunks import (
     FORMAT_VERSION,
     VerificationError,
+    _split_record,
     all_finite,
     chain_hashes,
     decode_record,
     decode_record_into,
     encode_record,
+    record_size_bounds,
 )
 from kvblocks.layout import KVLayout
 from kvblocks.sealing import Sealer
@@ -118,8 +120,8 @@ def test_token_ids_of_any_integer_type_encode_alike():
         pytest.param(record(dtype="float64"), "dtype", id="other-dtype"),
         pytest.param(record(shape=[8, [[2, 4], [0, 0], [2, 4]]]), "shape", id="other-heads"),
         pytest.param(record(shape=[7, [[2, 4], [0, 0], [1, 8]]]), "shape", id="other-length"),
-        pytest.param(record(kv=b""), "payload length", id="empty-payload"),
-        pytest.param(record(kv="text"), "payload length", id="payload-not-bytes"),
+        pytest.param(record(kv=b""), "size", id="empty-payload"),
+        pytest.param(record(kv="text"), "size", id="payload-not-bytes"),
         pytest.param(record(sum=0), "checksum", id="wrong-checksum"),
         pytest.param(record(sum=None), "checksum", id="no-checksum"),
     ],
@@ -140,14 +142,14 @@ def test_record_for_other_token_ids_fails_verification():
 
 
 def test_record_read_as_another_dtype_fails_verification():
-    with pytest.raises(VerificationError, match="dtype"):
+    with pytest.raises(VerificationError, match="size"):  # a record's size follows from its dtype
         decode(record(), layout=KVLayout.from_shapes(torch.bfloat16, LAYOUT.shapes))
 
 
 def test_record_read_with_another_layer_shape_fails_verification():
     with pytest.raises(VerificationError, match="shape"):
         decode(record(), layout=KVLayout.from_shapes(torch.float32, ((2, 4), (0, 0), (2, 4))))
-    with pytest.raises(VerificationError, match="shape"):
+    with pytest.raises(VerificationError, match="size"):
         decode(record(), layout=KVLayout.from_shapes(torch.float32, ((2, 4), (0, 0))))
 
 
@@ -161,9 +163,9 @@ def test_payload_cut_short_with_a_matching_checksum_fails_verification():
 @pytest.mark.parametrize("keep", [0.0, 0.01, 0.1, 0.5, 0.999])
 def test_truncated_value_fails_verification(keep):
     raw = record()
-    with pytest.raises(VerificationError, match="msgpack"):
+    with pytest.raises(VerificationError, match=r"size|msgpack"):
         decode(raw[: int(len(raw) * keep)])
-    with pytest.raises(VerificationError, match="msgpack"):
+    with pytest.raises(VerificationError, match=r"size|msgpack"):
         decode(raw[:-1])
 
 
@@ -192,7 +194,7 @@ def test_any_flipped_header_bit_fails_verification(bit):
     ids=["empty", "reserved-byte", "text", "bytes", "extra-data"],
 )
 def test_non_msgpack_garbage_fails_verification(raw):
-    with pytest.raises(VerificationError, match="msgpack"):
+    with pytest.raises(VerificationError, match="size"):
         decode(raw)
 
 
@@ -203,7 +205,7 @@ def test_msgpack_that_is_not_a_record_map_fails_verification(value):
 
 
 def test_empty_map_fails_verification():
-    with pytest.raises(VerificationError, match="version"):
+    with pytest.raises(VerificationError, match="size"):
         decode(msgpack.packb({}))
 
 
@@ -319,7 +321,7 @@ def test_sealed_record_opens_only_for_its_key_namespace_tokens_and_secret(change
 
 def test_plain_record_with_a_valid_checksum_is_refused_where_a_seal_is_expected():
     raw = encode_record(NS, TOKENS, LAYOUT, random_kv(LAYOUT, len(TOKENS)), key=KEY)
-    with pytest.raises(VerificationError, match="form"):
+    with pytest.raises(VerificationError, match="size"):
         open_sealed(raw)
 
 
@@ -471,3 +473,62 @@ def test_a_well_formed_record_is_split_without_copying_its_payload():
     moved = msgpack.packb({"kv": msgpack.unpackb(raw)["kv"], "v": 2}, use_bin_type=True)
     assert _split_record(moved, kv_bytes) is None
     assert _split_record(raw + b"\0", kv_bytes) is None
+
+
+# ---- values of any size and content ------------------------------------------------------------
+
+
+def test_value_longer_than_msgpacks_buffer_with_an_intact_last_bin_header_is_not_split():
+    """The value of issue 21: over 100 MiB (msgpack's default buffer), ending in a bin header that
+    matches the payload. Splitting it must refuse it, never raise msgpack's BufferFull."""
+    payload = len(TOKENS) * LAYOUT.token_bytes()
+    raw = b"\x81" + bytes(101 << 20) + b"\xc6" + payload.to_bytes(4, "big") + bytes(payload)
+    assert _split_record(raw, payload) is None
+    with pytest.raises(VerificationError, match="size"):
+        decode(raw)
+
+
+@pytest.mark.parametrize("sealer", [None, Sealer(b"0123456789abcdef-secret")], ids=["plain", "sealed"])
+def test_size_bounds_hold_every_record_and_are_tight(sealer):
+    for seed in range(50):
+        raw = encode_record(NS, TOKENS, LAYOUT, random_kv(LAYOUT, len(TOKENS), seed), key=KEY, sealer=sealer)
+        low, high = record_size_bounds(NS, len(TOKENS), LAYOUT, key=KEY, sealer=sealer)
+        assert low <= len(raw) <= high
+        assert high - low == (0 if sealer else 8)
+
+
+def huge_headers() -> st.SearchStrategy[bytes]:
+    """msgpack whose headers declare far more than follows (str, bin, array and map of 2**32-1)."""
+    return st.sampled_from([b"\xdb", b"\xc6", b"\xdd", b"\xdf"]).map(lambda h: h + b"\xff\xff\xff\xff")
+
+
+def values_of_record_size() -> st.SearchStrategy[bytes]:
+    low, high = record_size_bounds(NS, len(TOKENS), LAYOUT, key=KEY)
+    return st.integers(low, high).flatmap(lambda n: st.binary(min_size=n, max_size=n))
+
+
+def damaged_records() -> st.SearchStrategy[bytes]:
+    raw = encode_record(NS, TOKENS, LAYOUT, random_kv(LAYOUT, len(TOKENS)), key=KEY)
+    flips = st.dictionaries(st.integers(0, len(raw) - 1), st.integers(1, 255), min_size=1, max_size=4)
+    return flips.map(lambda fs: _xor(raw, fs))
+
+
+def _xor(raw: bytes, flips: dict[int, int]) -> bytes:
+    out = bytearray(raw)
+    for i, bits in flips.items():
+        out[i] ^= bits
+    return bytes(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=2000),
+        huge_headers().flatmap(lambda h: st.binary(max_size=64).map(lambda tail: h + tail)),
+        values_of_record_size(),
+        damaged_records(),
+    )
+)
+def test_any_foreign_or_damaged_bytes_raise_verification_error_and_nothing_else(raw):
+    with pytest.raises(VerificationError):
+        decode_record(raw, NS, TOKENS, LAYOUT, "cpu", key=KEY)

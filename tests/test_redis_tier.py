@@ -383,7 +383,7 @@ def test_redis_killed_between_requests_gives_misses_not_errors(model, server, ti
     assert redis_stats(b)["redis_errors"] >= 1
 
 
-def test_redis_killed_with_writes_queued_loses_only_those_writes(model, server, tiers):
+def test_redis_killed_with_writes_queued_holds_those_writes_for_a_retry(model, server, tiers):
     texts = [prompt(25 + i) for i in range(3)]
     pasts = [prefill(model, t) for t in texts]
     tier = tiers(server.url, timeout_s=1.0)
@@ -398,7 +398,7 @@ def test_redis_killed_with_writes_queued_loses_only_those_writes(model, server, 
     stats = redis_stats(cache)
     assert stats["redis_written_chunks"] == 0
     assert stats["redis_write_errors"] >= 1
-    assert stats["redis_write_errors"] + stats["redis_write_drops"] == stats["redis_write_jobs"] == 3
+    assert stats["redis_held_writes"] == stats["redis_write_jobs"] == 3  # retried once Redis is back
     assert generate_exact(model, cache, texts[0]).cached_tokens == PROMPT_TOKENS - 1
     generate_exact(model, cache, prompt(28))
 
@@ -567,7 +567,8 @@ def test_damaged_or_foreign_value_is_a_miss_not_an_error(model, server, tiers, k
     b = trie(model, tiers(server.url, secret=secret))
     assert generate_exact(model, b, text).cached_tokens == DAMAGED_CHUNK * CHUNK
     stats = redis_stats(b)
-    assert stats["redis_verify_failures"] == 1
+    refused = stats["redis_verify_failures"] + stats["redis_rejected_size"]
+    assert refused == (0 if kind == "empty" else 1)  # an empty string reads as an absent record
     assert stats["redis_errors"] == 0
 
 
@@ -643,7 +644,7 @@ def test_chunk_failing_verification_ends_the_run_and_none_of_its_kv_is_kept(serv
     ids, kv = write_run(server, tier, secret, bad, k)
     fetched = tier.fetch(RUN_NS, ids, 0, len(ids))
     stats = tier.stats()
-    assert stats["redis_verify_failures"] == 1
+    assert stats["redis_verify_failures"] + stats["redis_rejected_size"] == 1  # a longer key: another size
     assert stats["redis_hit_chunks"] == k
     if k == 0:
         assert fetched is None
@@ -708,7 +709,7 @@ def test_forged_record_with_a_valid_checksum_under_the_victims_key_is_a_miss_wit
     b = trie(model, tiers(server.url, secret=SECRET))
     assert generate_exact(model, b, victim).cached_tokens == 0
     stats = redis_stats(b)
-    assert stats["redis_verify_failures"] == 1
+    assert stats["redis_verify_failures"] + stats["redis_rejected_size"] == 1  # a plain record: another size
     assert stats["redis_errors"] == stats["redis_hit_chunks"] == 0
     assert b.spill.flush()
     assert redis_stats(b)["redis_deleted_invalid"] == 1
@@ -807,3 +808,175 @@ def test_a_fine_tune_that_changed_one_weight_never_reuses_the_base_models_record
     assert cache.namespace.key != base.namespace.key
     assert generate_exact(tuned, cache, text).cached_tokens == 0
     assert redis_stats(cache)["redis_hit_chunks"] == 0
+
+
+# ---- untrusted values: bounded, typed, deleted -------------------------------------------------
+
+
+def run_key(tier: RedisTier, ids: np.ndarray, k: int) -> str:
+    return tier.key(RUN_NS, tier.codec.chunk_hashes(RUN_NS, ids, CHUNK)[k])
+
+
+def test_oversized_value_under_a_lookup_key_is_refused_unread_and_deleted(server, tiers):
+    """Issue 21's value: 64 MiB ending in an intact bin header of a record's payload size. Only
+    STRLEN touches it: the lookup allocates far less than the value and deletes it."""
+    import tracemalloc
+
+    tier = tiers(server.url)
+    ids, _ = write_run(server, tier, None)
+    client, key = server.client(), run_key(tier, ids, 2)
+    payload = CHUNK * RUN_LAYOUT.token_bytes()
+    client.set(key, b"\x81" + bytes(64 << 20) + b"\xc6" + payload.to_bytes(4, "big") + bytes(payload))
+    tracemalloc.start()
+    try:
+        fetched = tier.fetch(RUN_NS, ids, 0, len(ids))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (fetched.start, fetched.length) == (0, 2 * CHUNK)
+    assert peak < 4 << 20
+    stats = tier.stats()
+    assert stats["redis_rejected_size"] == 1 and stats["redis_errors"] == 0
+    assert stats["redis_read_bytes"] < 3 * payload
+    assert tier.flush() and not client.exists(key)
+    assert tier.stats()["redis_deleted_invalid"] == 1
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+def test_wrong_type_key_is_that_keys_miss_and_deleted_never_an_outage(server, tiers, secret):
+    tier = tiers(server.url, secret=secret)
+    ids, _ = write_run(server, tier, secret)
+    client, key = server.client(), run_key(tier, ids, 2)
+    client.delete(key)
+    client.rpush(key, b"a", b"b")
+    fetched = tier.fetch(RUN_NS, ids, 0, len(ids))
+    assert (fetched.start, fetched.length) == (0, 2 * CHUNK)
+    stats = tier.stats()
+    assert stats["redis_rejected_type"] == 1
+    assert stats["redis_errors"] == stats["redis_skipped_while_down"] == 0
+    assert tier.flush() and not client.exists(key)
+    assert tier.fetch(RUN_NS, ids, 3 * CHUNK, len(ids)).length == 2 * CHUNK  # not marked down
+    assert tier.stats()["redis_skipped_while_down"] == 0
+
+
+def huge_msgpack_headers():
+    from hypothesis import strategies as st
+
+    heads = st.sampled_from([b"\xdb", b"\xc6", b"\xdd", b"\xdf", b"\x81\xa2kv\xc6"])
+    return st.tuples(heads, st.binary(min_size=4, max_size=4), st.binary(max_size=64)).map(b"".join)
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+def test_any_bytes_under_a_lookup_key_are_a_miss_and_the_key_is_deleted(server, tiers, secret):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    tier = tiers(server.url, secret=secret)
+    ids, _ = write_run(server, tier, secret)
+    client, key = server.client(), run_key(tier, ids, 0)
+    low, high = tier.codec.size_bounds(key, RUN_NS, CHUNK, RUN_LAYOUT)
+    good = client.get(key)
+    record_sized = st.integers(low, high).flatmap(lambda n: st.binary(min_size=n, max_size=n))
+    flipped = st.tuples(st.integers(0, len(good) - 1), st.integers(1, 255)).map(
+        lambda f: good[: f[0]] + bytes([good[f[0]] ^ f[1]]) + good[f[0] + 1 :]
+    )
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.one_of(st.binary(max_size=4000), huge_msgpack_headers(), record_sized, flipped))
+    def check(raw: bytes):
+        client.set(key, raw)
+        assert tier.fetch(RUN_NS, ids, 0, len(ids)) is None
+        assert tier.flush()
+        assert not client.exists(key) or raw == b""  # an empty string is an absent record
+        assert tier.stats()["redis_errors"] == 0
+
+    check()
+
+
+def test_stopped_redis_makes_a_lookup_a_miss_within_the_fetch_timeout(server, tiers):
+    fetch_timeout_s = 0.15
+    tier = tiers(server.url, fetch_timeout_s=fetch_timeout_s, timeout_s=2.0)
+    ids, _ = write_run(server, tier, None)
+    server.pause()
+    try:
+        t0 = time.monotonic()
+        assert tier.fetch(RUN_NS, ids, 0, len(ids)) is None
+        assert time.monotonic() - t0 < fetch_timeout_s + 0.3
+        assert tier.stats()["redis_errors"] == 1
+    finally:
+        server.resume()
+    time.sleep(FAST["retry_interval_s"] + 0.05)
+    assert tier.fetch(RUN_NS, ids, 0, len(ids)).length == RUN_CHUNKS * CHUNK
+
+
+# ---- the shared tier repairs itself ------------------------------------------------------------
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_after_flushall_a_device_hit_rewrites_the_chunks_and_another_trie_restores_them(model, server, tiers):
+    text = prompt(90)
+    a = trie(model, tiers(server.url, recheck_interval_s=0.0))
+    generate_exact(model, a, text)
+    assert a.spill.flush()
+    server.client().flushall()
+
+    assert generate_exact(model, a, text).cached_tokens == PROMPT_TOKENS - 1  # a device hit
+    assert a.spill.flush()
+    assert redis_stats(a)["redis_repair_jobs"] >= 1
+    b = trie(model, tiers(server.url))
+    assert generate_exact(model, b, text).cached_tokens == FULL_HIT
+
+
+def test_device_hits_check_redis_at_most_once_per_recheck_interval(model, server, tiers):
+    text = prompt(91)
+    a = trie(model, tiers(server.url, recheck_interval_s=60.0))
+    generate_exact(model, a, text)
+    assert a.spill.flush()
+    jobs = redis_stats(a)["redis_write_jobs"]
+    for _ in range(3):
+        generate_exact(model, a, text)
+    assert a.spill.flush()
+    stats = redis_stats(a)
+    assert stats["redis_repair_jobs"] == 0
+    assert stats["redis_write_jobs"] == jobs  # and no other job: nothing new to write
+
+
+def test_writes_that_meet_a_stopped_redis_are_retried_after_it_restarts(model, server, tiers):
+    text = prompt(92)
+    a = trie(model, tiers(server.url))
+    server.stop()
+    generate_exact(model, a, text)
+    assert a.spill.flush()
+    assert redis_stats(a)["redis_held_writes"] >= 1
+    server.start()
+
+    assert wait_for(lambda: redis_stats(a)["redis_written_chunks"] > 0)
+    stats = redis_stats(a)
+    assert stats["redis_write_deferred"] >= 1 and stats["redis_write_retried"] >= 1
+    b = trie(model, tiers(server.url))
+    assert generate_exact(model, b, text).cached_tokens == FULL_HIT
+
+
+def test_writes_held_past_retry_size_drop_the_oldest(model, server, tiers):
+    texts = [prompt(93 + i) for i in range(4)]
+    pasts = [prefill(model, t) for t in texts]
+    a = trie(model, tiers(server.url, retry_size=2))
+    server.stop()
+    for text, past in zip(texts, pasts):
+        a.insert(ids_of(text), past)
+    assert a.spill.flush()
+    stats = redis_stats(a)
+    assert stats["redis_held_writes"] == 2 and stats["redis_write_drops"] == 2
+    server.start()
+
+    assert wait_for(
+        lambda: redis_stats(a)["redis_held_writes"] == 0 and redis_stats(a)["redis_written_chunks"] > 0
+    )
+    b = trie(model, tiers(server.url))
+    assert [generate_exact(model, b, t).cached_tokens for t in texts] == [0, 0, FULL_HIT, FULL_HIT]
