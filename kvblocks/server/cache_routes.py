@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from kvblocks.explain import explain
 from kvblocks.inspection import inspect_prefixes
 from kvblocks.metrics import CONTENT_TYPE_LATEST
+from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.schemas import ExplainRequest
 from kvblocks.server.state import caller, scope_of, served
@@ -80,13 +81,15 @@ async def cache_explain(request: Request):
     body = await parse_request(request, ExplainRequest, s.config.lenient)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
-    prompt = (
-        body.prompt
-        if body.messages is None
-        else [{"role": m.role, "content": m.text()} for m in body.messages]
-    )
+    if body.messages is None:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            check_chars(s.prompt_chars, len(prompt), s.gen.max_context, "prompt")
+    else:
+        check_chars(s.prompt_chars, chat_chars(body.messages), s.gen.max_context, "messages")
+        prompt = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        ids = await run_in_threadpool(s.gen.encode, prompt)
+        ids = await tokenizing(s.tokenize_gate, s.gen.encode, prompt)
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt") from exc
     if s.cache is None:

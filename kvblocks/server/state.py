@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -11,7 +12,8 @@ from kvblocks.auth import ApiKeys, Principal
 from kvblocks.engine import Engine
 from kvblocks.generator import CachedGenerator
 from kvblocks.namespace import Scope
-from kvblocks.server.guard import principal_of
+from kvblocks.server.bounds import MAX_TOKENIZING
+from kvblocks.server.guard import Admission, principal_of
 
 
 @dataclass(slots=True)
@@ -25,13 +27,20 @@ class ServerConfig:
     read_timeout_s: float = 30.0
     lenient: bool = False
     tool_parser: str | None = None
+    drain_timeout_s: float = 30.0
 
 
 @dataclass(slots=True)
 class Served:
+    """`prompt_chars`: the most characters a prompt that fits the context can have (None: no bound),
+    set at start-up; `tokenize_gate` bounds the tokenisations running at once."""
+
     engine: Engine
     config: ServerConfig
     started: float = field(default_factory=time.time)
+    admission: Admission = field(default_factory=Admission)
+    prompt_chars: int | None = None
+    tokenize_gate: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_TOKENIZING))
 
     @property
     def gen(self) -> CachedGenerator:
