@@ -13,6 +13,7 @@ from kvblocks.engine import Engine
 from kvblocks.generator import CachedGenerator
 from kvblocks.namespace import Scope
 from kvblocks.server.bounds import MAX_TOKENIZING
+from kvblocks.server.errors import APIError
 from kvblocks.server.guard import Admission, principal_of
 
 
@@ -57,6 +58,17 @@ def served(request: Request) -> Served:
 
 def caller(request: Request) -> Principal:
     return principal_of(request.scope)
+
+
+def require_engine_view(request: Request) -> None:
+    """Load, server info and metrics describe every tenant's traffic: routers and admins only."""
+    if not caller(request).sees_engine:
+        raise APIError(
+            403,
+            "this route shows every tenant's traffic: it needs a router or admin key",
+            type_="permission_error",
+            code="router_or_admin_only",
+        )
 
 
 def scope_of(request: Request, cache_salt: str | None) -> Scope:

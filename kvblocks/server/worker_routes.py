@@ -30,7 +30,7 @@ from kvblocks.server.openai_routes import (
     sampling,
 )
 from kvblocks.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
-from kvblocks.server.state import Served, caller, served
+from kvblocks.server.state import Served, caller, require_engine_view, served
 
 router = APIRouter()
 
@@ -72,6 +72,7 @@ class DetokenizeRequest(_Body):
 @router.get("/get_server_info")
 async def server_info(request: Request):
     """sglang's server info: the model's identity plus the limits a router may schedule by."""
+    require_engine_view(request)
     s = served(request)
     stats = None if s.cache is None else await run_in_threadpool(s.cache.stats)
     spill = None if s.cache is None else s.cache.spill
@@ -118,6 +119,7 @@ def identity(s: Served) -> dict:
 async def get_load(request: Request):
     """sglang's load report, one entry per data-parallel rank (here one): requests running and
     waiting, and the tokens they hold (prompt plus generated so far)."""
+    require_engine_view(request)
     load = served(request).engine.load()
     return [
         {
