@@ -176,9 +176,9 @@ def test_a_wrong_key_is_refused_on_every_endpoint_but_health(server):
             '{"keys": [{"key": "long-enough-key", "tenant": "a", "role": "router", "admin": true}]}',
             "contradicts",
         ),
-        ('{"keys": [{"key": "long-enough-k\u00e9y", "tenant": "a"}]}', "printable ASCII"),
-        ('{"keys": [{"key": "long-enough-key", "tenant": "a\ud800"}]}', "printable text"),
-        ('{"keys": [{"key": "long-enough-key", "tenant": "a\u0007b"}]}', "printable text"),
+        (r'{"keys": [{"key": "long-enough-k\u00e9y", "tenant": "a"}]}', "printable ASCII"),
+        (r'{"keys": [{"key": "long-enough-key", "tenant": "a\ud800"}]}', "printable text"),
+        (r'{"keys": [{"key": "long-enough-key", "tenant": "a\u0007b"}]}', "printable text"),
     ],
 )
 def test_a_bad_keys_file_is_one_clear_line_and_exit_2(tmp_path, content, message):
