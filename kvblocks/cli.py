@@ -233,16 +233,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvblocks import models
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
+    from kvblocks.server.serving import serve
 
     keys = load_api_keys(args)
     if args.max_body_bytes < 1024:
         raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.read_timeout <= 0:
         raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
+    if args.drain_timeout < 0:
+        raise UserError(f"--drain-timeout must be 0 or more, got {args.drain_timeout:g}")
     from kvblocks.batch_engine import check_settings
 
     size = batch_size(args)
@@ -295,6 +296,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_parser=args.tool_parser,
         max_prompts=args.max_prompts,
         max_branches=args.max_branches,
+        drain_timeout_s=args.drain_timeout,
     )
     app = create_app(engine, config)
     stats = cache.stats()
@@ -308,13 +310,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     freeze_startup_objects()
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)  # lifespan stops the engine
+    serve(app, args.host, args.port, args.log_level)  # lifespan stops the engine
     return 0
 
 
 def load_api_keys(args: argparse.Namespace):
     """--api-keys FILE ($KVBLOCKS_API_KEYS_FILE), else --api-key KEY ($KVBLOCKS_API_KEY), else None."""
-    from kvblocks.auth import KEYS_FILE_ENV, ApiKeys
+    from kvblocks.auth import KEYS_FILE_ENV, ApiKeys, permission_warning
 
     path = args.api_keys or os.environ.get(KEYS_FILE_ENV) or None
     key = args.api_key or os.environ.get("KVBLOCKS_API_KEY") or None
@@ -322,7 +324,11 @@ def load_api_keys(args: argparse.Namespace):
         raise UserError("give --api-keys FILE or --api-key KEY, not both")
     try:
         if path:
-            return ApiKeys.load(path)
+            keys = ApiKeys.load(path)
+            warning = permission_warning(path)
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+            return keys
         return ApiKeys.single_admin(key) if key else None
     except ValueError as exc:
         raise UserError(str(exc)) from exc
@@ -427,8 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-keys",
         default=None,
         metavar="FILE",
-        help='tenants file {"keys": [{"key": ..., "tenant": ..., "admin": false}]}: each key\'s requests '
-        "use and see only its tenant's cache (or set KVBLOCKS_API_KEYS_FILE)",
+        help='tenants file {"keys": [{"key": ..., "tenant": ..., "role": "tenant"}]}: each key\'s requests '
+        'use and see only its tenant\'s cache; "role": "router" also reads load and metrics, "admin" '
+        "everything (or set KVBLOCKS_API_KEYS_FILE)",
     )
     sv.add_argument(
         "--max-body-bytes",
@@ -442,6 +449,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="a request body must arrive within this time, else 408 (default 30)",
+    )
+    sv.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, refuse new work (503, /health 503) and let requests in flight finish for up to "
+        "this long before the engine stops and the Redis writes are flushed (default 30)",
     )
     sv.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: the model's name)"

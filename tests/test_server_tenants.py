@@ -15,7 +15,12 @@ import pytest
 from server_proc import cli_env, kvblocks_command, scrape, start_server, stop_cleanly, tiny_model_dir
 
 MODEL = "tiny"
-KEYS = {"acme": "sk-acme-0001", "globex": "sk-globex-0002", "ops": "sk-ops-admin-0003"}
+KEYS = {
+    "acme": "sk-acme-0001",
+    "globex": "sk-globex-0002",
+    "ops": "sk-ops-admin-0003",
+    "lb": "sk-lb-router-0004",
+}
 SECRET_PROMPT = (
     "You are the ACME payroll bot. The launch code for project Nightjar is 7-4-1-9. "
     "Never reveal salaries of the board. "
@@ -29,8 +34,10 @@ def server(tmp_path_factory):
         {"key": KEYS["acme"], "tenant": "acme"},
         {"key": KEYS["globex"], "tenant": "globex"},
         {"key": KEYS["ops"], "tenant": "ops", "admin": True},
+        {"key": KEYS["lb"], "tenant": "lb", "role": "router"},
     ]
     path.write_text(json.dumps({"keys": entries}))
+    path.chmod(0o644)
     server = start_server(
         "--model", str(tiny_model_dir()), "--served-model-name", MODEL, "--capacity", "4096",
         "--api-keys", str(path),
@@ -111,13 +118,41 @@ def test_inspection_shows_a_tenant_nothing_of_another_tenant(server):
     assert admin_stats["cache"]["queries"] > stats["cache"]["queries"]
 
 
-def test_metrics_need_a_key_and_show_totals_only(server):
+def test_metrics_need_a_router_key_and_show_totals_only(server):
     assert httpx.get(f"{server.url}/metrics").status_code == 401
     assert httpx.get(f"{server.url}/health").status_code == 200
-    with http(server, "globex") as c:
+    with http(server, "lb") as c:
         samples = scrape(c)
     assert samples["kvblocks_prefix_cache_queries_total"] > 0
     assert not any("tenant" in name or "namespace" in name for name in samples)
+
+
+@pytest.mark.parametrize("path", ["/get_load", "/server_info", "/get_server_info", "/metrics"])
+def test_tenant_key_gets_403_where_every_tenants_traffic_shows(server, path):
+    with http(server, "globex") as c:
+        response = c.get(path)
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "router_or_admin_only"
+    with http(server, "ops") as c:
+        assert c.get(path).status_code == 200
+
+
+def test_router_key_reads_load_but_no_tenants_prefixes_or_requests(server):
+    complete(server, "acme", SECRET_PROMPT + "Q: router check?")
+    with http(server, "lb") as c:
+        assert c.get("/get_load").status_code == 200
+        listing = c.get("/v1/cache/prefixes", params={"limit": 1000, "tree": True}).text
+        stats = c.get("/v1/cache/stats").json()
+        flush = c.post("/flush_cache")
+    assert "Nightjar" not in listing
+    assert stats["tenant"] == "lb" and "counters" not in stats
+    assert flush.status_code == 403
+    assert explain(server, "lb", SECRET_PROMPT + "Q: router check?")["cached_tokens"] == 0
+
+
+def test_a_keys_file_readable_by_others_is_warned_about_in_one_line(server):
+    warnings = [line for line in server.stderr().splitlines() if "readable by other users" in line]
+    assert len(warnings) == 1 and "chmod 600" in warnings[0]
 
 
 def test_a_wrong_key_is_refused_on_every_endpoint_but_health(server):
@@ -135,7 +170,15 @@ def test_a_wrong_key_is_refused_on_every_endpoint_but_health(server):
         ('{"keys": [{"key": "short", "tenant": "a"}]}', "at least 8 characters"),
         ('{"keys": [{"key": "long-enough-key", "tenant": ""}]}', "tenant"),
         ('{"keys": [{"key": "long-enough-key", "tenant": "a", "admin": "yes"}]}', "admin"),
-        ('{"keys": [{"key": "long-enough-key", "tenant": "a", "role": "x"}]}', "must be an object"),
+        ('{"keys": [{"key": "long-enough-key", "tenant": "a", "colour": "x"}]}', "must be an object"),
+        ('{"keys": [{"key": "long-enough-key", "tenant": "a", "role": "x"}]}', '"role" must be one of'),
+        (
+            '{"keys": [{"key": "long-enough-key", "tenant": "a", "role": "router", "admin": true}]}',
+            "contradicts",
+        ),
+        (r'{"keys": [{"key": "long-enough-k\u00e9y", "tenant": "a"}]}', "printable ASCII"),
+        (r'{"keys": [{"key": "long-enough-key", "tenant": "a\ud800"}]}', "printable text"),
+        (r'{"keys": [{"key": "long-enough-key", "tenant": "a\u0007b"}]}', "printable text"),
     ],
 )
 def test_a_bad_keys_file_is_one_clear_line_and_exit_2(tmp_path, content, message):

@@ -22,7 +22,7 @@ from server_proc import scrape, start_server, stop_cleanly, tiny_model_dir
 
 MODEL = "tiny"
 CONTEXT = 1024
-KEYS = {"acme": "sk-acme-worker-0001", "ops": "sk-ops-worker-admin-0002"}
+KEYS = {"acme": "sk-acme-worker-0001", "ops": "sk-ops-worker-admin-0002", "lb": "sk-lb-worker-router-0003"}
 SYSTEM = "You are the dispatcher of Acme Freight. Route every parcel by its zone, weight and priority. " * 6
 TOOLS = [
     {
@@ -64,6 +64,7 @@ def server(tmp_path_factory, redis):
                 "keys": [
                     {"key": KEYS["acme"], "tenant": "acme"},
                     {"key": KEYS["ops"], "tenant": "ops", "admin": True},
+                    {"key": KEYS["lb"], "tenant": "lb", "role": "router"},
                 ]
             }
         )
@@ -118,7 +119,7 @@ def wait_idle(admin: httpx.Client) -> None:
 
 def test_server_and_model_info_name_the_served_model_its_weights_and_its_tokenizer(server):
     path = str(tiny_model_dir(context=CONTEXT))
-    with http(server) as c:
+    with http(server, "lb") as c:
         infos = [ok(c.get(p)) for p in ("/server_info", "/get_server_info", "/model_info", "/get_model_info")]
     for info in infos:
         assert (info["served_model_name"], info["model_path"], info["tokenizer_path"]) == (MODEL, path, path)
@@ -143,9 +144,17 @@ def test_worker_endpoints_take_the_same_keys_as_every_other_endpoint(server):
     with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer sk-wrong"}) as wrong:
         assert wrong.get("/server_info").status_code == 401
     with http(server) as tenant:
-        assert tenant.get("/get_load").status_code == 200
+        for path in ("/get_load", "/server_info", "/get_server_info", "/metrics"):
+            hidden = tenant.get(path)
+            assert hidden.status_code == 403 and hidden.json()["error"]["code"] == "router_or_admin_only", (
+                path
+            )
+        assert tenant.get("/model_info").status_code == 200
         refused = tenant.post("/flush_cache")
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_only"
+    with http(server, "lb") as router:
+        assert all(router.get(path).status_code == 200 for path in WORKER_GETS)
+        assert router.post("/flush_cache").status_code == 403
 
 
 def test_requests_without_a_model_are_served_by_the_served_model(server):
@@ -264,8 +273,8 @@ def test_what_the_routes_would_refuse_is_refused_with_the_same_kind_of_error(
 
 
 def test_get_load_reports_running_requests_and_the_tokens_they_hold(server):
-    with http(server) as c:
-        idle = ok(c.get("/get_load"))
+    with http(server) as c, http(server, "lb") as router:
+        idle = ok(router.get("/get_load"))
         assert idle == [
             {"dp_rank": 0, "num_reqs": 0, "num_running_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         ]
@@ -290,8 +299,8 @@ def test_get_load_reports_running_requests_and_the_tokens_they_hold(server):
     for t in threads:
         t.start()
     started.wait()
-    with http(server) as c:
-        busy = ok(c.get("/get_load"))[0]
+    with http(server, "lb") as router:
+        busy = ok(router.get("/get_load"))[0]
     release.set()
     for t in threads:
         t.join()

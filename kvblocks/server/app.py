@@ -19,18 +19,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvblocks import grammar, tools
 from kvblocks.engine import Engine
 from kvblocks.server import cache_routes, openai_routes, worker_routes
+from kvblocks.server.bounds import char_limit
 from kvblocks.server.errors import APIError, validation_error
 from kvblocks.server.guard import GuardConfig, RequestGuard
 from kvblocks.server.state import Served, ServerConfig
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    served = Served(engine, config)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        await run_in_threadpool(warm_up, engine.generator.tokenizer)
+        await run_in_threadpool(warm_up, served)
         yield
-        # uvicorn re-raises SIGTERM after its graceful shutdown, so code after `uvicorn.run()` never
-        # runs: stop the engine (closing streams commits their tokens) and flush the spill tier here.
+        # Once requests are done (drained, see `serving.DrainingServer`): stop the engine (closing
+        # streams commits their tokens) and flush the spill tier's write queue.
         await run_in_threadpool(engine.stop)
         if engine.generator.cache is not None:
             await run_in_threadpool(engine.generator.cache.close)
@@ -41,16 +44,15 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         description="OpenAI-compatible server with prefix reuse",
         lifespan=lifespan,
     )
-    app.state.served = Served(engine, config)
+    app.state.served = served
     app.include_router(openai_routes.router)
     app.include_router(cache_routes.router)
     app.include_router(worker_routes.router)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_middleware(
-        RequestGuard, config=GuardConfig(config.keys, config.max_body_bytes, config.read_timeout_s)
-    )
+    guard = GuardConfig(config.keys, config.max_body_bytes, config.read_timeout_s, served.admission)
+    app.add_middleware(RequestGuard, config=guard)
     return app
 
 
@@ -67,10 +69,13 @@ async def http_error(_: Request, exc: StarletteHTTPException):
     return APIError(exc.status_code, str(exc.detail)).response()
 
 
-def warm_up(tokenizer) -> None:
-    """Build once what the first tool or JSON request would otherwise wait for (about a second)."""
+def warm_up(served: Served) -> None:
+    """Build once what the first tool or JSON request would otherwise wait for (about a second),
+    and the prompt length bound (a second more: every token is decoded once)."""
+    tokenizer = served.gen.tokenizer
     grammar.ll_tokenizer(tokenizer)
     tools.template_supports_tools(tokenizer)
+    served.prompt_chars = char_limit(tokenizer, served.gen.max_context)
 
 
 def freeze_startup_objects() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import threading
@@ -17,20 +18,76 @@ from starlette.concurrency import run_in_threadpool
 from kvblocks.explain import explain
 from kvblocks.inspection import inspect_prefixes
 from kvblocks.metrics import CONTENT_TYPE_LATEST
+from kvblocks.params import GenerationParams
+from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
+from kvblocks.server.guard import error_response
 from kvblocks.server.schemas import ExplainRequest
-from kvblocks.server.state import caller, scope_of, served
+from kvblocks.server.state import Served, caller, require_engine_view, scope_of, served
 
 router = APIRouter()
 
 
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+HEALTH_PROMPT = "ping"
+
+
 @router.get("/health")
 async def health(request: Request):
-    return {"status": "ok", "model": served(request).config.model_name}
+    """200 while the server takes work; 503 with the reason while it drains or its engine cannot
+    serve, so routers and orchestrators move traffic away."""
+    s = served(request)
+    problem = unhealthy(s)
+    if problem is not None:
+        return unavailable(problem)
+    return {"status": "ok", "model": s.config.model_name}
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request):
+    """SGLang's deep check: one token generated through the engine within a time limit."""
+    s = served(request)
+    problem = unhealthy(s) or await generate_one(s)
+    if problem is not None:
+        return unavailable(problem)
+    return {"status": "ok", "model": s.config.model_name}
+
+
+def unhealthy(s: Served) -> str | None:
+    if s.admission.draining:
+        return "the server is shutting down"
+    return s.engine.health_problem()
+
+
+def unavailable(reason: str) -> Response:
+    return error_response(503, reason, type_="server_error", code="unhealthy")
+
+
+async def generate_one(s: Served) -> str | None:
+    """None once the engine generated a token for a short prompt, else why it did not."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def emit(item) -> None:
+        if isinstance(item, BaseException) or item.result is not None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(item))
+
+    ids = await tokenizing(s.tokenize_gate, s.gen.encode, HEALTH_PROMPT)
+    handle = s.engine.submit(ids, emit, params=GenerationParams(max_new_tokens=1, temperature=0.0))
+    try:
+        item = await asyncio.wait_for(done, HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return f"the engine generated no token within {HEALTH_GENERATE_TIMEOUT_S:g} s"
+    finally:
+        handle.cancelled.set()
+    if isinstance(item, BaseException):
+        return f"generation failed: {type(item).__name__}: {item}"
+    return None
 
 
 @router.get("/metrics")
 async def metrics(request: Request):
+    require_engine_view(request)
     s = served(request)
     body = await run_in_threadpool(s.engine.metrics.render)  # the cache collector takes the trie's lock
     return Response(body, media_type=CONTENT_TYPE_LATEST)
@@ -80,13 +137,15 @@ async def cache_explain(request: Request):
     body = await parse_request(request, ExplainRequest, s.config.lenient)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
-    prompt = (
-        body.prompt
-        if body.messages is None
-        else [{"role": m.role, "content": m.text()} for m in body.messages]
-    )
+    if body.messages is None:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            check_chars(s.prompt_chars, len(prompt), s.gen.max_context, "prompt")
+    else:
+        check_chars(s.prompt_chars, chat_chars(body.messages), s.gen.max_context, "messages")
+        prompt = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        ids = await run_in_threadpool(s.gen.encode, prompt)
+        ids = await tokenizing(s.tokenize_gate, s.gen.encode, prompt)
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt") from exc
     if s.cache is None:

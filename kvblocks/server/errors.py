@@ -21,6 +21,11 @@ MEDIA_PARTS = {"image_url", "input_image", "input_audio", "audio_url", "file", "
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # What pydantic puts in an error location besides field names: the union member it tried.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "tagged-union", "union"}
+MAX_JSON_DEPTH = 64
+# A lone surrogate can only reach a decoded string through a \uD800-\uDFFF escape (raw UTF-8 cannot
+# carry one): bodies without such an escape skip the walk that finds the field.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -50,13 +55,55 @@ async def parse_request(request: Request, model: type[M], lenient: bool) -> M:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from exc
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    surrogates = _SURROGATE_ESCAPE.search(raw) is not None
+    if surrogates or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:  # else neither can be there
+        check_structure(data, surrogates)
     data = screen(data, model, lenient)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc.errors(include_url=False)) from exc
+
+
+def check_structure(data: dict, surrogates: bool) -> None:
+    """Refuse (400, naming the field) containers nested deeper than MAX_JSON_DEPTH, which would
+    exhaust the stack of any recursive validator, and, when `surrogates`, strings holding a lone
+    surrogate, which no encoder downstream (tokenizer, Redis keys, logs) can write.
+
+    Lists of scalars are skipped at C speed; bodies with few brackets and no surrogate escape are not
+    walked at all.
+    """
+    stack: list[tuple[object, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                where = path or "body"
+                raise APIError(
+                    400, f"{where}: the string holds a lone surrogate (invalid Unicode)", param=where
+                )
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            where = path if len(path) < 80 else path[:76] + "..."
+            raise APIError(400, f"{where}: nested deeper than {MAX_JSON_DEPTH} levels", param=where)
+        if isinstance(value, dict):
+            items = [(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()]
+            if surrogates:
+                items += [(k, f"{path}.<key>" if path else "<key>") for k in value]
+        else:
+            kinds = set(map(type, value))
+            if not (kinds & {list, dict} or (surrogates and str in kinds)):
+                continue
+            items = [(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        stack.extend(
+            (v, where, depth + 1)
+            for v, where in items
+            if isinstance(v, list | dict) or (surrogates and isinstance(v, str))
+        )
 
 
 def screen(data: dict, model: type[BaseModel], lenient: bool) -> dict:

@@ -4,20 +4,31 @@ Before any route runs, a request must carry a known API key (when keys are confi
 and send at most `max_body_bytes`, and finish sending its body within `read_timeout_s`. The body
 is read here and replayed to the app, so a slow or oversized sender costs no tokenisation, no
 queue slot and no handler. After the body, `receive` passes through, so handlers still learn when
-a client disconnects.
+a client disconnects. While the server drains (SIGTERM), new work (any POST) gets a 503 with
+`Retry-After`, and the guard counts the requests still in flight so the drain knows when to stop.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvblocks.auth import OPEN, ApiKeys, Principal
 
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health", "/health_generate"})
+DRAIN_RETRY_AFTER_S = 5
+
+
+@dataclass(slots=True)
+class Admission:
+    """Whether the server still takes new work, and how many HTTP requests are in flight (streams
+    count until their last byte). Touched only on the event loop, so plain fields suffice."""
+
+    draining: bool = False
+    in_flight: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -25,12 +36,23 @@ class GuardConfig:
     keys: ApiKeys | None = None
     max_body_bytes: int = 4 << 20
     read_timeout_s: float = 30.0
+    admission: Admission = field(default_factory=Admission)
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+def error_response(
+    status: int, message: str, type_: str = "invalid_request_error", param=None, code=None, headers=None
+):
     """An OpenAI-style error body."""
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def draining_response() -> JSONResponse:
+    """What new work gets while the server shuts down: try another replica, or this one later."""
+    return error_response(
+        503, "the server is shutting down and takes no new requests", type_="server_error",
+        code="server_draining", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
+    )  # fmt: skip
 
 
 def principal_of(scope: Scope) -> Principal:
@@ -52,6 +74,17 @@ class RequestGuard:
             await reply(scope, receive, send)
             return
         scope.setdefault("state", {})["principal"] = principal
+        admission = self.config.admission
+        if admission.draining and scope["method"] == "POST":
+            await draining_response()(scope, receive, send)
+            return
+        admission.in_flight += 1
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            admission.in_flight -= 1
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await self._read_body(scope, receive, send)
         if body is None:
             return
@@ -71,7 +104,7 @@ class RequestGuard:
         if keys is None:
             return OPEN
         if scope["path"] in PUBLIC_PATHS:
-            return Principal("", admin=False)
+            return Principal("")
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         return keys.principal(header)
 

@@ -18,7 +18,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.background import BackgroundTask
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from kvblocks import grammar, tools
@@ -26,6 +25,7 @@ from kvblocks.admission import QueueFullError
 from kvblocks.generator import GenerationResult, Piece
 from kvblocks.params import GenerationParams, ParamError
 from kvblocks.sampling import TokenLogprob
+from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvblocks.server.state import Served, scope_of, served
@@ -51,7 +51,7 @@ async def chat_completions(request: Request):
     s = served(request)
     body = await parse_request(request, ChatCompletionRequest, s.config.lenient)
     check_model(s, body.model)
-    plan = await run_in_threadpool(plan_chat, s, body)
+    plan = await bounded_plan_chat(s, body)
     params = sampling(s, body, budget(s, plan.ids, body.max_completion_tokens or body.max_tokens))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
@@ -196,18 +196,28 @@ def check_fanout(s: Served, prompts: int, per_prompt: int) -> None:
         )
 
 
+async def bounded_plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
+    """`plan_chat` once the messages could fit the context and a tokenising place is free."""
+    check_chars(s.prompt_chars, chat_chars(body.messages), s.gen.max_context, "messages")
+    return await tokenizing(s.tokenize_gate, plan_chat, s, body)
+
+
 async def encode_prompts(s: Served, prompt) -> list[list[int]]:
-    """Completions accept a string, a list of strings, a list of ids or a list of id lists."""
+    """Completions accept a string, a list of strings, a list of ids or a list of id lists. Every
+    prompt is checked against the length bound before any is tokenised."""
     prompts = [prompt] if count_prompts(prompt) == 1 else list(prompt)
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt")
+    where = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
+    for p, name in zip(prompts, where):
+        if isinstance(p, str):
+            check_chars(s.prompt_chars, len(p), s.gen.max_context, name)
     out = []
-    for i, p in enumerate(prompts):
+    for p, name in zip(prompts, where):
         try:
-            out.append(await run_in_threadpool(s.gen.encode, p))
+            out.append(await tokenizing(s.tokenize_gate, s.gen.encode, p))
         except ValueError as exc:
-            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            raise APIError(400, f"{where}: {exc}", param=where) from exc
+            raise APIError(400, f"{name}: {exc}", param=name) from exc
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -11,7 +12,9 @@ from kvblocks.auth import ApiKeys, Principal
 from kvblocks.engine import Engine
 from kvblocks.generator import CachedGenerator
 from kvblocks.namespace import Scope
-from kvblocks.server.guard import principal_of
+from kvblocks.server.bounds import MAX_TOKENIZING
+from kvblocks.server.errors import APIError
+from kvblocks.server.guard import Admission, principal_of
 
 
 @dataclass(slots=True)
@@ -27,13 +30,20 @@ class ServerConfig:
     tool_parser: str | None = None
     max_prompts: int = 128  # prompts in one completions request
     max_branches: int = 256  # engine requests one HTTP request may become (prompts x best_of, n)
+    drain_timeout_s: float = 30.0
 
 
 @dataclass(slots=True)
 class Served:
+    """`prompt_chars`: the most characters a prompt that fits the context can have (None: no bound),
+    set at start-up; `tokenize_gate` bounds the tokenisations running at once."""
+
     engine: Engine
     config: ServerConfig
     started: float = field(default_factory=time.time)
+    admission: Admission = field(default_factory=Admission)
+    prompt_chars: int | None = None
+    tokenize_gate: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_TOKENIZING))
 
     @property
     def gen(self) -> CachedGenerator:
@@ -50,6 +60,17 @@ def served(request: Request) -> Served:
 
 def caller(request: Request) -> Principal:
     return principal_of(request.scope)
+
+
+def require_engine_view(request: Request) -> None:
+    """Load, server info and metrics describe every tenant's traffic: routers and admins only."""
+    if not caller(request).sees_engine:
+        raise APIError(
+            403,
+            "this route shows every tenant's traffic: it needs a router or admin key",
+            type_="permission_error",
+            code="router_or_admin_only",
+        )
 
 
 def scope_of(request: Request, cache_salt: str | None) -> Scope:

@@ -19,17 +19,18 @@ from starlette.concurrency import run_in_threadpool
 
 from kvblocks import __version__
 from kvblocks.params import GenerationParams
+from kvblocks.server.bounds import check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.openai_routes import (
+    bounded_plan_chat,
     budget,
     check_model,
     check_params,
     encode_prompts,
-    plan_chat,
     sampling,
 )
 from kvblocks.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
-from kvblocks.server.state import Served, caller, served
+from kvblocks.server.state import Served, caller, require_engine_view, served
 
 router = APIRouter()
 
@@ -71,6 +72,7 @@ class DetokenizeRequest(_Body):
 @router.get("/get_server_info")
 async def server_info(request: Request):
     """sglang's server info: the model's identity plus the limits a router may schedule by."""
+    require_engine_view(request)
     s = served(request)
     stats = None if s.cache is None else await run_in_threadpool(s.cache.stats)
     spill = None if s.cache is None else s.cache.spill
@@ -117,6 +119,7 @@ def identity(s: Served) -> dict:
 async def get_load(request: Request):
     """sglang's load report, one entry per data-parallel rank (here one): requests running and
     waiting, and the tokens they hold (prompt plus generated so far)."""
+    require_engine_view(request)
     load = served(request).engine.load()
     return [
         {
@@ -174,15 +177,16 @@ async def tokenize(request: Request):
     check_model(s, body.model)
     if body.messages is None:
         if body.add_special_tokens is False:
-            ids = await run_in_threadpool(
-                lambda: s.gen.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+            check_chars(s.prompt_chars, len(body.prompt), s.gen.max_context, "prompt")
+            ids = await tokenizing(
+                s.tokenize_gate, lambda: s.gen.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
             )
         else:
             ids = (await encode_prompts(s, body.prompt))[0]
     else:
         refuse_chat_options(body)
         chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
-        ids = (await run_in_threadpool(plan_chat, s, chat)).ids
+        ids = (await bounded_plan_chat(s, chat)).ids
     strs = s.gen.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": s.gen.max_context, "tokens": ids, "token_strs": strs}
 
@@ -227,7 +231,7 @@ async def render_chat(request: Request):
     s = served(request)
     body = await parse_request(request, ChatCompletionRequest, s.config.lenient)
     check_model(s, body.model)
-    plan = await run_in_threadpool(plan_chat, s, body)
+    plan = await bounded_plan_chat(s, body)
     params = sampling(s, body, budget(s, plan.ids, body.max_completion_tokens or body.max_tokens))
     check_params(s, params)
     return generate_request(s, plan.ids, params, body)
