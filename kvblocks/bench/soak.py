@@ -75,6 +75,7 @@ class Tally:
     health_failures: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
+    huge_prompt_s: list[float] = field(default_factory=list)  # time to the 400 of a prompt too long
 
     def add(self, name: str, value) -> None:
         with self.lock:
@@ -272,12 +273,15 @@ MALFORMED: tuple[tuple[str, bytes], ...] = (
 def malformed(server: Service, tally: Tally) -> None:
     for name, raw in MALFORMED:
         route = "/v1/completions" if b'"prompt"' in raw else "/v1/chat/completions"
+        start = time.perf_counter()
         try:
             r = httpx.post(f"{server.url}{route}", content=raw, timeout=60,
                            headers=headers("beta") | {"Content-Type": "application/json"})  # fmt: skip
         except httpx.TransportError as exc:
             tally.add("bad_5xx", f"{name}: transport error {exc}")
             continue
+        if name == "huge prompt":
+            tally.add("huge_prompt_s", time.perf_counter() - start)
         if r.status_code >= 500:
             tally.add("bad_5xx", f"{name}: {r.status_code} {r.text[:200]}")
         elif not 400 <= r.status_code < 500:
@@ -368,6 +372,10 @@ def wrong_type(redis: RedisServer, args) -> None:
             c.rpush(key, b"not a record")
 
 
+def _median(values: list[float]) -> float:
+    return float(np.median(values)) if values else float("nan")
+
+
 def rss_mib(server: Service) -> float:
     for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -414,6 +422,12 @@ def report(args: argparse.Namespace, tally: Tally, rss: dict[str, float], wrong:
         Check("5xx on malformed requests", len(tally.bad_5xx), "", 0),
         Check("victim TTFT p99 / idle p99", soak_p99 / rss["idle_ttft_p99"], "x", 2.0),
         Check("RSS growth after warm-up", 100 * growth, "%", 10.0),
+        Check(
+            "3.5 MB prompt that cannot fit: time to its 400, p50",
+            1e3 * _median(tally.huge_prompt_s),
+            "ms",
+            100,
+        ),
     ]
     r.notes += [
         f"{len(tally.replies)} replies checked against a --no-cache server; {tally.rejected_429} requests "
