@@ -13,6 +13,7 @@ def bench_parser() -> argparse.ArgumentParser:
     from kvblocks.bench import (
         constrained,
         fleet,
+        gpu,
         hybrid,
         inspection,
         micro,
@@ -29,6 +30,7 @@ def bench_parser() -> argparse.ArgumentParser:
         "missed (--no-fail only reports).",
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
-    for suite in (micro, workloads, redis, specdec, server, fleet, packed, hybrid, inspection, constrained):
+    modules = (micro, workloads, redis, specdec, server, fleet, packed, hybrid, inspection, constrained, gpu)
+    for suite in modules:
         suite.add_parser(suites)
     return p
