@@ -25,6 +25,7 @@ import contextlib
 import inspect
 import threading
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -83,10 +84,25 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = random_model(args.shape, DTYPES[args.dtype], device)
     suites = {"gather": gather, "ttft": ttft, "agents": agents, "invariance": invariance}
-    reports = [suites[name](model, args, opts) for name in args.only or BENCHMARKS]
+    reports = [_guarded(suites[name], name, model, args, opts) for name in args.only or BENCHMARKS]
     for r in reports:
         r.params |= {"device": device_name(device), "shape": args.shape, "dtype": args.dtype}
     return reports
+
+
+def _guarded(benchmark, name: str, model, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    """Run one benchmark; one that raises becomes a report saying so (traceback on stderr), so that
+    a single device run still returns the others' results."""
+    try:
+        return benchmark(model, args, opts)
+    except Exception as exc:
+        traceback.print_exc()
+        report = Report(f"gpu-{name}", f"{name}: failed", {})
+        report.notes = [f"{type(exc).__name__}: {exc}"]
+        report.checks = [Check(f"{name} ran", 0.0, target=1.0, higher_is_better=True)]
+        return report
+    finally:
+        sync(next(model.parameters()).device)
 
 
 def random_model(shape: str, dtype: torch.dtype, device: torch.device):
@@ -402,12 +418,21 @@ def _transformers_waves(model, reply: int):
 
     def generate(prompts: list[list[int]]) -> tuple[list[float], list[list[int]]]:
         outputs = model.generate_batch(inputs=prompts, generation_config=config, **kwargs)
-        ordered = sorted(outputs.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))
-        assert len(ordered) == len(prompts) and all(o.error is None for o in ordered), "a request failed"
-        ttfts = [o.timestamps[0] - o.created_time for o in ordered]
-        return ttfts, [list(o.generated_tokens) for o in ordered]
+        by_prompt = {tuple(o.prompt_ids): o for o in outputs.values()}
+        ordered = [by_prompt[tuple(p)] for p in prompts]
+        errors = [o.error for o in ordered if o.error is not None]
+        if errors:
+            raise RuntimeError(f"transformers' continuous batching failed a request: {errors[0]}")
+        return [_ttft(o) for o in ordered], [list(o.generated_tokens) for o in ordered]
 
     return generate
+
+
+def _ttft(output) -> float:
+    """Seconds from a request's creation to its first token (NaN where this transformers records no
+    token timestamps)."""
+    stamps = getattr(output, "timestamps", None)
+    return stamps[0] - output.created_time if stamps else float("nan")
 
 
 def _batching_kwargs(model, config) -> dict:
