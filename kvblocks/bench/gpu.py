@@ -4,8 +4,8 @@ No weights can be downloaded on a lent GPU machine, so the model is a Llama of t
 (`--shape llama-1b` or `llama-8b`; `tiny` to try the suite on a CPU) with random weights in
 `--dtype` (bfloat16 by default). One process runs, by default, every benchmark once:
 
-- gather: reading a 4,000-token prefix out of the pool (one `index_select` per layer over shuffled
-  slots, as in a fragmented pool) against one device-to-device copy of the same bytes.
+- gather: reading a 4,000-token prefix out of the pool (`KVPool.gather_layers` over shuffled slots,
+  as in a fragmented pool) against one device-to-device copy of the same bytes.
 - ttft: a prompt of `--cached` cached + `--new` new tokens through `BatchEngine`, submit to first
   token, against the ideal: the bare model's forward of the new tokens over a cache that already
   holds the prefix.
@@ -13,7 +13,8 @@ No weights can be downloaded on a lent GPU machine, so the model is a Llama of t
   sent as one wave, through kvblocks' packed engine and through transformers' continuous batching
   (`generate_batch`, paged, block sharing on): requests/s, TTFT p50/p99, peak device memory.
 - invariance: greedy tokens of requests run alone against the same requests in a busy batch, in
-  `--dtype`: requests bit-identical, greedy flips and the top-2 margin where each flip happened.
+  `--dtype`, with and without `--batch-invariant`: requests bit-identical, greedy flips and the
+  top-2 margin where each flip happened.
 
 Timings on CUDA end with a synchronize (engines) or are CUDA events (gather, copy).
 """
@@ -143,7 +144,7 @@ def random_ids(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
     return rng.integers(vocab // 8, vocab // 2, n).tolist()
 
 
-def _engine(model, capacity: int, batch: int, batch_tokens: int):
+def _engine(model, capacity: int, batch: int, batch_tokens: int, invariant: bool = False):
     """A started `BatchEngine` over a fresh trie of `capacity` tokens (ids in, no tokenizer)."""
     from kvblocks import CachedGenerator, KVCacheTrie
     from kvblocks.batch_engine import BatchEngine
@@ -152,7 +153,11 @@ def _engine(model, capacity: int, batch: int, batch_tokens: int):
     trie = KVCacheTrie.for_model(model, capacity_tokens=capacity)
     generator = CachedGenerator(model, IdTokenizer(), trie)
     return BatchEngine(
-        generator, max_active=4 * batch, max_batch_size=batch, max_batch_tokens=batch_tokens
+        generator,
+        max_active=4 * batch,
+        max_batch_size=batch,
+        max_batch_tokens=batch_tokens,
+        invariant=invariant,
     ).start()
 
 
@@ -210,11 +215,15 @@ def gather(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
     source = torch.randn(nbytes // 2, dtype=torch.float16, device=device)
     target = torch.empty_like(source)
 
-    def read_prefix() -> None:
+    def per_layer() -> None:
         for layer in layers:
             pool.gather(layer, index)
 
-    variants = {"device-to-device copy": lambda: target.copy_(source), "pool gather": read_prefix}
+    variants = {
+        "device-to-device copy": lambda: target.copy_(source),
+        "pool gather": lambda: pool.gather_layers(index),
+        "pool gather, one call per layer": per_layer,
+    }
     for fn in variants.values():  # warm-up
         fn()
     sync(device)
@@ -232,6 +241,7 @@ def gather(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
     bandwidth = {name: 2 * nbytes / report.median(name) / 1e9 for name in variants}
     report.checks = [
         Check("gather GB/s (read + write)", bandwidth["pool gather"], "GB/s"),
+        Check("gather one call per layer GB/s", bandwidth["pool gather, one call per layer"], "GB/s"),
         Check("copy GB/s (read + write)", bandwidth["device-to-device copy"], "GB/s"),
         Check(
             "gather / copy bandwidth",
@@ -241,8 +251,9 @@ def gather(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
         ),
     ]
     report.notes = [
-        "gather: one index_select per layer over shuffled slots of a pool 4x the prefix; copy: one copy_ of "
-        "a buffer of the same total bytes; CUDA events; bandwidth counts bytes read plus written"
+        "gather: KVPool.gather_layers (one index_select over the pool's layers, what re-attaching a prefix "
+        "runs) and one index_select per layer, over shuffled slots of a pool 4x the prefix; copy: one copy_ "
+        "of a buffer of the same total bytes; CUDA events; bandwidth counts bytes read plus written"
     ]
     return report
 
@@ -487,19 +498,50 @@ def invariance(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
     prompts = [random_ids(rng, vocab, int(rng.integers(100, 400))) for _ in range(args.alone)]
     others = [random_ids(rng, vocab, int(rng.integers(100, 400))) for _ in range(args.busy)]
     batch = args.alone + args.busy
-    engine = _engine(model, 2 * 400 * (batch + 1), batch, args.batch_tokens)
-    try:
-        alone = []
-        for p in prompts:
-            engine.cache.clear()
-            alone.append(_Call(engine, p, args.reply, logprobs=2))
-            alone[-1].wait()
+    report = Report(
+        "gpu-invariance",
+        f"Batch invariance in {str(dtype).removeprefix('torch.')}: {args.alone} requests alone vs in a "
+        f"batch of {batch}",
+        {"requests": args.alone, "batch": batch, "reply": args.reply},
+    )
+    row_invariant = paged.probe_row_invariance(device, dtype, model.config.hidden_size)
+    report.notes = [
+        f"paged.probe_row_invariance({device.type}, {dtype}) = {row_invariant}",
+        "the pool cleared before each lone request and before the batch; flips: first differing step and "
+        "the lone run's top-2 log-probability margin there",
+    ]
+    for mode, invariant in (("default", False), ("--batch-invariant", True)):
+        try:
+            engine = _engine(model, 2 * 400 * (batch + 1), batch, args.batch_tokens, invariant)
+        except NotImplementedError as exc:  # refused where the probe fails
+            report.notes.append(f"{mode}: refused: {exc}")
+            continue
+        try:
+            identical, flips = _alone_and_batched(engine, prompts, others, args.reply)
+        finally:
+            engine.stop()
+        report.checks += [
+            Check(f"requests bit-identical alone and batched ({mode})", identical, f"of {args.alone}"),
+            Check(f"requests whose greedy tokens flip ({mode})", len(flips), f"of {args.alone}"),
+        ]
+        report.notes.append(f"{mode} flips: {flips}")
+    return report
+
+
+def _alone_and_batched(
+    engine, prompts: list[list[int]], others: list[list[int]], reply: int
+) -> tuple[int, list]:
+    """Greedy replies of `prompts` one at a time, then together with `others`: how many are
+    bit-identical (tokens and log-probabilities), and each flip's step and lone top-2 margin."""
+    alone = []
+    for p in prompts:
         engine.cache.clear()
-        together = [_Call(engine, p, args.reply, logprobs=2) for p in prompts + others][: args.alone]
-        for c in together:
-            c.wait()
-    finally:
-        engine.stop()
+        alone.append(_Call(engine, p, reply, logprobs=2))
+        alone[-1].wait()
+    engine.cache.clear()
+    together = [_Call(engine, p, reply, logprobs=2) for p in prompts + others][: len(prompts)]
+    for c in together:
+        c.wait()
     identical = sum(
         a.tokens == b.tokens and [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
         for a, b in zip(alone, together)
@@ -509,22 +551,5 @@ def invariance(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
         step = next((k for k, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
         if step is not None:
             top = a.logprobs[step].top
-            flips.append({"step": step, "margin": top[0][1] - top[1][1]})
-    report = Report(
-        "gpu-invariance",
-        f"Batch invariance in {str(dtype).removeprefix('torch.')}: {args.alone} requests alone vs in a "
-        f"batch of {batch}",
-        {"requests": args.alone, "batch": batch, "reply": args.reply},
-    )
-    report.checks = [
-        Check("requests bit-identical alone and batched", identical, f"of {args.alone}"),
-        Check("requests whose greedy tokens flip", len(flips), f"of {args.alone}"),
-    ]
-    row_invariant = paged.probe_row_invariance(device, dtype, model.config.hidden_size)
-    report.notes = [
-        f"flips (first differing step, top-2 log-probability margin of the lone run there): {flips}",
-        f"paged.probe_row_invariance({device.type}, {dtype}) = {row_invariant}: "
-        + ("--batch-invariant can be used here" if row_invariant else "--batch-invariant is refused here"),
-        "engine without --batch-invariant; the pool cleared before each lone request and before the batch",
-    ]
-    return report
+            flips.append({"step": step, "margin": round(top[0][1] - top[1][1], 6)})
+    return identical, flips
