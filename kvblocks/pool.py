@@ -2,8 +2,7 @@
 
 Layer `l` is a tensor `[capacity, 2, H_l, D_l]` (K at index 0, V at 1) on the model's device and
 dtype, so re-attaching a prefix is a single `index_select` per layer and storing is a single
-`index_copy_`; where all layers share a shape they are views of one tensor and a prefix of every
-layer is one `index_select` (`gather_layers`). Slot bookkeeping is two int32 arrays; there is no Python object per token.
+`index_copy_`. Slot bookkeeping is two int32 arrays; there is no Python object per token.
 
 A slot can also hold bytes of a recurrent-state snapshot (`write_blob` / `read_blob`): a snapshot
 of B bytes takes `slots_for(B)` slots, laid across the same memory as their KV would be, so
@@ -30,7 +29,7 @@ class KVPool:
         self.capacity = capacity_tokens
         self.dtype = layout.dtype
         self.device = torch.device(device)
-        self._stack, self.layers = _allocate(layout, capacity_tokens, self.device)
+        self.layers: list[torch.Tensor | None] = layout.empty(capacity_tokens, self.device)
         self.arena = (
             torch.empty(capacity_tokens, arena_bytes, dtype=torch.uint8, device=self.device)
             if arena_bytes
@@ -74,15 +73,6 @@ class KVPool:
         """KV of `index` slots for one layer as `[n, 2, H, D]`."""
         return self.layers[layer].index_select(0, index)
 
-    def gather_layers(self, index: torch.Tensor) -> list[torch.Tensor | None]:
-        """KV of `index` slots for every layer (None where a layer keeps none). On a GPU, where they
-        share a shape, one `index_select` over all layers: one launch instead of one per layer (on a CPU
-        a select along the layers' second dimension is slower than one per layer)."""
-        if self._stack is None or self.device.type != "cuda":
-            return [None if t is None else t.index_select(0, index) for t in self.layers]
-        rows = iter(self._stack.index_select(1, index).unbind(0))
-        return [None if t is None else next(rows) for t in self.layers]
-
     def scatter(self, layer: int, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store `[n, H, D]` keys and values into `index` slots of one layer."""
         self.layers[layer].index_copy_(0, index, torch.stack((keys, values), dim=1).to(self.dtype))
@@ -110,18 +100,3 @@ class KVPool:
         index = self.index(slots)
         rows = torch.cat([view.index_select(0, index) for view in self._bytes], dim=1)
         return rows.reshape(-1)[:nbytes].clone()
-
-
-def _allocate(
-    layout: KVLayout, capacity: int, device: torch.device
-) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-    """The per-layer slot tensors: views of one `[layers, capacity, 2, H, D]` tensor when every layer
-    that keeps KV has the same shape (so `gather_layers` is one call), else separate tensors."""
-    shapes = {shape for shape in layout.shapes if shape[0]}
-    if len(shapes) != 1:
-        return None, layout.empty(capacity, device)
-    heads, dim = shapes.pop()
-    kept = sum(1 for shape in layout.shapes if shape[0])
-    stack = torch.empty(kept, capacity, 2, heads, dim, dtype=layout.dtype, device=device)
-    views = iter(stack.unbind(0))
-    return stack, [next(views) if shape[0] else None for shape in layout.shapes]

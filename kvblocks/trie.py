@@ -783,8 +783,8 @@ class KVCacheTrie:
     # ---- internals -------------------------------------------------------------------------
 
     def _gather(self, slots: np.ndarray) -> list[torch.Tensor | None]:
-        kv = self._pool.gather_layers(self._pool.index(slots))
-        return [None if s.kind == "none" else t for s, t in zip(self.specs, kv)]
+        index = self._pool.index(slots)
+        return [None if s.kind == "none" else self._pool.gather(i, index) for i, s in enumerate(self.specs)]
 
     def _read_kv(
         self, ns_key: str, ids: np.ndarray, start: int, end: int
@@ -805,8 +805,6 @@ class KVCacheTrie:
         state = None
         if self.state is not None and length:
             state = (self.state, self._pool.read_blob(node.snap, self.state.nbytes))
-        if length and all(spec.kind == "none" or spec.tokens_held(length) == length for spec in self.specs):
-            return hf.build_cache(self.config, self.specs, self._gather(slots[:length]), length, state)
         kv: list[torch.Tensor | None] = []
         indices: dict[int, torch.Tensor] = {}
         for layer, spec in enumerate(self.specs):

@@ -160,18 +160,6 @@ def _one_at_a_time(model) -> Engine:
     return Engine(CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, capacity_tokens=2048)))
 
 
-def test_pool_gather_layers_equals_one_gather_per_layer_on_the_device():
-    """On CUDA `gather_layers` is one select over the pool's stacked layers (the path that re-attaches
-    a prefix); it must return what a select per layer returns."""
-    model = model_on_device("llama", torch.float32)
-    pool = KVCacheTrie.for_model(model, capacity_tokens=64).pool
-    for layer in pool.layers:
-        layer.normal_()
-    index = pool.index(np.array([9, 2, 40, 3, 63], dtype=np.int32))
-    for i, got in enumerate(pool.gather_layers(index)):
-        assert torch.equal(got, pool.gather(i, index))
-
-
 @pytest.fixture
 def redis_url(tmp_path):
     server = RedisServer(tmp_path / "redis")

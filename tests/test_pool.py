@@ -63,22 +63,6 @@ def test_scatter_then_gather_returns_the_same_bits():
     assert torch.equal(reordered[:, 0], keys[[2, 0]])
 
 
-def test_gather_layers_equals_one_gather_per_layer_and_layers_never_overlap():
-    pool = KVPool(KVLayout.from_shapes(torch.float64, ((2, 4), (0, 0), (2, 4))), 8, "cpu")
-    gen = torch.Generator().manual_seed(1)
-    for layer in (0, 2):
-        pool.layers[layer].copy_(torch.randn(8, 2, 2, 4, generator=gen, dtype=torch.float64))
-    before = pool.layers[2].clone()
-    index = pool.index(np.array([6, 1, 4], dtype=np.int32))
-    pool.scatter(
-        0, index, torch.zeros(3, 2, 4, dtype=torch.float64), torch.zeros(3, 2, 4, dtype=torch.float64)
-    )
-    assert torch.equal(pool.layers[2], before)  # layers of one shape share a tensor, not memory
-    got = pool.gather_layers(index)
-    assert got[1] is None
-    assert torch.equal(got[0], pool.gather(0, index)) and torch.equal(got[2], pool.gather(2, index))
-
-
 def test_scatter_casts_to_the_pool_dtype():
     pool = make_pool(4, torch.float32)
     index = pool.index(np.array([1], dtype=np.int32))
