@@ -62,10 +62,14 @@ class KVLayout:
         """The `shape` field of a record of `n` tokens."""
         return [n, [list(x) for x in self.shapes]]
 
-    def empty(self, n: int, device: torch.device | str = "cpu") -> list[torch.Tensor | None]:
-        """Uninitialised tensors `[n, 2, H, D]` per layer (None where a layer caches nothing)."""
+    def empty(
+        self, n: int, device: torch.device | str = "cpu", pin_memory: bool = False
+    ) -> list[torch.Tensor | None]:
+        """Uninitialised tensors `[n, 2, H, D]` per layer (None where a layer caches nothing);
+        `pin_memory` host tensors copy to a GPU asynchronously (`non_blocking=True`)."""
         return [
-            torch.empty(n, 2, h, d, dtype=self.dtype, device=device) if h else None for h, d in self.shapes
+            torch.empty(n, 2, h, d, dtype=self.dtype, device=device, pin_memory=pin_memory) if h else None
+            for h, d in self.shapes
         ]
 
 

@@ -9,8 +9,12 @@ Attention is the one place where requests must stay apart: `paged_attention` (re
 transformers' `AttentionInterface`) writes each layer's new K/V into the pool at the new tokens'
 slots, then, segment by segment, reads that request's K/V from the pool through its slot list and
 attends causally, within the window on windowed layers (SDPA with grouped heads; explicit math where
-gemma2 soft-caps). Nothing is copied per request between steps and no cache grows by `torch.cat`: a request's KV is its slot list,
-the shared prefix's slots included, exactly as the trie holds them.
+gemma2 soft-caps). On a GPU a call per segment is launch-bound, so there (`PagedRunner(grouped=...)`,
+by default on CUDA unless batch-invariant) the segments of at most `GROUP_MAX_TOKENS` new tokens
+(decodes) share one SDPA call per layer over their slot lists padded to one batch, and only longer
+ones (prefill chunks) keep a call each. Nothing is copied per request between steps and no cache
+grows by `torch.cat`: a request's KV is its slot list, the shared prefix's slots included, exactly
+as the trie holds them.
 
 Batch invariance (`PagedRunner(..., invariant=True)`, `kvblocks serve --batch-invariant`): a row of
 a packed forward rounds the same whatever else is in the batch. CPU BLAS computes a row of a matrix
@@ -54,6 +58,9 @@ SUPPORTED = frozenset(
 _KNOWN_KWARGS = frozenset({"position_ids", "use_cache", "output_attentions", "is_causal", "cache_position"})
 
 MIN_ROWS = 4  # fewest rows a linear layer runs on in batch-invariant forwards
+# In grouped mode, segments of at most this many new tokens (decodes, draft/verify rounds) share one
+# attention call per layer; longer ones (prefill chunks) have enough work to run alone.
+GROUP_MAX_TOKENS = 16
 
 _install_lock = threading.Lock()
 _wrapped: dict[str, str] = {}  # dispatcher name -> the implementation it falls back to
@@ -78,7 +85,9 @@ class Segment:
 class PagedBatch:
     """The layout of one packed forward, built once and read by every layer."""
 
-    def __init__(self, pool: KVPool, segments: Sequence[Segment], align: int = 1) -> None:
+    def __init__(
+        self, pool: KVPool, segments: Sequence[Segment], align: int = 1, grouped: bool = False
+    ) -> None:
         if not segments:
             raise ValueError("a packed forward needs at least one segment")
         self.pool = pool
@@ -107,6 +116,10 @@ class PagedBatch:
         self._starts = [s.start for s in segments]
         self._align = align
         self._views: dict[int | None, list[tuple[torch.Tensor | slice, torch.Tensor]]] = {}
+        short = [i for i, s in enumerate(segments) if len(s.token_ids) <= GROUP_MAX_TOKENS]
+        self.grouped = short if grouped and len(short) > 1 else []  # segments read in one call per layer
+        self.alone = sorted(set(range(len(segments))) - set(self.grouped))
+        self._groups: dict[int | None, Group] = {}
 
     def views(self, window: int | None) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
         """Per segment, the slots its new tokens read and a boolean `[new, read]` mask: causal, and on
@@ -131,6 +144,50 @@ class PagedBatch:
         """Rows of the packed sequence whose logits are returned, segment by segment."""
         rows = [torch.arange(b - s.keep, b) for (_, b), s in zip(self.bounds, self.segments)]
         return torch.cat(rows).to(self.pool.device)
+
+    def group(self, window: int | None) -> Group:
+        """The `grouped` segments padded to one batch: see `Group`. Keys start where `views` starts
+        them (align 1); padding rows and keys repeat a real one and are masked out."""
+        if window not in self._groups:
+            members = [(self.bounds[i], self._slots[i], self._starts[i]) for i in self.grouped]
+            firsts = [0 if window is None else max(0, start - window + 1) for _, _, start in members]
+            width = max(b - a for (a, b), _, _ in members)
+            length = max(len(slots) - first for (_, slots, _), first in zip(members, firsts))
+            rows = np.zeros((len(members), width), dtype=np.int64)
+            reads = np.zeros((len(members), length), dtype=np.int64)
+            mask = np.zeros((len(members), 1, width, length), dtype=bool)
+            flat = []
+            for m, (((a, b), slots, start), first) in enumerate(zip(members, firsts)):
+                n, read = b - a, len(slots) - first
+                rows[m, :n], rows[m, n:] = np.arange(a, b), b - 1
+                reads[m, :read], reads[m, read:] = slots[first:], slots[-1]
+                q = np.arange(start, len(slots))[:, None]
+                k = np.arange(first, len(slots))[None, :]
+                mask[m, 0, :n, :read] = (k <= q) & (True if window is None else k > q - window)
+                mask[m, 0, n:, 0] = True  # padding rows attend to one key (no all-masked row: NaN)
+                flat += range(m * width, m * width + n)
+            device = self.pool.device
+            self._groups[window] = Group(
+                torch.from_numpy(rows).to(device),
+                torch.from_numpy(reads).to(device),
+                torch.from_numpy(mask).to(device),
+                torch.from_numpy(rows.reshape(-1)[flat]).to(device),
+                torch.tensor(flat, dtype=torch.long, device=device),
+            )
+        return self._groups[window]
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Segments padded to `[G, width]` query rows over `[G, length]` key slots: `rows` are the query
+    rows taken from the packed sequence, `reads` the pool slots read, `mask` `[G, 1, width, length]`
+    what each row may attend to; `out` are the packed rows written back, from the padded rows `flat`."""
+
+    rows: torch.Tensor
+    reads: torch.Tensor
+    mask: torch.Tensor
+    out: torch.Tensor
+    flat: torch.Tensor
 
 
 def _reader(pool: KVPool, slots: np.ndarray) -> torch.Tensor | slice:
@@ -177,7 +234,15 @@ def paged_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     groups = query.shape[1] // key.shape[1]
     out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
-    for (a, b), (index, mask) in zip(batch.bounds, batch.views(sliding_window)):
+    if batch.grouped and softcap is None:
+        group = batch.group(sliding_window)
+        out[group.out] = _grouped_attention(pool.layers[layer], query, group, scale, groups)
+        alone = batch.alone
+    else:
+        alone = range(len(batch.segments))
+    views = batch.views(sliding_window)
+    for i in alone:
+        (a, b), (index, mask) = batch.bounds[i], views[i]
         kv = (
             pool.layers[layer][index]
             if isinstance(index, slice)
@@ -198,6 +263,23 @@ def paged_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
         out[a:b] = torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1)
     return out[None], None
+
+
+def _grouped_attention(
+    pool_layer: torch.Tensor, query: torch.Tensor, group: Group, scale: float, groups: int
+) -> torch.Tensor:
+    """One SDPA call for all the group's segments: `[len(group.out), Hq, D]`. The query heads that
+    share a K/V head are stacked along the rows, so no K/V is repeated per head and SDPA needs no
+    GQA support (its memory-efficient CUDA kernel takes a mask but not `enable_gqa`)."""
+    kv = pool_layer[group.reads].to(query.dtype)  # [G, L, 2, Hkv, D]
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [G, Hkv, L, D]
+    q = query[0][:, group.rows].transpose(0, 1)  # [G, Hq, width, D]
+    g, heads, width, dim = q.shape
+    q = q.reshape(g, k.shape[1], groups * width, dim)  # row j * width + i: head (kv head, j), row i
+    mask = group.mask.repeat(1, 1, groups, 1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    o = o.reshape(g, heads, width, dim).transpose(1, 2).reshape(g * width, heads, dim)
+    return o[group.flat]
 
 
 def _fallback(module):
@@ -270,7 +352,13 @@ class PagedRunner:
     refused where `probe_row_invariance` fails."""
 
     def __init__(
-        self, model, pool: KVPool, invariant: bool = False, chunk: int = 1, scratch: np.ndarray | None = None
+        self,
+        model,
+        pool: KVPool,
+        invariant: bool = False,
+        chunk: int = 1,
+        scratch: np.ndarray | None = None,
+        grouped: bool | None = None,
     ) -> None:
         install(model)
         if invariant and not probe_row_invariance(pool.device, pool.dtype, model.config.hidden_size):
@@ -282,6 +370,11 @@ class PagedRunner:
         self.pool = pool
         self.invariant = invariant
         self.chunk = chunk
+        # short segments share one attention call per layer: on a GPU, where a call per segment is
+        # launch-bound; not in invariant mode (a padded call's key length depends on the batch)
+        self.grouped = pool.device.type == "cuda" and not invariant if grouped is None else grouped
+        if self.grouped and invariant:
+            raise ValueError("grouped attention calls are not batch-invariant")
         self.scratch = np.zeros(0, dtype=np.int32)  # slots of the padding rows' K/V
         if invariant:
             self.scratch = pool.alloc(MIN_ROWS - 1) if scratch is None else scratch
@@ -297,7 +390,7 @@ class PagedRunner:
         pad = MIN_ROWS - sum(s.keep for s in segments) if self.invariant else 0
         if pad > 0:  # rows of token 0 in scratch slots: every matrix product gets MIN_ROWS rows or more
             segments = [*segments, Segment([0] * pad, self.scratch[:pad], keep=pad)]
-        batch = PagedBatch(self.pool, segments, self.chunk if self.invariant else 1)
+        batch = PagedBatch(self.pool, segments, self.chunk if self.invariant else 1, self.grouped)
         with self.lock:
             out = self.model(
                 input_ids=batch.input_ids,

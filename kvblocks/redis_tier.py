@@ -244,7 +244,7 @@ class RedisTier:
             return None
         # Chunks decode straight into their rows of one tensor per layer; the run ends before the
         # first chunk that fails verification.
-        restored = self._layout.empty(len(values) * c)
+        restored = self._layout.empty(len(values) * c, pin_memory=_is_cuda(self._device))
         length = 0
         for i, raw in enumerate(values):
             if _wrong_type(raw):  # replaced since STRLEN answered
@@ -267,7 +267,10 @@ class RedisTier:
         # A run cut short is copied out of its buffer, whose rest holds what the failed chunk wrote
         # before its check failed (unauthenticated or non-finite), or was never written at all.
         cut = length < len(values) * c
-        kv = [None if t is None else (t[:length].clone() if cut else t).to(self._device) for t in restored]
+        kv = [
+            None if t is None else (t[:length].clone() if cut else t).to(self._device, non_blocking=True)
+            for t in restored
+        ]
         self._count(hit_chunks=length // c, hit_tokens=first * c + length - start)
         return Fetched(first * c, length, kv)
 
@@ -615,3 +618,8 @@ def _execute(client: redis.Redis | redis.RedisCluster, calls: list[tuple]) -> li
 
 def _wrong_type(reply: object) -> bool:
     return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _is_cuda(device: torch.device | None) -> bool:
+    """Restores into a GPU decode into pinned host buffers, so the copy up is asynchronous."""
+    return device is not None and device.type == "cuda"

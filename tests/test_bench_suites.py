@@ -181,6 +181,33 @@ def test_hybrid_suite_matches_the_attention_only_hit_rate_on_tiny_models(tmp_pat
         assert found["snapshot bytes per cached token"] > 0
 
 
+def test_gpu_suite_runs_every_benchmark_on_a_cpu_with_a_tiny_shape(tmp_path, capsys):
+    sizes = {"runs": 2, "cached": 120, "new": 8, "agents": 2, "system-tokens": 40, "user-tokens": 8}
+    sizes |= {"reply": 2, "alone": 2, "busy": 2, "batch-tokens": 256}
+    args = [
+        "gpu",
+        "--device",
+        "cpu",
+        "--shape",
+        "tiny",
+        "--dtype",
+        "float32",
+        *(f"--{k}={v}" for k, v in sizes.items()),
+    ]
+    reports = run_suite(tmp_path, capsys, *args)
+    assert checks(reports, "gpu-gather")["gather / copy bandwidth"] > 0
+    assert checks(reports, "gpu-ttft")["TTFT cached / ideal"] > 0
+    agents = checks(reports, "gpu-agents")
+    assert (
+        agents["kvblocks BatchEngine requests/s"] > 0
+        and agents["transformers continuous batching requests/s"] > 0
+    )
+    # on a CPU the invariant engine's rows are bit-identical alone and batched
+    assert (
+        checks(reports, "gpu-invariance")["requests bit-identical alone and batched (--batch-invariant)"] == 2
+    )
+
+
 def test_suites_reject_bad_sizes_with_one_line(capsys):
     assert main(["bench", "specdec", "--only", "trie", "--trie-gamma", "8", "--trie-tokens", "10"]) == 2
     assert "at least 2 x (gamma + 1)" in capsys.readouterr().err

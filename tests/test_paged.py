@@ -47,10 +47,13 @@ def solo(model, ids: list[int]) -> tuple[list[torch.Tensor], list[int]]:
     return rows, tokens
 
 
-def packed(model, ps: list[list[int]]) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
-    """The same requests through packed forwards, mixing chunks, shared slots and decodes."""
+def packed(
+    model, ps: list[list[int]], grouped: bool = False
+) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
+    """The same requests through packed forwards, mixing chunks, shared slots and decodes; `grouped`:
+    short segments share one attention call per layer (the CUDA default)."""
     pool = KVPool(KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))), 256, "cpu")
-    runner = PagedRunner(model, pool)
+    runner = PagedRunner(model, pool, grouped=grouped)
     first, second, third = ps
     slots = [pool.alloc(len(first)), None, pool.alloc(len(third))]
     slots[1] = np.concatenate([slots[0][:6], pool.alloc(len(second) - 6)])  # the shared prefix's slots
@@ -85,12 +88,13 @@ def packed(model, ps: list[list[int]]) -> tuple[list[list[torch.Tensor]], list[l
     return rows, [t[:DECODE] for t in tokens]
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-segment", "grouped"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_forwards_equal_one_request_at_a_time_in_float64(arch):
+def test_packed_forwards_equal_one_request_at_a_time_in_float64(arch, grouped):
     model = tiny_model(arch, torch.float64)
     ps = prompts()
     reference = [solo(model, p) for p in ps]
-    rows, tokens = packed(model, ps)
+    rows, tokens = packed(model, ps, grouped)
     for i, (ref_rows, ref_tokens) in enumerate(reference):
         assert tokens[i] == ref_tokens, (arch, i)
         assert len(rows[i]) == len(ref_rows) == DECODE + 1

@@ -13,6 +13,7 @@ def bench_parser() -> argparse.ArgumentParser:
     from kvblocks.bench import (
         constrained,
         fleet,
+        gpu,
         hybrid,
         inspection,
         micro,
@@ -42,6 +43,7 @@ def bench_parser() -> argparse.ArgumentParser:
         inspection,
         constrained,
         soak,
+        gpu,
     ):
         suite.add_parser(suites)
     return p

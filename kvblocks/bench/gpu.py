@@ -1,0 +1,559 @@
+"""`kvblocks bench gpu`: kvblocks on one GPU, with a randomly initialised model of a real shape.
+
+No weights can be downloaded on a lent GPU machine, so the model is a Llama of the chosen shape
+(`--shape llama-1b` or `llama-8b`; `tiny` to try the suite on a CPU) with random weights in
+`--dtype` (bfloat16 by default). One process runs, by default, every benchmark once:
+
+- gather: reading a 4,000-token prefix out of the pool (one `index_select` per layer over shuffled
+  slots, as in a fragmented pool) against one device-to-device copy of the same bytes.
+- ttft: a prompt of `--cached` cached + `--new` new tokens through `BatchEngine`, submit to first
+  token, against the ideal: the bare model's forward of the new tokens over a cache that already
+  holds the prefix.
+- agents: `--agents` agents x 2 turns sharing a `--system-tokens` system prompt, each turn's prompts
+  sent as one wave, through kvblocks' packed engine and through transformers' continuous batching
+  (`generate_batch`, paged, block sharing on): requests/s, TTFT p50/p99, peak device memory.
+- invariance: greedy tokens of requests run alone against the same requests in a busy batch, in
+  `--dtype`, with and without `--batch-invariant`: requests bit-identical, greedy flips and the
+  top-2 margin where each flip happened.
+
+Timings on CUDA end with a synchronize (engines) or are CUDA events (gather, copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import threading
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, int_options
+
+BENCHMARKS = ("gather", "ttft", "agents", "invariance")
+_LLAMA3 = dict(num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=8192, vocab_size=128256)
+SHAPES = {
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=8192,
+    ),
+    "llama-1b": dict(
+        _LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        head_dim=64, tie_word_embeddings=True,
+    ),
+    "llama-8b": dict(
+        _LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    ),
+}  # fmt: skip
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def add_parser(suites: argparse._SubParsersAction) -> None:
+    p = add_suite(
+        suites,
+        "gpu",
+        run,
+        help="kvblocks on one GPU: pool gather, TTFT, agent traffic vs transformers' batching, invariance",
+        description="kvblocks on one GPU with a random-weight Llama of a real shape (no download).",
+        only=BENCHMARKS,
+    )
+    p.add_argument("--device", default=None, help="torch device (default: cuda when present, else cpu)")
+    p.add_argument("--shape", choices=list(SHAPES), default="llama-1b", help="model shape (default llama-1b)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="model dtype (default bfloat16)")
+    int_options(
+        p,
+        "",
+        [
+            ("runs", 20, "gather, ttft: timed runs per variant"),
+            ("cached", 4000, "gather, ttft: cached prefix tokens"),
+            ("new", 64, "ttft: new tokens after the prefix"),
+            ("agents", 64, "agents: concurrent agents (2 turns each)"),
+            ("system-tokens", 2000, "agents: shared system prompt"),
+            ("user-tokens", 64, "agents: new user tokens per turn"),
+            ("reply", 32, "agents, invariance: greedy tokens per request"),
+            ("batch-tokens", 2048, "kvblocks engines: max tokens per packed forward"),
+            ("alone", 8, "invariance: requests compared alone and in a busy batch"),
+            ("busy", 24, "invariance: other requests in the busy batch"),
+        ],
+    )
+
+
+def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = random_model(args.shape, DTYPES[args.dtype], device)
+    suites = {"gather": gather, "ttft": ttft, "agents": agents, "invariance": invariance}
+    reports = [_guarded(suites[name], name, model, args, opts) for name in args.only or BENCHMARKS]
+    for r in reports:
+        r.params |= {"device": device_name(device), "shape": args.shape, "dtype": args.dtype}
+    return reports
+
+
+def _guarded(benchmark, name: str, model, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    """Run one benchmark; one that raises becomes a report saying so (traceback on stderr), so that
+    a single device run still returns the others' results."""
+    try:
+        return benchmark(model, args, opts)
+    except Exception as exc:
+        traceback.print_exc()
+        report = Report(f"gpu-{name}", f"{name}: failed", {})
+        report.notes = [f"{type(exc).__name__}: {exc}"]
+        report.checks = [Check(f"{name} ran", 0.0, target=1.0, higher_is_better=True)]
+        return report
+    finally:
+        sync(next(model.parameters()).device)
+
+
+def random_model(shape: str, dtype: torch.dtype, device: torch.device):
+    """A Llama of `shape` with random weights, built on `device` in `dtype`, in eval mode."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SHAPES[shape], bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_seconds(fn, device: torch.device) -> float:
+    """One run of `fn` timed on the device: CUDA events around it, or the wall clock on a CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / 1e3
+
+
+def random_ids(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
+    return rng.integers(vocab // 8, vocab // 2, n).tolist()
+
+
+def _engine(model, capacity: int, batch: int, batch_tokens: int, invariant: bool = False):
+    """A started `BatchEngine` over a fresh trie of `capacity` tokens (ids in, no tokenizer)."""
+    from kvblocks import CachedGenerator, KVCacheTrie
+    from kvblocks.batch_engine import BatchEngine
+    from kvblocks.text import IdTokenizer
+
+    trie = KVCacheTrie.for_model(model, capacity_tokens=capacity)
+    generator = CachedGenerator(model, IdTokenizer(), trie)
+    return BatchEngine(
+        generator,
+        max_active=4 * batch,
+        max_batch_size=batch,
+        max_batch_tokens=batch_tokens,
+        invariant=invariant,
+    ).start()
+
+
+class _Call:
+    """One request submitted to an engine: when it was sent, its first piece, its tokens."""
+
+    def __init__(self, engine, ids: list[int], max_tokens: int, logprobs: int | None = None) -> None:
+        from kvblocks import GenerationParams
+
+        self.done = threading.Event()
+        self.first = 0.0
+        self.error: BaseException | None = None
+        self.tokens: list[int] = []
+        self.logprobs: list = []
+        self.sent = time.perf_counter()
+        params = GenerationParams(max_new_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+        engine.submit(ids, self._emit, params=params)
+
+    def _emit(self, item) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+            self.done.set()
+            return
+        self.first = self.first or time.perf_counter()
+        self.tokens += item.token_ids
+        self.logprobs += item.logprobs or []
+        if item.result is not None:
+            self.done.set()
+
+    def wait(self) -> float:
+        """TTFT in seconds, once the request has finished."""
+        if not self.done.wait(1800) or self.error is not None:
+            raise RuntimeError(f"a benchmark request failed: {self.error}")
+        return self.first - self.sent
+
+
+# ---- gather ------------------------------------------------------------------------------------
+
+
+def gather(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    from kvblocks.adapters import hf
+    from kvblocks.layout import KVLayout
+    from kvblocks.pool import KVPool
+
+    device = next(model.parameters()).device
+    layout = KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model)))
+    pool = KVPool(layout, 4 * args.cached, device)
+    for t in pool.layers:
+        if t is not None:
+            t.normal_()  # never time reads of uninitialised or zero memory
+    slots = np.random.default_rng(0).permutation(pool.capacity)[: args.cached].astype(np.int32)
+    index = pool.index(slots)
+    layers = [i for i, t in enumerate(pool.layers) if t is not None]
+    nbytes = args.cached * pool.slot_bytes
+    source = torch.randn(nbytes // 2, dtype=torch.float16, device=device)
+    target = torch.empty_like(source)
+
+    def read_prefix() -> None:  # what re-attaching a prefix runs (KVCacheTrie._build_cache)
+        for layer in layers:
+            pool.gather(layer, index)
+
+    variants = {"device-to-device copy": lambda: target.copy_(source), "pool gather": read_prefix}
+    for fn in variants.values():  # warm-up
+        fn()
+    sync(device)
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.runs):
+        for name, fn in variants.items():
+            samples[name].append(device_seconds(fn, device))
+    report = Report(
+        "gpu-gather",
+        f"Pool gather of {args.cached} tokens against a device-to-device copy of the same bytes",
+        {"tokens": args.cached, "bytes": nbytes, "layers": len(layers), "runs": args.runs},
+        samples,
+        baseline="device-to-device copy",
+    )
+    bandwidth = {name: 2 * nbytes / report.median(name) / 1e9 for name in variants}
+    report.checks = [
+        Check("gather GB/s (read + write)", bandwidth["pool gather"], "GB/s"),
+        Check("copy GB/s (read + write)", bandwidth["device-to-device copy"], "GB/s"),
+        Check(
+            "gather / copy bandwidth",
+            bandwidth["pool gather"] / bandwidth["device-to-device copy"],
+            target=0.5,
+            higher_is_better=True,
+        ),
+    ]
+    report.notes = [
+        "gather: one index_select per layer (what re-attaching a prefix runs) over shuffled slots of a pool "
+        "4x the prefix; copy: one copy_ of a buffer of the same total bytes; CUDA events; bandwidth counts "
+        "bytes read plus written"
+    ]
+    return report
+
+
+# ---- TTFT --------------------------------------------------------------------------------------
+
+
+def ttft(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    from kvblocks.adapters import hf
+
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(3)
+    prefix = random_ids(rng, vocab, args.cached)
+    engine = _engine(model, 2 * (args.cached + args.new * (args.runs + 4)), 16, args.batch_tokens)
+    with torch.inference_mode():
+        ready = hf.empty_cache(model.config)
+        model(input_ids=torch.tensor([prefix], device=device), past_key_values=ready, use_cache=True)
+
+    @torch.inference_mode()
+    def ideal(new: list[int]) -> None:
+        ids = torch.tensor([new], device=device)
+        logits = model(input_ids=ids, past_key_values=ready, use_cache=True, logits_to_keep=1).logits
+        int(logits[0, -1].argmax())  # the first token on the host, as an engine hands it out
+        hf.crop(ready, args.cached)  # back to the prefix alone (nothing copied)
+
+    def through(new: list[int]) -> None:
+        _Call(engine, prefix + new, 1).wait()
+
+    variants = {"ideal (prefill the new tokens only)": ideal, "BatchEngine": through}
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        _Call(engine, prefix, 1).wait()  # the prefix is cached
+        for r in range(-2, args.runs):  # two untimed rounds first
+            for name, fn in variants.items():
+                new = random_ids(rng, vocab, args.new)
+                sync(device)
+                t0 = time.perf_counter()
+                fn(new)
+                sync(device)
+                if r >= 0:
+                    samples[name].append(time.perf_counter() - t0)
+    finally:
+        engine.stop()
+    report = Report(
+        "gpu-ttft",
+        f"TTFT with {args.cached} cached + {args.new} new tokens against the ideal",
+        {"cached": args.cached, "new": args.new, "runs": args.runs},
+        samples,
+        baseline="ideal (prefill the new tokens only)",
+    )
+    report.checks = [
+        Check(
+            "TTFT cached / ideal",
+            report.ratio("BatchEngine", "ideal (prefill the new tokens only)"),
+            "",
+            1.05,
+        )
+    ]
+    report.notes = [
+        "BatchEngine: submit to first piece on the engine's thread (ids, max_tokens 1), its packed forward "
+        "reading the prefix from the pool in place; ideal: the bare model's forward of the new tokens over a "
+        "DynamicCache holding the prefix, argmax to the host (cropped back untimed); host clock after a "
+        "synchronize"
+    ]
+    return report
+
+
+# ---- agent traffic -----------------------------------------------------------------------------
+
+
+def agents(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(11)
+    system = random_ids(rng, vocab, args.system_tokens)
+    turn1 = [system + random_ids(rng, vocab, args.user_tokens) for _ in range(args.agents)]
+    later = [random_ids(rng, vocab, args.user_tokens) for _ in range(args.agents)]
+    warm = [random_ids(rng, vocab, 64) for _ in range(4)]
+
+    def waves(generate) -> tuple[float, list[float], int]:
+        """Both turns through `generate(prompts) -> (ttfts, replies)`: total seconds, TTFTs, peak bytes."""
+        generate(warm)  # untimed: kernels, graphs and allocator warmed on unrelated prompts
+        sync(device)
+        base = _reset_peak(device)
+        t0 = time.perf_counter()
+        ttfts, replies = generate(turn1)
+        turn2 = [p + r + u for p, r, u in zip(turn1, replies, later)]
+        more, _ = generate(turn2)
+        sync(device)
+        return time.perf_counter() - t0, ttfts + more, _peak(device) - base
+
+    capacity = 2 * (args.system_tokens + args.agents * 2 * (args.user_tokens + args.reply) + 512)
+    runs = {}
+    for name, invariant in (
+        ("kvblocks BatchEngine", False),
+        ("kvblocks BatchEngine --batch-invariant", True),
+    ):
+        engine = _engine(model, capacity, args.agents, args.batch_tokens, invariant)
+        try:
+            runs[name] = waves(lambda prompts, e=engine: _kvblocks_wave(e, prompts, args.reply))
+        finally:
+            engine.stop()
+    baseline = "transformers continuous batching"
+    with _transformers_batching(model):
+        runs[baseline] = waves(_transformers_waves(model, args.reply))
+    requests = 2 * args.agents
+    report = Report(
+        "gpu-agents",
+        f"{args.agents} agents x 2 turns sharing a {args.system_tokens}-token system prompt (TTFT per request)",
+        {
+            "agents": args.agents,
+            "system_tokens": args.system_tokens,
+            "user_tokens": args.user_tokens,
+            "reply": args.reply,
+            "kvblocks_pool_tokens": capacity,
+        },
+        {name: run[1] for name, run in runs.items()},
+        baseline=baseline,
+    )
+    rps = {name: requests / run[0] for name, run in runs.items()}
+    p50 = {name: float(np.median(run[1])) for name, run in runs.items()}
+    report.checks = [Check(f"{name} requests/s", rps[name], "req/s") for name in runs]
+    for name in runs:
+        if name != baseline:
+            short = name.removeprefix("kvblocks BatchEngine").strip() or "default"
+            report.checks += [
+                Check(
+                    f"requests/s kvblocks ({short}) / transformers CB",
+                    rps[name] / rps[baseline],
+                    "",
+                    2.0,
+                    True,
+                ),
+                Check(f"TTFT p50 kvblocks ({short}) / transformers CB", p50[name] / p50[baseline], "", 0.5),
+            ]
+    report.checks += [
+        Check(f"{name} TTFT p99", float(np.percentile(run[1], 99)), "s") for name, run in runs.items()
+    ]
+    report.checks += [
+        Check(f"{name} peak memory above weights", run[2] / 2**30, "GiB") for name, run in runs.items()
+    ]
+    report.notes = [
+        "each turn's requests are sent as one wave (turn 2 = turn 1 + its greedy reply + new user tokens); "
+        "TTFT from the wave's submission to the request's first token; requests/s = all requests over both "
+        "waves' wall time; peak memory: torch.cuda.max_memory_allocated above the level before the waves "
+        "(kvblocks' pool is allocated before, transformers' paged cache inside, sized by transformers)",
+        f"transformers {_transformers_version()}: model.generate_batch(record_timestamps=True, block sharing "
+        "on), one warm-up call on unrelated prompts first",
+    ]
+    return report
+
+
+def _kvblocks_wave(engine, prompts: list[list[int]], reply: int) -> tuple[list[float], list[list[int]]]:
+    calls = [_Call(engine, p, reply) for p in prompts]
+    return [c.wait() for c in calls], [c.tokens for c in calls]
+
+
+@contextlib.contextmanager
+def _transformers_batching(model):
+    """The model on plain sdpa inside (transformers' batching refuses kvblocks' dispatcher); after,
+    transformers' kept manager is destroyed and the model is back on the implementation it had
+    (transformers switches it to its paged variant and leaves it there)."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        destroy = getattr(model, "destroy_cached_continuous_batching_manager", None)
+        if destroy is not None:
+            destroy()
+        model.set_attn_implementation(before)
+
+
+def _transformers_waves(model, reply: int):
+    """`generate(prompts) -> (ttfts, replies)` through transformers' continuous batching, with the
+    keyword arguments the installed version takes (its API moved between 5.17 and 5.24)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=reply, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    kwargs = _batching_kwargs(model, config)
+
+    def generate(prompts: list[list[int]]) -> tuple[list[float], list[list[int]]]:
+        outputs = model.generate_batch(inputs=prompts, generation_config=config, **kwargs)
+        by_prompt = {tuple(o.prompt_ids): o for o in outputs.values()}
+        ordered = [by_prompt[tuple(p)] for p in prompts]
+        errors = [o.error for o in ordered if o.error is not None]
+        if errors:
+            raise RuntimeError(f"transformers' continuous batching failed a request: {errors[0]}")
+        return [_ttft(o) for o in ordered], [list(o.generated_tokens) for o in ordered]
+
+    return generate
+
+
+def _ttft(output) -> float:
+    """Seconds from a request's creation to its first token (NaN where this transformers records no
+    token timestamps)."""
+    stamps = getattr(output, "timestamps", None)
+    return stamps[0] - output.created_time if stamps else float("nan")
+
+
+def _batching_kwargs(model, config) -> dict:
+    """Timestamps, one kept manager, block sharing on and no switch to a flash kernel that would need a
+    download, however the installed transformers spells them (a `ContinuousBatchingConfig`, or fields of the generation config)."""
+    accepted = inspect.signature(model.generate_batch).parameters
+    # one manager for the warm-up and both waves: its cache, blocks and graphs are not rebuilt per wave
+    wanted = {"record_timestamps": True, "progress_bar": False, "persistent_manager": True}
+    kwargs = {name: value for name, value in wanted.items() if name in accepted}
+    settings = {"allow_block_sharing": True, "auto_switch_to_flash": False}
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError:
+        for name, value in settings.items():
+            setattr(config, name, value)
+        return kwargs
+    if "continuous_batching_config" in accepted:
+        fields = inspect.signature(ContinuousBatchingConfig).parameters
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
+            **{name: value for name, value in settings.items() if name in fields}
+        )
+    return kwargs
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _reset_peak(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+# ---- batch invariance --------------------------------------------------------------------------
+
+
+def invariance(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    from kvblocks import paged
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(17)
+    prompts = [random_ids(rng, vocab, int(rng.integers(100, 400))) for _ in range(args.alone)]
+    others = [random_ids(rng, vocab, int(rng.integers(100, 400))) for _ in range(args.busy)]
+    batch = args.alone + args.busy
+    report = Report(
+        "gpu-invariance",
+        f"Batch invariance in {str(dtype).removeprefix('torch.')}: {args.alone} requests alone vs in a "
+        f"batch of {batch}",
+        {"requests": args.alone, "batch": batch, "reply": args.reply},
+    )
+    row_invariant = paged.probe_row_invariance(device, dtype, model.config.hidden_size)
+    report.notes = [
+        f"paged.probe_row_invariance({device.type}, {dtype}) = {row_invariant}",
+        "the pool cleared before each lone request and before the batch; flips: first differing step and "
+        "the lone run's top-2 log-probability margin there",
+    ]
+    for mode, invariant in (("default", False), ("--batch-invariant", True)):
+        try:
+            engine = _engine(model, 2 * 400 * (batch + 1), batch, args.batch_tokens, invariant)
+        except NotImplementedError as exc:  # refused where the probe fails
+            report.notes.append(f"{mode}: refused: {exc}")
+            continue
+        try:
+            identical, flips = _alone_and_batched(engine, prompts, others, args.reply)
+        finally:
+            engine.stop()
+        report.checks += [
+            Check(f"requests bit-identical alone and batched ({mode})", identical, f"of {args.alone}"),
+            Check(f"requests whose greedy tokens flip ({mode})", len(flips), f"of {args.alone}"),
+        ]
+        report.notes.append(f"{mode} flips: {flips}")
+    return report
+
+
+def _alone_and_batched(
+    engine, prompts: list[list[int]], others: list[list[int]], reply: int
+) -> tuple[int, list]:
+    """Greedy replies of `prompts` one at a time, then together with `others`: how many are
+    bit-identical (tokens and log-probabilities), and each flip's step and lone top-2 margin."""
+    alone = []
+    for p in prompts:
+        engine.cache.clear()
+        alone.append(_Call(engine, p, reply, logprobs=2))
+        alone[-1].wait()
+    engine.cache.clear()
+    together = [_Call(engine, p, reply, logprobs=2) for p in prompts + others][: len(prompts)]
+    for c in together:
+        c.wait()
+    identical = sum(
+        a.tokens == b.tokens and [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+        for a, b in zip(alone, together)
+    )
+    flips = []
+    for a, b in zip(alone, together):
+        step = next((k for k, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
+        if step is not None:
+            top = a.logprobs[step].top
+            flips.append({"step": step, "margin": round(top[0][1] - top[1][1], 6)})
+    return identical, flips
