@@ -124,6 +124,17 @@ def load_stack(args: argparse.Namespace):
 DEFAULT_BATCH_SIZE = 16  # kvblocks serve without --max-batch-size, where the model has a packed path
 
 
+def batch_invariant(args: argparse.Namespace) -> bool:
+    """--batch-invariant as given, else on where it is proven (the CPU) and off elsewhere."""
+    on_cpu = args.device.split(":")[0] == "cpu"
+    if args.batch_invariant and not on_cpu:
+        raise UserError(
+            f"--batch-invariant is proven on CPU only: on {args.device} a request's rows are not "
+            "bit-identical alone and in a batch (BENCHMARKS.md, GPU); drop the flag"
+        )
+    return on_cpu if args.batch_invariant is None else args.batch_invariant
+
+
 def batch_size(args: argparse.Namespace) -> int:
     return DEFAULT_BATCH_SIZE if args.max_batch_size is None else args.max_batch_size
 
@@ -158,7 +169,7 @@ def build_engine(args: argparse.Namespace, gen, keys=None):
         gen,
         max_batch_size=size,
         max_batch_tokens=args.max_batch_tokens,
-        invariant=args.batch_invariant,
+        invariant=batch_invariant(args),
         **room,
     )
 
@@ -248,7 +259,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     size = batch_size(args)
     try:  # batch invariance only matters where requests are batched
-        check_settings(size, args.max_batch_tokens, args.batch_invariant and size > 1,
+        check_settings(size, args.max_batch_tokens, batch_invariant(args) and size > 1,
                        names=("--max-batch-size", "--max-batch-tokens"))  # fmt: skip
     except ValueError as exc:
         raise UserError(
@@ -515,10 +526,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="with --max-batch-size above 1: every request's logits are bit-identical to what it gets alone, "
         "whatever it shares a forward with (prompts cut every 64 tokens, no matrix product under 4 rows; "
-        "default on, --no-batch-invariant trades that for a few percent of speed)",
+        "default on with --device cpu, where it is proven; off elsewhere, where it is not; "
+        "--no-batch-invariant trades it for a few percent of speed)",
     )
     sv.add_argument(
         "--max-waiting",

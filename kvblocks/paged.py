@@ -361,6 +361,11 @@ class PagedRunner:
         grouped: bool | None = None,
     ) -> None:
         install(model)
+        if invariant and pool.device.type != "cpu":
+            raise NotImplementedError(
+                f"batch-invariant forwards are proven on CPU only: on {pool.device.type} a request's rows "
+                "are not bit-identical alone and in a batch (measured on an H200, BENCHMARKS.md)"
+            )
         if invariant and not probe_row_invariance(pool.device, pool.dtype, model.config.hidden_size):
             raise NotImplementedError(
                 f"batch-invariant forwards: matrix products on {pool.device} in {pool.dtype} round a "

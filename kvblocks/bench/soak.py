@@ -384,18 +384,26 @@ def rss_mib(server: Service) -> float:
 
 
 def replay(args: argparse.Namespace, tally: Tally, work: Path) -> list[str]:
-    """Every recorded request against a no-cache server: the replies that differ."""
+    """Every recorded request against a no-cache server (each distinct body once: greedy replies to
+    one body must all equal its reference): the replies that differ."""
     model = ["--model", args.model] if args.model else []
     server = spawn_serve([*model, "--no-cache"], work, "reference")
+    by_body: dict[str, list[str]] = {}
+    for body, text in tally.replies:
+        by_body.setdefault(json.dumps(body, sort_keys=True), []).append(text)
     wrong = []
     try:
         wait_serve(server)
         with httpx.Client(base_url=server.url, timeout=300) as c:
-            for body, text in tally.replies:
+            for key, texts in by_body.items():
+                body = json.loads(key)
                 r = c.post("/v1/chat/completions", json=body)
                 expected = r.json()["choices"][0]["message"]["content"] or ""
-                if expected != text:
-                    wrong.append(f"{body['messages'][-1]['content']!r}: {text!r} != {expected!r}")
+                wrong += [
+                    f"{body['messages'][-1]['content']!r}: {text!r} != {expected!r}"
+                    for text in texts
+                    if text != expected
+                ]
     finally:
         server.stop(30)
     return wrong
@@ -430,7 +438,8 @@ def report(args: argparse.Namespace, tally: Tally, rss: dict[str, float], wrong:
         ),
     ]
     r.notes += [
-        f"{len(tally.replies)} replies checked against a --no-cache server; {tally.rejected_429} requests "
+        f"{len(tally.replies)} replies ({len({json.dumps(b, sort_keys=True) for b, _ in tally.replies})} "
+        f"distinct requests) checked against a --no-cache server; {tally.rejected_429} requests "
         f"refused with 429; faults injected: {len(tally.faults)} ({', '.join(sorted(set(tally.faults)))})",
         f"victim TTFT p99 {soak_p99 * 1e3:.0f} ms under load vs {rss['idle_ttft_p99'] * 1e3:.0f} ms idle; "
         f"RSS {rss['warm']:.0f} MiB after warm-up, {rss['end']:.0f} MiB at the end",
