@@ -297,6 +297,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_prompts=args.max_prompts,
         max_branches=args.max_branches,
         drain_timeout_s=args.drain_timeout,
+        vllm_metrics=args.vllm_metrics,
     )
     app = create_app(engine, config)
     stats = cache.stats()
@@ -460,6 +461,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: the model's name)"
+    )
+    sv.add_argument(
+        "--vllm-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also export /metrics under vLLM's names (vllm:prefix_cache_hits, vllm:num_requests_running, "
+        "...) with its model_name label and buckets, for dashboards and autoscalers made for vLLM (default on)",
     )
     sv.add_argument(
         "--default-max-tokens", type=int, default=256, help="max_tokens when a chat request omits it"

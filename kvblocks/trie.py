@@ -669,6 +669,7 @@ class KVCacheTrie:
                 "resident_bytes": resident * token_bytes,
                 "capacity_tokens": self._pool.capacity,
                 "capacity_bytes": self._pool.capacity * token_bytes,
+                "free_tokens": self._pool.num_free,
                 "pinned_tokens": pinned,
                 "locked_tokens": locked,
                 "nodes": count,

@@ -27,6 +27,8 @@ from kvblocks.server.state import Served, ServerConfig
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     served = Served(engine, config)
+    if config.vllm_metrics:
+        engine.metrics.export_vllm(config.model_name, lambda: running_waiting(engine), engine.generator.cache)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -54,6 +56,11 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     guard = GuardConfig(config.keys, config.max_body_bytes, config.read_timeout_s, served.admission)
     app.add_middleware(RequestGuard, config=guard)
     return app
+
+
+def running_waiting(engine: Engine) -> tuple[int, int]:
+    load = engine.load()
+    return load.running, load.waiting
 
 
 async def api_error(_: Request, exc: APIError):

@@ -31,6 +31,7 @@ class ServerConfig:
     max_prompts: int = 128  # prompts in one completions request
     max_branches: int = 256  # engine requests one HTTP request may become (prompts x best_of, n)
     drain_timeout_s: float = 30.0
+    vllm_metrics: bool = True  # /metrics also under vLLM's names (kvblocks.vllm_metrics)
 
 
 @dataclass(slots=True)
