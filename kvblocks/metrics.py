@@ -222,3 +222,28 @@ class CacheCollector(Collector):
             yield CounterMetricFamily(name, doc, value=s[key])
         for name, doc, key in CACHE_GAUGES + (SNAPSHOT_GAUGES if stateful else ()):
             yield GaugeMetricFamily(name, doc, value=s[key])
+        yield from tenant_families(self.cache.tenant_counters(), spills)
+
+
+def tenant_families(tenants: dict[str, dict[str, int]], spills: bool) -> Iterator[Metric]:
+    """Per-tenant lookups, hits (per tier) and evictions, labelled `tenant` ("" is the default tenant)."""
+    queried = CounterMetricFamily(
+        "kvblocks_tenant_queried_tokens", "Prompt tokens looked up, per tenant.", labels=["tenant"]
+    )
+    hits = CounterMetricFamily(
+        "kvblocks_tenant_hit_tokens",
+        "Prompt tokens served from cache, per tenant and tier.",
+        labels=["tenant", "tier"],
+    )
+    evicted = CounterMetricFamily(
+        "kvblocks_tenant_evicted_tokens",
+        "Tokens evicted from the device pool, per tenant.",
+        labels=["tenant"],
+    )
+    for tenant, c in sorted(tenants.items()):
+        queried.add_metric([tenant], c["queried_tokens"])
+        hits.add_metric([tenant, "device"], c["hit_tokens"] - c["spill_hit_tokens"])
+        if spills:
+            hits.add_metric([tenant, "redis"], c["spill_hit_tokens"])
+        evicted.add_metric([tenant], c["evicted_tokens"])
+    yield from (queried, hits, evicted)
