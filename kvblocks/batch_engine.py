@@ -578,7 +578,7 @@ class BatchEngine(Engine):
             spec=s.spec,
         )
         piece = Piece(pending + s.text.flush(), [token], result, logprobs=logprobs)
-        self._record(piece)
+        self._record(request, piece)
         request.emit(piece)
         return True
 

@@ -268,6 +268,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for flag in ("max_waiting", "max_waiting_per_tenant", "max_prompts", "max_branches"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.history_interval <= 0 or args.history_window < args.history_interval:
+        raise UserError("need --history-interval > 0 and --history-window >= --history-interval")
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
         raise UserError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     if args.kv_event_block_size < 1:
@@ -308,6 +310,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_prompts=args.max_prompts,
         max_branches=args.max_branches,
         drain_timeout_s=args.drain_timeout,
+        vllm_metrics=args.vllm_metrics,
+        history_interval_s=args.history_interval,
+        history_window_s=args.history_window,
     )
     app = create_app(engine, config)
     stats = cache.stats()
@@ -471,6 +476,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: the model's name)"
+    )
+    sv.add_argument("--history-interval", type=float, default=5.0, metavar="SECONDS",
+                    help="seconds between the samples of /v1/cache/history (default 5)")  # fmt: skip
+    sv.add_argument("--history-window", type=float, default=6 * 3600, metavar="SECONDS",
+                    help="how far back /v1/cache/history reaches (default 6 h)")  # fmt: skip
+    sv.add_argument(
+        "--vllm-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also export /metrics under vLLM's names (vllm:prefix_cache_hits, vllm:num_requests_running, "
+        "...) with its model_name label and buckets, for dashboards and autoscalers made for vLLM (default on)",
     )
     sv.add_argument(
         "--default-max-tokens", type=int, default=256, help="max_tokens when a chat request omits it"

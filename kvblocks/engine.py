@@ -228,7 +228,7 @@ class Engine:
         self._observe(request, len(piece.token_ids))
         if piece.result is not None:
             self._finish(request)
-            self._record(piece)
+            self._record(request, piece)
         request.emit(piece)
 
     def _fail(self, request: Request, exc: BaseException, phase: str) -> None:
@@ -262,10 +262,10 @@ class Engine:
         if request in self._active:
             self._active.remove(request)
 
-    def _record(self, piece: Piece) -> None:
+    def _record(self, request: Request, piece: Piece) -> None:
         r = piece.result
         m = self.metrics
-        m.inc("kvblocks_requests_total")
+        m.finished(r.finish_reason, time.perf_counter() - request.submitted)
         m.inc("kvblocks_prompt_tokens_total", r.prompt_tokens)
         m.inc("kvblocks_cached_prompt_tokens_total", r.cached_tokens)
         m.inc("kvblocks_generation_tokens_total", len(r.token_ids))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -28,6 +29,9 @@ def add_inspect_parsers(sub) -> None:
     st.add_argument(
         "--interval", type=float, default=1.0, help="seconds between samples for --plot (default 1)"
     )
+    st.add_argument("--since", type=parse_duration, default=None, metavar="DURATION",
+                    help="show the past from the server's history (e.g. 90s, 30m, 1h): a table, a "
+                    "terminal sparkline of the hit rate, and with --plot the chart of that span")  # fmt: skip
     st.add_argument("--json", action="store_true", help="print the raw stats JSON")
     st.set_defaults(func=cmd_stats)
 
@@ -158,6 +162,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     client = Client(args)
     console = Console()
+    if args.since is not None:
+        return _history(client, args, console)
     first = client.call("GET", "/v1/cache/stats")
     if args.json:
         print(json.dumps(first, indent=2))
@@ -182,14 +188,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _plot(client: Client, args: argparse.Namespace, first: dict) -> int:
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise UserError("--plot needs matplotlib: pip install 'kvblocks[bench]'") from exc
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from tqdm import tqdm
+
+    plt = _pyplot()
 
     times, hit, occ = [], [], []
     before, t0 = first, time.monotonic()
@@ -220,6 +221,81 @@ def _plot(client: Client, args: argparse.Namespace, first: dict) -> int:
     fig.savefig(args.plot, dpi=120)
     print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+SPARKS = " ▁▂▃▄▅▆▇█"
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '30m', '1h', '2d' or plain seconds, as seconds."""
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in UNITS else (text, "s")
+    try:
+        seconds = float(number) * UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 30m, 1h)") from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"a duration must be positive, got {text!r}")
+    return seconds
+
+
+def _history(client: Client, args: argparse.Namespace, console) -> int:
+    """The server's samples of the last --since seconds: per-interval rates, as a table and a sparkline."""
+    from rich.table import Table
+
+    body = client.call("GET", "/v1/cache/history", params={"since": args.since})
+    samples = [s for s in body["samples"] if s.get("cache")]
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    if len(samples) < 2:
+        raise UserError("the server has fewer than two samples in that span yet; try a longer --since")
+    rows = [(b["t"], _rates(b, a)) for a, b in itertools.pairwise(samples)]
+    t = Table(title=f"kvblocks cache, last {args.since:g} s ({len(samples)} samples)", header_style="bold")
+    for column in ("time", "lookups", "hit rate", "redis hits", "evicted", "resident"):
+        t.add_column(column, justify="right")
+    step = max(1, len(rows) // 20)
+    for at, r in rows[::step]:
+        t.add_row(time.strftime("%H:%M:%S", time.localtime(at)), f"{r['queries']:,}", f"{r['hit_rate']:.1%}",
+                  f"{r['redis_hit_rate']:.1%}", f"{r['evicted_tokens']:,}", f"{r['resident_tokens']:,}")  # fmt: skip
+    console.print(t)
+    console.print("hit rate " + "".join(_spark(r) for _, r in rows))
+    if args.plot:
+        _plot_history(rows, args.plot, body["model"])
+    return 0
+
+
+def _spark(r: dict) -> str:
+    return "·" if not r["queried_tokens"] else SPARKS[round(r["hit_rate"] * (len(SPARKS) - 1))]
+
+
+def _plot_history(rows: list[tuple[float, dict]], path: str, model: str) -> None:
+    plt = _pyplot()
+    start = rows[0][0]
+    minutes = [(at - start) / 60 for at, _ in rows]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(minutes, [r["hit_rate"] * 100 if r["queried_tokens"] else float("nan") for _, r in rows],
+            label="hit rate", marker=".")  # fmt: skip
+    ax.plot(minutes, [r["occupancy"] * 100 for _, r in rows], label="device pool occupancy", linestyle="--")
+    ax.set_xlabel("minutes since " + time.strftime("%H:%M:%S", time.localtime(start)))
+    ax.set_ylabel("%")
+    ax.set_ylim(0, 105)
+    ax.legend()
+    ax.set_title(f"kvblocks cache history — {model}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise UserError("--plot needs matplotlib: pip install 'kvblocks[bench]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 # ---- inspect ---------------------------------------------------------------------------------

@@ -8,12 +8,14 @@ compute from deltas.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvblocks.vllm_metrics import VllmCollector, VllmHistograms
 
 if TYPE_CHECKING:
     from kvblocks.trie import KVCacheTrie
@@ -40,6 +42,7 @@ COUNTERS = {
 HISTOGRAMS = {
     "kvblocks_time_to_first_token_seconds": "Time from request arrival to its first token, queueing included.",
     "kvblocks_inter_token_seconds": "Time between consecutive tokens of a stream.",
+    "kvblocks_e2e_request_latency_seconds": "Time from request arrival to its last token, queueing included.",
 }
 
 
@@ -53,12 +56,31 @@ class Metrics:
             name: Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
             for name, doc in HISTOGRAMS.items()
         }
+        self.vllm: VllmHistograms | None = None
+
+    def export_vllm(
+        self, model_name: str, load: Callable[[], tuple[int, int]], cache: KVCacheTrie | None
+    ) -> None:
+        """Export vLLM's names beside kvblocks' own (`kvblocks.vllm_metrics`), labelled `model_name`."""
+        self.vllm = VllmHistograms(self.registry, model_name)
+        self.register(VllmCollector(model_name, lambda: self.counters, load, cache))
 
     def inc(self, name: str, value: float = 1) -> None:
         self._counters[name].inc(value)
+        if name == "kvblocks_requests_cancelled_total" and self.vllm is not None:
+            self.vllm.finished("abort")
 
     def observe(self, name: str, value: float) -> None:
         self._histograms[name].observe(value)
+        if self.vllm is not None:
+            self.vllm.observe(name, value)
+
+    def finished(self, reason: str, e2e_s: float) -> None:
+        """A request ended with `reason` (stop, length) `e2e_s` after it arrived."""
+        self.inc("kvblocks_requests_total")
+        self.observe("kvblocks_e2e_request_latency_seconds", e2e_s)
+        if self.vllm is not None:
+            self.vllm.finished(reason)
 
     def register(self, collector: Collector) -> None:
         """Add a collector (anything with `collect()`) to this registry, read at every scrape."""
@@ -200,3 +222,28 @@ class CacheCollector(Collector):
             yield CounterMetricFamily(name, doc, value=s[key])
         for name, doc, key in CACHE_GAUGES + (SNAPSHOT_GAUGES if stateful else ()):
             yield GaugeMetricFamily(name, doc, value=s[key])
+        yield from tenant_families(self.cache.tenant_counters(), spills)
+
+
+def tenant_families(tenants: dict[str, dict[str, int]], spills: bool) -> Iterator[Metric]:
+    """Per-tenant lookups, hits (per tier) and evictions, labelled `tenant` ("" is the default tenant)."""
+    queried = CounterMetricFamily(
+        "kvblocks_tenant_queried_tokens", "Prompt tokens looked up, per tenant.", labels=["tenant"]
+    )
+    hits = CounterMetricFamily(
+        "kvblocks_tenant_hit_tokens",
+        "Prompt tokens served from cache, per tenant and tier.",
+        labels=["tenant", "tier"],
+    )
+    evicted = CounterMetricFamily(
+        "kvblocks_tenant_evicted_tokens",
+        "Tokens evicted from the device pool, per tenant.",
+        labels=["tenant"],
+    )
+    for tenant, c in sorted(tenants.items()):
+        queried.add_metric([tenant], c["queried_tokens"])
+        hits.add_metric([tenant, "device"], c["hit_tokens"] - c["spill_hit_tokens"])
+        if spills:
+            hits.add_metric([tenant, "redis"], c["spill_hit_tokens"])
+        evicted.add_metric([tenant], c["evicted_tokens"])
+    yield from (queried, hits, evicted)

@@ -669,6 +669,7 @@ class KVCacheTrie:
                 "resident_bytes": resident * token_bytes,
                 "capacity_tokens": self._pool.capacity,
                 "capacity_bytes": self._pool.capacity * token_bytes,
+                "free_tokens": self._pool.num_free,
                 "pinned_tokens": pinned,
                 "locked_tokens": locked,
                 "nodes": count,
@@ -693,6 +694,19 @@ class KVCacheTrie:
         if tenant is None and self.events is not None:
             out |= self.events.stats()
         return out
+
+    def tenant_counters(self) -> dict[str, dict[str, int]]:
+        """Each tenant's lookup and eviction counters, without walking the tree (cheap at every scrape)."""
+        with self._lock:
+            return {
+                tenant: {
+                    "queried_tokens": c.queried_tokens,
+                    "hit_tokens": c.hit_tokens,
+                    "spill_hit_tokens": c.spill_hit_tokens,
+                    "evicted_tokens": c.evicted_tokens,
+                }
+                for tenant, c in self._tenant_counters.items()
+            }
 
     def attach_events(self, events: KVEventPublisher) -> None:
         """Publish KV events (`kvblocks.kv_events`) for what this cache stores and evicts from now on;

@@ -68,18 +68,22 @@ def stop_cleanly(server: ServerProcess) -> None:
 
 
 def start_server(
-    *args: str, api_key: str | None = None, env: dict[str, str] | None = None, timeout: float = 180.0
+    *args: str,
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 180.0,
+    command: list[str] | None = None,
 ) -> ServerProcess:
     """`kvblocks serve ARGS --port P`, returned once GET /health answers 200.
 
     `api_key` is only what the tests send; pass `--api-key` in `args` or KVBLOCKS_API_KEY in `env`
-    to make the server require it.
+    to make the server require it. `command` is the `kvblocks` to run (this environment's by default).
     """
     port = free_port()
     fd, name = tempfile.mkstemp(prefix="kvblocks-serve-", suffix=".stderr")
     with os.fdopen(fd, "wb") as stderr:
         proc = subprocess.Popen(
-            [*kvblocks_command(), "serve", "--port", str(port), *args],
+            [*(command or kvblocks_command()), "serve", "--port", str(port), *args],
             stdout=subprocess.DEVNULL,
             stderr=stderr,
             env=cli_env(**(env or {})),

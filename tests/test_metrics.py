@@ -12,6 +12,7 @@ from server_proc import start_server, stop_cleanly, tiny_model_dir, wait_idle
 
 from kvblocks import CachedGenerator, KVCacheTrie, RedisTier
 from kvblocks.metrics import CacheCollector, Metrics
+from kvblocks.vllm_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 MODEL = "tiny"
 
@@ -119,6 +120,72 @@ def test_metrics_count_requests_cached_tokens_and_latencies(http):
     assert counters["kvblocks_prompt_tokens_total"] == value(
         after, "kvblocks_prompt_tokens", "kvblocks_prompt_tokens_total"
     )
+
+
+def test_vllm_named_metrics_equal_the_servers_own_counters_after_real_requests(http):
+    wait_idle(http)
+    for prompt in ["A shared system prompt, then a question", "A shared system prompt, then a question"]:
+        complete(http, prompt)
+    wait_idle(http)
+    fams = families(http)
+    own = http.get("/v1/cache/stats").json()
+
+    def vllm(family: str, sample: str | None = None, **labels: str) -> float:
+        return value(fams, family, sample or family, model_name=MODEL, **labels)
+
+    def kvb(family: str, sample: str, **labels: str) -> float:
+        return value(fams, family, sample, **labels)
+
+    assert (
+        vllm("vllm:prompt_tokens", "vllm:prompt_tokens_total")
+        == own["counters"]["kvblocks_prompt_tokens_total"]
+    )
+    generated = own["counters"]["kvblocks_generation_tokens_total"]
+    assert vllm("vllm:generation_tokens", "vllm:generation_tokens_total") == generated
+    queried, hits = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
+    assert vllm(queried, f"{queried}_total") == own["cache"]["queried_tokens"]
+    assert vllm(hits, f"{hits}_total") == own["cache"]["hit_tokens"] > 0
+    assert fams[queried].type == fams[hits].type == "counter"
+    assert vllm("vllm:num_requests_running") == 0 and vllm("vllm:num_requests_waiting") == 0
+    c = own["cache"]  # the pool's share held by requests: resident tokens no request locks count as free
+    held = c["capacity_tokens"] - c["free_tokens"] - (c["resident_tokens"] - c["locked_tokens"])
+    assert vllm("vllm:kv_cache_usage_perc") == held / c["capacity_tokens"] < 0.01
+    finished = sum(vllm("vllm:request_success", "vllm:request_success_total", finished_reason=r)
+                   for r in ("stop", "length"))  # fmt: skip
+    assert finished == own["counters"]["kvblocks_requests_total"]
+    assert vllm("vllm:request_success", "vllm:request_success_total", finished_reason="length") >= 2
+    for name, mirrored in (
+        ("vllm:time_to_first_token_seconds", "kvblocks_time_to_first_token_seconds"),
+        ("vllm:inter_token_latency_seconds", "kvblocks_inter_token_seconds"),
+        ("vllm:e2e_request_latency_seconds", "kvblocks_e2e_request_latency_seconds"),
+    ):
+        assert fams[name].type == "histogram"
+        assert vllm(name, f"{name}_count") == kvb(mirrored, f"{mirrored}_count") > 0
+        assert vllm(name, f"{name}_sum") == pytest.approx(kvb(mirrored, f"{mirrored}_sum"))
+    assert vllm("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count") == finished
+
+
+def test_vllm_histograms_use_vllms_buckets():
+    metrics = Metrics()
+    metrics.export_vllm("m", lambda: (0, 0), None)
+    fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    for name, buckets in (
+        ("vllm:time_to_first_token_seconds", TTFT_BUCKETS),
+        ("vllm:inter_token_latency_seconds", ITL_BUCKETS),
+        ("vllm:e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS),
+    ):
+        bounds = [float(s.labels["le"]) for s in fams[name].samples if s.name.endswith("_bucket")]
+        assert bounds == [*buckets, float("inf")]
+    assert buckets[-1] == 7680.0 and TTFT_BUCKETS[0] == 0.001 and ITL_BUCKETS[0] == 0.01
+
+
+def test_vllm_metrics_are_off_with_no_vllm_metrics():
+    server = start_server("--model", str(tiny_model_dir()), "--capacity", "1024", "--no-vllm-metrics")
+    try:
+        with server.client() as client:
+            assert not any(name.startswith("vllm:") for name in families(client))
+    finally:
+        stop_cleanly(server)
 
 
 def test_metrics_objects_keep_separate_registries_and_print_large_values_exactly():

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvblocks import grammar, tools
 from kvblocks.engine import Engine
+from kvblocks.history import History, sample_of
 from kvblocks.server import cache_routes, openai_routes, worker_routes
 from kvblocks.server.bounds import char_limit
 from kvblocks.server.errors import APIError, validation_error
@@ -27,11 +28,16 @@ from kvblocks.server.state import Served, ServerConfig
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     served = Served(engine, config)
+    served.history = History(lambda: take_sample(served), config.history_interval_s, config.history_window_s)
+    if config.vllm_metrics:
+        engine.metrics.export_vllm(config.model_name, lambda: running_waiting(engine), engine.generator.cache)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await run_in_threadpool(warm_up, served)
+        served.history.start()
         yield
+        served.history.stop()
         # Once requests are done (drained, see `serving.DrainingServer`): stop the engine (closing
         # streams commits their tokens) and flush the spill tier's write queue.
         await run_in_threadpool(engine.stop)
@@ -54,6 +60,19 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     guard = GuardConfig(config.keys, config.max_body_bytes, config.read_timeout_s, served.admission)
     app.add_middleware(RequestGuard, config=guard)
     return app
+
+
+def take_sample(served: Served) -> dict:
+    cache = served.cache
+    stats = None if cache is None else cache.stats()
+    tenants = {} if cache is None else cache.tenant_counters()
+    engine = served.engine
+    return sample_of(stats, tenants, engine.active, engine.queued, engine.metrics.counters)
+
+
+def running_waiting(engine: Engine) -> tuple[int, int]:
+    load = engine.load()
+    return load.running, load.waiting
 
 
 async def api_error(_: Request, exc: APIError):

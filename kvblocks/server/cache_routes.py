@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from kvblocks.explain import explain
+from kvblocks.history import tenant_view
 from kvblocks.inspection import inspect_prefixes
 from kvblocks.metrics import CONTENT_TYPE_LATEST
 from kvblocks.params import GenerationParams
@@ -107,6 +108,16 @@ async def cache_stats(request: Request):
         "cache": stats,
         "counters": s.engine.metrics.counters,
     }
+
+
+@router.get("/v1/cache/history")
+async def cache_history(request: Request, since: Annotated[float, Query(gt=0)] = 3600.0):
+    """Samples of the last `since` seconds, oldest first; a tenant's key gets its own counters only."""
+    s, who = served(request), caller(request)
+    samples = s.history.since(time.time() - since)
+    if not who.admin:
+        samples = [tenant_view(sample, who.tenant) for sample in samples]
+    return {"model": s.config.model_name, "interval_s": s.history.interval_s, "samples": samples}
 
 
 @router.get("/v1/cache/prefixes")

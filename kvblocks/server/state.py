@@ -11,6 +11,7 @@ from fastapi import Request
 from kvblocks.auth import ApiKeys, Principal
 from kvblocks.engine import Engine
 from kvblocks.generator import CachedGenerator
+from kvblocks.history import History
 from kvblocks.namespace import Scope
 from kvblocks.server.bounds import MAX_TOKENIZING
 from kvblocks.server.errors import APIError
@@ -31,6 +32,9 @@ class ServerConfig:
     max_prompts: int = 128  # prompts in one completions request
     max_branches: int = 256  # engine requests one HTTP request may become (prompts x best_of, n)
     drain_timeout_s: float = 30.0
+    history_interval_s: float = 5.0  # seconds between samples of /v1/cache/history
+    history_window_s: float = 6 * 3600  # how far back it reaches
+    vllm_metrics: bool = True  # /metrics also under vLLM's names (kvblocks.vllm_metrics)
 
 
 @dataclass(slots=True)
@@ -44,6 +48,7 @@ class Served:
     admission: Admission = field(default_factory=Admission)
     prompt_chars: int | None = None
     tokenize_gate: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_TOKENIZING))
+    history: History | None = None
 
     @property
     def gen(self) -> CachedGenerator:
