@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from kvblocks import paged
+from kvblocks import paged, tracing
 from kvblocks.admission import LimitsOf, RoomLimits, no_limits
-from kvblocks.engine import Engine, EngineError, Request
+from kvblocks.engine import Engine, EngineError, Request, trace_admitted, trace_ended
 from kvblocks.generator import CachedGenerator, GenerationResult, Piece
 from kvblocks.metrics import Metrics
 from kvblocks.params import GenerationParams
@@ -308,8 +308,10 @@ class BatchEngine(Engine):
                 self.deferred += 1
                 return DEFERRED
             self.room.remove(tenant, s.request)
+            trace_admitted(s.request)
             try:
-                self._lock_prefix(s)
+                with tracing.current(s.request.spans.get("prefill")):  # the lookup's span nests here
+                    self._lock_prefix(s)
             except Exception as exc:
                 self._fail_sequence(s, exc, "admission")
                 continue
@@ -618,5 +620,6 @@ class BatchEngine(Engine):
         if s in self._running:
             self._running.remove(s)
         self._release(s)
+        trace_ended(s.request, outcome="ended")
         if s.draft is not None:
             s.draft.end(s.sequence)

@@ -265,6 +265,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(
             f"{exc}{'; or pass --no-batch-invariant' if 'invariant' in str(exc) else ''}"
         ) from exc
+    if args.otlp_traces_endpoint:
+        from kvblocks import tracing
+
+        try:
+            tracing.configure(args.otlp_traces_endpoint)
+        except tracing.TracingUnavailable as exc:
+            raise UserError(str(exc)) from exc
     for flag in ("max_waiting", "max_waiting_per_tenant", "max_prompts", "max_branches"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
@@ -575,6 +582,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         metavar="N",
         help="generations one request may start (prompts x best_of, or n); more is a 400 (default 256)",
+    )
+    sv.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export OpenTelemetry traces over OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces: a span per "
+        "request with queue, match, redis.fetch, prefill, decode and constrained_decoding children "
+        "(needs pip install 'kvblocks[tracing]')",
     )
     sv.add_argument("--no-cache", action="store_true", help="no prefix reuse: prefill every prompt in full")
     sv.set_defaults(func=cmd_serve)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvblocks import tracing
 from kvblocks.admission import LimitsOf, QueueFullError, RoomLimits, WaitingRoom, no_limits
 from kvblocks.generator import CachedGenerator, Piece
 from kvblocks.metrics import CacheCollector, Metrics
@@ -52,6 +53,7 @@ class Request:
     last_token_at: float = 0.0
     tokens: int = 0  # prompt ids plus tokens generated so far (the request's KV footprint)
     prepared: Any = None  # the batched engine's state for it, made once at its first admission
+    spans: dict = field(default_factory=dict)  # its open trace spans by phase (tracing on only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +115,14 @@ class Engine:
                 prompt, options, emit, next(self._ids), tenant, tokens=len(prompt) if ids else 0
             )
             request.emit = _guarded(emit, request)
+            trace_submitted(request)
             requests.append(request)
         try:
             self.room.put_all(tenant, requests)
         except QueueFullError:
             self.metrics.inc("kvblocks_requests_rejected_total", len(requests))
+            for request in requests:
+                trace_ended(request, outcome="rejected")
             raise
         return requests
 
@@ -207,6 +212,7 @@ class Engine:
 
     def _start_serial(self, request: Request) -> None:
         """Run `request` one `CachedGenerator.stream` step per cycle (its errors surface in `_step`)."""
+        trace_admitted(request)
         request.stream = self.generator.stream(request.prompt, **request.options)
         self._active.append(request)
 
@@ -216,7 +222,8 @@ class Engine:
             self._finish(request)
             return
         try:
-            piece = next(request.stream)
+            with tracing.current(request.spans.get("prefill")):  # the lookup nests under the prefill
+                piece = next(request.stream)
         except StopIteration:
             self._finish(request)
             return
@@ -227,8 +234,8 @@ class Engine:
             return
         self._observe(request, len(piece.token_ids))
         if piece.result is not None:
-            self._finish(request)
             self._record(request, piece)
+            self._finish(request)
         request.emit(piece)
 
     def _fail(self, request: Request, exc: BaseException, phase: str) -> None:
@@ -245,6 +252,7 @@ class Engine:
             self.metrics.observe("kvblocks_inter_token_seconds", now - request.last_token_at)
         else:
             self.metrics.observe("kvblocks_time_to_first_token_seconds", now - request.submitted)
+            trace_first_token(request)
         request.last_token_at = now
         request.tokens += tokens
         return now
@@ -261,6 +269,7 @@ class Engine:
                 self.metrics.inc("kvblocks_engine_errors_total")
         if request in self._active:
             self._active.remove(request)
+        trace_ended(request, outcome="ended")  # spans a result did not close: cancelled or failed
 
     def _record(self, request: Request, piece: Piece) -> None:
         r = piece.result
@@ -273,6 +282,48 @@ class Engine:
             m.inc("kvblocks_spec_drafted_tokens_total", r.spec.drafted)
             m.inc("kvblocks_spec_accepted_tokens_total", r.spec.accepted)
             m.inc("kvblocks_spec_rounds_total", r.spec.rounds)
+        trace_ended(
+            request,
+            outcome="finished",
+            finish_reason=r.finish_reason,
+            prompt_tokens=r.prompt_tokens,
+            cached_tokens=r.cached_tokens,
+            completion_tokens=len(r.token_ids),
+        )
+
+
+# ---- traces (kvblocks.tracing; each a no-op while tracing is off) ------------------------------
+
+
+def trace_submitted(request: Request) -> None:
+    if tracing.enabled():
+        root = tracing.start("kvblocks.request", request_id=request.id, prompt_tokens=request.tokens or None)
+        request.spans = {"request": root, "queue": tracing.start("queue", root)}
+
+
+def trace_admitted(request: Request) -> None:
+    """Out of the queue; the prefill starts (again, after a preemption before its first token)."""
+    if request.spans:
+        tracing.end(request.spans.pop("queue", None))
+        if "decode" not in request.spans and "prefill" not in request.spans:
+            request.spans["prefill"] = tracing.start("prefill", request.spans["request"])
+
+
+def trace_first_token(request: Request) -> None:
+    if request.spans and "decode" not in request.spans:
+        tracing.end(request.spans.pop("prefill", None))
+        root = request.spans["request"]
+        request.spans["decode"] = tracing.start("decode", root)
+        params = request.options.get("params")
+        if params is not None and params.constraint is not None:
+            request.spans["constrained"] = tracing.start("constrained_decoding", root)
+
+
+def trace_ended(request: Request, **attributes) -> None:
+    if request.spans:
+        for phase in ("queue", "prefill", "constrained", "decode"):
+            tracing.end(request.spans.pop(phase, None))
+        tracing.end(request.spans.pop("request"), **attributes)
 
 
 def _guarded(emit: Callable[[Piece | BaseException], None], request: Request):

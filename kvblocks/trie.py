@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvblocks import tracing
 from kvblocks.adapters import hf
 from kvblocks.eviction import EvictionPolicy, make_policy
 from kvblocks.explain import EvictionLedger
@@ -258,7 +259,9 @@ class KVCacheTrie:
                 servable = device if self.state is None else self._tree.snapshot_prefix(m).length
             self.spill.on_hit(ns.key, ids, device)  # rewrites chunks Redis lost, off this thread
             if device < limit:  # the Redis round trip runs unlocked: other threads go on meanwhile
-                fetched = self.spill.fetch(ns.key, ids, device, limit)
+                with tracing.child("redis.fetch", device_tokens=device) as span:
+                    fetched = self.spill.fetch(ns.key, ids, device, limit)
+                    tracing.annotate(span, redis_tokens=0 if fetched is None else fetched.length)
             if servable < limit and self.state is not None:  # a recurrent model needs a state there too
                 reach = device if fetched is None else max(device, fetched.start + fetched.length)
                 state = self.spill.fetch_state(ns.key, ids, servable, reach)
@@ -282,13 +285,17 @@ class KVCacheTrie:
         """`match`, where any failure of the lookup (a spill tier fault, a bad namespace) is an empty
         hit: the request then prefills in full, and the fault stays with this lookup (its traceback
         on stderr, `lookup_errors` counted)."""
-        try:
-            return self.match(token_ids, salt=salt)
-        except Exception:
-            traceback.print_exc()
-            with self._lock:
-                self._counters.lookup_errors += 1
-            return self.hold([], salt=salt)
+        with tracing.child("match") as span:
+            try:
+                hit = self.match(token_ids, salt=salt)
+            except Exception:
+                traceback.print_exc()
+                with self._lock:
+                    self._counters.lookup_errors += 1
+                hit = self.hold([], salt=salt)
+                tracing.annotate(span, lookup_error=True)
+            tracing.annotate(span, cached_tokens=hit.length, namespace=hit.namespace.key)
+            return hit
 
     def _promote(self, ns: Namespace, ids: np.ndarray, fetched: Fetched) -> None:
         """Store KV fetched from the spill tier, if the device still holds the prefix it continues.

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvblocks import grammar, tools
+from kvblocks import grammar, tools, tracing
 from kvblocks.engine import Engine
 from kvblocks.history import History, sample_of
 from kvblocks.server import cache_routes, openai_routes, worker_routes
@@ -43,6 +43,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         await run_in_threadpool(engine.stop)
         if engine.generator.cache is not None:
             await run_in_threadpool(engine.generator.cache.close)
+        await run_in_threadpool(tracing.shutdown)  # exports the spans still buffered
 
     app = FastAPI(
         title="kvblocks",
