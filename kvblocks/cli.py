@@ -235,7 +235,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvblocks import models
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
-    from kvblocks.server.serving import serve
+    from kvblocks.server.serving import bind, serve
 
     keys = load_api_keys(args)
     if args.max_body_bytes < 1024:
@@ -263,6 +263,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--kv-event-block-size must be at least 1, got {args.kv_event_block_size}")
     if args.kv_events_endpoint and args.no_cache:
         raise UserError("--kv-events-endpoint reports what the cache holds: drop --no-cache")
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     publisher = None
     if args.kv_events_endpoint:
         from kvblocks.kv_events import KVEventPublisher
@@ -275,11 +279,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:
             raise UserError(f"KV events: {exc}") from exc
-    try:  # the events address is bound first, so a busy port fails before a long model load
+    try:  # the port and events address are bound first, so a busy one fails before a long model load
         model, tokenizer, cache = load_stack(args)
     except BaseException:
         if publisher is not None:
             publisher.close()
+        sock.close()
         raise
     if publisher is not None:
         cache.attach_events(publisher)
@@ -310,7 +315,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     freeze_startup_objects()
-    serve(app, args.host, args.port, args.log_level)  # lifespan stops the engine
+    serve(app, sock, args.log_level)  # lifespan stops the engine
     return 0
 
 

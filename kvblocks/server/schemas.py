@@ -49,6 +49,10 @@ ROUTER_DEFAULTS = {
     "include_reasoning": [True, None],
 }
 
+# Fields of an echoed assistant message (`message.model_dump()` of the openai SDK, vLLM's extras)
+# that carry nothing when null or empty: such a value is dropped wherever a message may be.
+ECHOED_EMPTY = {"annotations", "audio", "function_call", "reasoning_content", "reasoning", "refusal"}
+
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
@@ -58,9 +62,22 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False)
 
 
+class CacheControl(_Model):
+    """Anthropic-style prompt-caching hint (litellm forwards it): keep the prefix that ends with
+    this part in the cache for `ttl` (default 5 minutes). kvblocks pins it for the caller's tenant."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+    @property
+    def seconds(self) -> float:
+        return 3600.0 if self.ttl == "1h" else 300.0
+
+
 class TextPart(_Model):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class FunctionCall(_Model):
@@ -98,6 +115,9 @@ class ChatMessage(_Model):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def parts(self) -> list[TextPart]:
+        return self.content if isinstance(self.content, list) else []
 
 
 class StreamOptions(_Model):
