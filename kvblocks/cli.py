@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 
 from kvblocks.errors import UserError
@@ -232,10 +233,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything heavy is imported or loaded, so a busy port
+    fails in a moment rather than after a minute of loading. OSError when the address is taken."""
+    sock = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restarts reuse TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     from kvblocks import models
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
-    from kvblocks.server.serving import bind, serve
+    from kvblocks.server.serving import serve
 
     keys = load_api_keys(args)
     if args.max_body_bytes < 1024:
@@ -263,10 +282,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--kv-event-block-size must be at least 1, got {args.kv_event_block_size}")
     if args.kv_events_endpoint and args.no_cache:
         raise UserError("--kv-events-endpoint reports what the cache holds: drop --no-cache")
-    try:
-        sock = bind(args.host, args.port)
-    except OSError as exc:
-        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     publisher = None
     if args.kv_events_endpoint:
         from kvblocks.kv_events import KVEventPublisher

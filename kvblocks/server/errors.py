@@ -41,8 +41,15 @@ class APIError(Exception):
         return error_response(self.status, self.message, self.type, self.param, self.code)
 
 
-async def parse_request(request: Request, model: type[M], lenient: bool) -> M:
-    """The body as a validated `model`, or an APIError that names what is wrong."""
+async def parse_request(
+    request: Request,
+    model: type[M],
+    lenient: bool,
+    refused: dict[str, str] = REFUSED,
+    accepted: dict[str, list] = ACCEPTED_DEFAULTS,
+) -> M:
+    """The body as a validated `model`, or an APIError that names what is wrong. `refused` names
+    the route's parameters that cannot be honoured, `accepted` their values that ask for nothing."""
     raw = await request.body()
     content_type = request.headers.get("content-type", "")
     if content_type and "json" not in content_type.split(";")[0].lower():
@@ -62,7 +69,7 @@ async def parse_request(request: Request, model: type[M], lenient: bool) -> M:
     surrogates = _SURROGATE_ESCAPE.search(raw) is not None
     if surrogates or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:  # else neither can be there
         check_structure(data, surrogates)
-    data = screen(data, model, lenient)
+    data = screen(data, model, lenient, refused, accepted)
     return validate(model, data, lenient)
 
 
@@ -145,15 +152,21 @@ def check_structure(data: dict, surrogates: bool) -> None:
         )
 
 
-def screen(data: dict, model: type[BaseModel], lenient: bool) -> dict:
+def screen(
+    data: dict,
+    model: type[BaseModel],
+    lenient: bool,
+    refused: dict[str, str] = REFUSED,
+    accepted: dict[str, list] = ACCEPTED_DEFAULTS,
+) -> dict:
     """Refuse parameters this server cannot honour, and unknown ones (dropped with a warning when
     lenient); refuse media content parts with a message that says why."""
     known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
     out = {}
     for key, value in data.items():
-        if key in REFUSED and value not in ACCEPTED_DEFAULTS.get(key, [None]):
+        if key in refused and value not in accepted.get(key, [None]):
             raise APIError(
-                400, f"'{key}' is not supported: {REFUSED[key]}", param=key, code="unsupported_parameter"
+                400, f"'{key}' is not supported: {refused[key]}", param=key, code="unsupported_parameter"
             )
         if key in ROUTER_DEFAULTS and key not in known:
             if value in ROUTER_DEFAULTS[key]:

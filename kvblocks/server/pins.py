@@ -8,10 +8,14 @@ when its TTL ends; a repeated hint for the same prefix extends it instead of pin
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvblocks.trie import PinLimitError
+
 MAX_PINS_PER_TENANT = 8
+log = logging.getLogger("kvblocks.server")
 
 
 @dataclass(slots=True)
@@ -39,7 +43,11 @@ class PrefixPins:
             pins.move_to_end(key)
             pins[key].timer = loop.call_later(ttl_s, self.release, tenant, key)
             return len(pins[key].ids)
-        length = self.cache.pin(ids, salt=salt)
+        try:
+            length = self.cache.pin(ids, salt=salt)
+        except PinLimitError as exc:  # a hint, not an order: the answer stands, the prefix stays evictable
+            log.warning("kvblocks: cache_control prefix not pinned: %s", exc)
+            return 0
         if length == 0:
             return 0
         pins[key] = _Pin(tuple(ids[:length]), salt, loop.call_later(ttl_s, self.release, tenant, key))

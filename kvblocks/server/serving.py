@@ -44,21 +44,6 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads so a busy port fails in a moment, not
-    after a minute of loading. OSError when the address is taken or not ours."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family=family)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what uvicorn sets: restarts reuse TIME_WAIT
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
 def serve(app, sock: socket.socket, log_level: str) -> None:
     """Serve `app` (from `create_app`) on the bound `sock` until a signal, then drain and shut
     down in order."""
