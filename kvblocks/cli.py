@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 
 from kvblocks.errors import UserError
@@ -243,7 +244,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything heavy is imported or loaded, so a busy port
+    fails in a moment rather than after a minute of loading. OSError when the address is taken."""
+    sock = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restarts reuse TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     from kvblocks import models
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
     from kvblocks.server.serving import serve
@@ -295,11 +314,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:
             raise UserError(f"KV events: {exc}") from exc
-    try:  # the events address is bound first, so a busy port fails before a long model load
+    try:  # the port and events address are bound first, so a busy one fails before a long model load
         model, tokenizer, cache = load_stack(args)
     except BaseException:
         if publisher is not None:
             publisher.close()
+        sock.close()
         raise
     if publisher is not None:
         cache.attach_events(publisher)
@@ -333,7 +353,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     freeze_startup_objects()
-    serve(app, args.host, args.port, args.log_level)  # lifespan stops the engine
+    serve(app, sock, args.log_level)  # lifespan stops the engine
     return 0
 
 

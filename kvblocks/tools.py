@@ -339,13 +339,39 @@ def detect_parser(tokenizer) -> str:
     return HermesParser.name
 
 
+# Where a call's name and arguments begin, in every format: `"name": "f", "arguments": ` (or
+# "parameters"), and Mistral's `[TOOL_CALLS]f[ARGS]`. The grammars and the formats write the name first.
+_CALL_HEAD = re.compile(
+    r'"name"\s*:\s*"([A-Za-z0-9_.\-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+    r"|\[TOOL_CALLS\]\s*([A-Za-z0-9_.\-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]\s*"
+)
+
+
+@dataclass(slots=True)
+class _StreamedCall:
+    id: str
+    name: str
+    sent: int = 0  # characters of the arguments text sent so far
+    closed: bool = False  # its arguments object is complete
+
+
+def cut_unfinished(parser: ToolParser, text: str) -> str | None:
+    """The content of a reply that stopped inside a call (max_tokens): the text before the call,
+    so neither the half call nor its markup reaches the client."""
+    start = parser.call_start(text)
+    content = (text if start is None else text[:start]).strip()
+    return content or None
+
+
 class ToolStreamParser:
-    """`ToolParser.parse`, piece by piece: content deltas as soon as they are safe, calls at the end.
+    """`ToolParser.parse`, piece by piece: content deltas as soon as they are safe, and each call's
+    arguments as they are generated (`call_deltas`, OpenAI's delta shape).
 
     Text before the first call marker is released as it arrives, less an end that could grow
-    into a marker and trailing whitespace (the parse strips it). From the first marker on,
-    everything is held and `finish()` settles it with the full parse, so the deltas always join
-    to exactly the content `parse` gives for the whole text.
+    into a marker and trailing whitespace (the parse strips it). From the first marker on, content
+    is held and `finish()` settles it with the full parse, so the deltas always join to exactly
+    the content `parse` gives for the whole text. Arguments are streamed as the raw JSON text the
+    model writes, which decodes to the same object as the parsed call's `arguments`.
     """
 
     def __init__(self, parser: ToolParser) -> None:
@@ -353,6 +379,9 @@ class ToolStreamParser:
         self.text = ""
         self.released = ""
         self.holding = False
+        self.streamed: list[_StreamedCall] = []
+        self._scan = 0  # where the next call head may start
+        self._args_at: int | None = None  # where the open call's arguments start
 
     def feed(self, piece: str) -> str:
         """Add generated text; returns the content that can be shown now (maybe "")."""
@@ -362,11 +391,60 @@ class ToolStreamParser:
         start = self.parser.call_start(self.text)
         if start is not None:
             self.holding = True
+            self._scan = start
             return self._release(self.text[:start].strip())
         return self._release(self.text[: len(self.text) - self.parser.partial_marker(self.text)].strip())
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The stream ended: the last content delta and every tool call."""
+    def call_deltas(self) -> list[dict]:
+        """OpenAI `delta.tool_calls` entries for what the calls gained since the last look: a new
+        call's first entry has its id, type and name; later ones add `function.arguments` text."""
+        out = []
+        while self.holding:
+            if self._args_at is None:
+                head = _CALL_HEAD.search(self.text, self._scan)
+                if head is None:
+                    break
+                self.streamed.append(
+                    _StreamedCall("call_" + secrets.token_hex(12), head.group(1) or head.group(2))
+                )
+                self._args_at = head.end()
+                out.append(self._delta({"name": self.streamed[-1].name, "arguments": ""}, first=True))
+            call = self.streamed[-1]
+            if not self.text.startswith("{", self._args_at):
+                break  # arguments not begun yet, or not an object (then `finish_deltas` sends them)
+            decoded = _decode_at(self.text, self._args_at)
+            end = decoded[1] if decoded is not None else len(self.text)
+            fragment = self.text[self._args_at + call.sent : end]
+            if fragment:
+                out.append(self._delta({"arguments": fragment}))
+                call.sent += len(fragment)
+            if decoded is None:
+                break
+            call.closed = True
+            self._scan, self._args_at = end, None
+        return out
+
+    def finish_deltas(self, calls: list[ToolCall]) -> list[dict]:
+        """What the client still lacks of the parsed `calls` once the stream ended: whole calls that
+        were never streamed, arguments of streamed calls that were not written as an object."""
+        out = []
+        for k, c in enumerate(calls):
+            if k >= len(self.streamed):
+                out.append(c.as_openai() | {"index": k})
+            elif not self.streamed[k].closed and self.streamed[k].sent == 0:
+                out.append({"index": k, "function": {"arguments": c.arguments}})
+        return out
+
+    def _delta(self, fn: dict, first: bool = False) -> dict:
+        k = len(self.streamed) - 1
+        head = {"id": self.streamed[k].id, "type": "function"} if first else {}
+        return {"index": k, **head, "function": fn}
+
+    def finish(self, finish_reason: str | None = None) -> tuple[str, list[ToolCall]]:
+        """The stream ended: the last content delta and every tool call (none when the reply was
+        cut by max_tokens, `finish_reason` "length": a half call is not a call)."""
+        if finish_reason == "length":
+            return self._release(cut_unfinished(self.parser, self.text) or ""), []
         content, calls = self.parser.parse(self.text)
         return self._release(content or ""), calls
 

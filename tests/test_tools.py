@@ -17,6 +17,7 @@ from kvblocks.tools import (
     ToolCall,
     ToolError,
     ToolStreamParser,
+    cut_unfinished,
     detect_parser,
     get_parser,
     render_messages,
@@ -137,6 +138,53 @@ def test_streamed_in_random_pieces_equals_parse_of_the_whole(parser, text, conte
         last, got_calls = stream.finish()
         assert "".join(deltas) + last == (content or "")
         assert _pairs(got_calls) == calls
+
+
+def _assemble(deltas: list[dict]) -> list[dict]:
+    """Client side of OpenAI's streamed tool calls: the first delta of an index opens the call."""
+    calls: list[dict] = []
+    for d in deltas:
+        if d["index"] == len(calls):
+            assert d["id"].startswith("call_") and d["type"] == "function" and d["function"]["name"]
+            calls.append({"name": d["function"]["name"], "arguments": d["function"].get("arguments", "")})
+        else:
+            assert d["index"] == len(calls) - 1 and set(d) == {"index", "function"}
+            calls[-1]["arguments"] += d["function"]["arguments"]
+    return calls
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), ALL_CASES)
+def test_streamed_call_deltas_assemble_to_the_parsed_calls(parser, text, content, calls):
+    rng = random.Random(1)
+    for _ in range(25):
+        stream, deltas, pos = ToolStreamParser(get_parser(parser)), [], 0
+        while pos < len(text):
+            step = rng.randint(1, 7)
+            stream.feed(text[pos : pos + step])
+            deltas += stream.call_deltas()
+            pos += step
+        _, got = stream.finish()
+        deltas += stream.finish_deltas(got)
+        assembled = _assemble(deltas)[: len(got)]
+        assert [(c["name"], json.loads(c["arguments"])) for c in assembled] == calls
+
+
+def test_call_arguments_stream_before_the_call_is_complete():
+    stream = ToolStreamParser(HermesParser())
+    stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    first = stream.call_deltas()
+    assert first[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert first[1]["function"]["arguments"] == '{"city": "Pa'
+    stream.feed('ris"}}\n</tool_call>')
+    assert stream.call_deltas() == [{"index": 0, "function": {"arguments": 'ris"}'}}]
+
+
+def test_a_call_cut_by_max_tokens_is_no_call_and_leaves_no_markup():
+    stream = ToolStreamParser(HermesParser())
+    text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    assert stream.feed(text) == "Sure."
+    assert stream.finish("length") == ("", [])
+    assert cut_unfinished(HermesParser(), text) == "Sure."
 
 
 def test_stream_releases_content_before_a_marker_and_holds_a_partial_one():

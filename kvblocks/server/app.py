@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvblocks import grammar, tools, tracing
 from kvblocks.engine import Engine
 from kvblocks.history import History, sample_of
-from kvblocks.server import cache_routes, openai_routes, worker_routes
+from kvblocks.server import cache_routes, openai_routes, responses_routes, worker_routes
 from kvblocks.server.bounds import char_limit
 from kvblocks.server.errors import APIError, validation_error
 from kvblocks.server.guard import GuardConfig, RequestGuard
@@ -53,6 +53,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     )
     app.state.served = served
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(cache_routes.router)
     app.include_router(worker_routes.router)
     app.add_exception_handler(APIError, api_error)

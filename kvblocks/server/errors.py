@@ -12,7 +12,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from kvblocks.server.guard import error_response
-from kvblocks.server.schemas import ACCEPTED_DEFAULTS, REFUSED, ROUTER_DEFAULTS
+from kvblocks.server.schemas import ACCEPTED_DEFAULTS, ECHOED_EMPTY, REFUSED, ROUTER_DEFAULTS
 
 log = logging.getLogger("kvblocks.server")
 M = TypeVar("M", bound=BaseModel)
@@ -41,8 +41,15 @@ class APIError(Exception):
         return error_response(self.status, self.message, self.type, self.param, self.code)
 
 
-async def parse_request(request: Request, model: type[M], lenient: bool) -> M:
-    """The body as a validated `model`, or an APIError that names what is wrong."""
+async def parse_request(
+    request: Request,
+    model: type[M],
+    lenient: bool,
+    refused: dict[str, str] = REFUSED,
+    accepted: dict[str, list] = ACCEPTED_DEFAULTS,
+) -> M:
+    """The body as a validated `model`, or an APIError that names what is wrong. `refused` names
+    the route's parameters that cannot be honoured, `accepted` their values that ask for nothing."""
     raw = await request.body()
     content_type = request.headers.get("content-type", "")
     if content_type and "json" not in content_type.split(";")[0].lower():
@@ -62,11 +69,50 @@ async def parse_request(request: Request, model: type[M], lenient: bool) -> M:
     surrogates = _SURROGATE_ESCAPE.search(raw) is not None
     if surrogates or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:  # else neither can be there
         check_structure(data, surrogates)
-    data = screen(data, model, lenient)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc.errors(include_url=False)) from exc
+    data = screen(data, model, lenient, refused, accepted)
+    return validate(model, data, lenient)
+
+
+def validate(model: type[M], data: dict, lenient: bool) -> M:
+    """`model` from `data`. Nested keys the model does not know are dropped when they are an echoed
+    message's empty fields (ECHOED_EMPTY), or any of them when `lenient`; otherwise refused by path.
+
+    Dropping works on pydantic's own locations, so it reaches every level (messages, content parts,
+    tool calls, Responses items) without a second description of the schema.
+    """
+    for _ in range(MAX_JSON_DEPTH):
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False)
+        extras = [e for e in errors if e["type"] == "extra_forbidden"]
+        droppable = [e for e in extras if lenient or _echoed_empty(e)]
+        if not droppable or not any(_drop(data, e["loc"]) for e in droppable):
+            raise validation_error(errors)
+        if lenient:
+            for e in droppable:
+                log.warning(
+                    "kvblocks: ignoring unknown request argument '%s' (--lenient)", location(e["loc"])
+                )
+    raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _echoed_empty(error: dict) -> bool:
+    return error["loc"][-1] in ECHOED_EMPTY and error.get("input") in (None, [], "")
+
+
+def _drop(data, loc: tuple) -> bool:
+    """Remove the key at pydantic location `loc` from `data`, skipping the union tags pydantic adds
+    that the data does not have; False when the key is not there."""
+    node = data
+    for part in loc[:-1]:
+        in_dict = isinstance(node, dict) and part in node
+        if in_dict or (isinstance(node, list) and isinstance(part, int) and part < len(node)):
+            node = node[part]
+    if isinstance(node, dict) and loc[-1] in node:
+        del node[loc[-1]]
+        return True
+    return False
 
 
 def check_structure(data: dict, surrogates: bool) -> None:
@@ -106,15 +152,21 @@ def check_structure(data: dict, surrogates: bool) -> None:
         )
 
 
-def screen(data: dict, model: type[BaseModel], lenient: bool) -> dict:
+def screen(
+    data: dict,
+    model: type[BaseModel],
+    lenient: bool,
+    refused: dict[str, str] = REFUSED,
+    accepted: dict[str, list] = ACCEPTED_DEFAULTS,
+) -> dict:
     """Refuse parameters this server cannot honour, and unknown ones (dropped with a warning when
     lenient); refuse media content parts with a message that says why."""
     known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
     out = {}
     for key, value in data.items():
-        if key in REFUSED and value not in ACCEPTED_DEFAULTS.get(key, [None]):
+        if key in refused and value not in accepted.get(key, [None]):
             raise APIError(
-                400, f"'{key}' is not supported: {REFUSED[key]}", param=key, code="unsupported_parameter"
+                400, f"'{key}' is not supported: {refused[key]}", param=key, code="unsupported_parameter"
             )
         if key in ROUTER_DEFAULTS and key not in known:
             if value in ROUTER_DEFAULTS[key]:
@@ -137,6 +189,9 @@ def screen(data: dict, model: type[BaseModel], lenient: bool) -> dict:
         parts = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(parts if isinstance(parts, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and not isinstance(kind, str):
+                where = f"messages[{i}].content[{j}].type"
+                raise APIError(400, f"{where}: must be a string such as 'text'", param=where)
             if kind in MEDIA_PARTS:
                 raise APIError(
                     400,
@@ -151,7 +206,8 @@ def validation_error(errors: Sequence[dict]) -> APIError:
     """The first error, its location written as a parameter path without pydantic's union tags."""
     if not errors:
         return APIError(400, "invalid request")
-    first = errors[0]
+    extras = [e for e in errors if e["type"] == "extra_forbidden"]
+    first = extras[0] if extras else errors[0]  # an unknown key says more than the union's other misses
     path = location(first["loc"])
     same_place = [e for e in errors if location(e["loc"]) == path]
     if len(same_place) > 1 and first["type"] not in ("missing", "extra_forbidden"):

@@ -116,6 +116,7 @@ class ChatPlan:
     ids: list[int]
     parser: tools.ToolParser | None = None
     constraint: Any = None
+    keep: tuple[int, float] | None = None  # `cache_control`: (prefix tokens, seconds) to pin
 
 
 def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
@@ -142,12 +143,28 @@ def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
     tokenizer, vocab = s.gen.tokenizer, s.gen.vocab_size
     parser = tools.get_parser(s.config.tool_parser or tools.detect_parser(tokenizer))
     offered = tool_defs if choice != "none" else []
-    try:
-        ids = s.gen.encode(tools.render_messages(tokenizer, messages, offered or None, parser))
-    except tools.ToolError as exc:
-        raise APIError(400, str(exc), param="tools") from exc
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from exc
+
+    def render(upto: int) -> list[int]:
+        try:
+            return s.gen.encode(tools.render_messages(tokenizer, messages[:upto], offered or None, parser))
+        except tools.ToolError as exc:
+            raise APIError(400, str(exc), param="tools") from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+
+    ids = render(len(messages))
+    keep = None
+    marked = [
+        (i, p.cache_control.seconds)
+        for i, m in enumerate(body.messages)
+        for p in m.parts()
+        if p.cache_control
+    ]
+    if marked:  # the prefix through the last marked message: where its rendering stops agreeing
+        last = max(i for i, _ in marked)
+        head = ids if last == len(messages) - 1 else render(last + 1)
+        agree = next((k for k, (a, b) in enumerate(zip(ids, head)) if a != b), min(len(ids), len(head)))
+        keep = (agree, max(t for _, t in marked))
     try:
         forced = tools.tool_call_grammar(
             offered, choice, parser, parallel_tool_calls=bool(body.parallel_tool_calls), tokenizer=tokenizer
@@ -169,7 +186,7 @@ def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
             )
     except grammar.GrammarError as exc:
         raise APIError(400, str(exc), param=where) from exc
-    return ChatPlan(ids, parser if offered else None, constraint)
+    return ChatPlan(ids, parser if offered else None, constraint, keep)
 
 
 def count_prompts(prompt) -> int:
@@ -438,7 +455,16 @@ async def gather(s: Served, call: Call, branches: list[Branch]) -> list[Generati
         cancel_all(running)
     if any(r is None for r in results):  # the client went away; nobody reads this
         raise APIError(499, "client closed the request", code="client_closed_request")
+    keep_prefix(s, call)
     return results
+
+
+def keep_prefix(s: Served, call: Call) -> None:
+    """Honour `cache_control`: pin the marked prefix, now that the request has put it in the trie."""
+    pins = s.prefix_pins()
+    if call.plan is not None and call.plan.keep is not None and pins is not None:
+        length, seconds = call.plan.keep
+        pins.keep(call.plan.ids[:length], call.salt, call.salt.tenant, seconds)
 
 
 def best_candidates(branches: list[Branch], results: list[GenerationResult], n: int):
@@ -488,10 +514,15 @@ def completion_logprobs(s: Served, entries: list[TokenLogprob | None], offset: i
 
 
 def chat_choice(s: Served, call: Call, branch: Branch, r: GenerationResult) -> dict:
+    """A reply cut by max_tokens says "length" and carries no call: a half call is not a call, and
+    its markup is not content."""
     message: dict[str, Any] = {"role": "assistant", "content": r.text}
     finish = r.finish_reason
-    if call.plan is not None and call.plan.parser is not None:
-        content, calls = call.plan.parser.parse(r.text)
+    parser = call.plan.parser if call.plan is not None else None
+    if parser is not None and finish == "length":
+        message["content"] = tools.cut_unfinished(parser, r.text)
+    elif parser is not None:
+        content, calls = parser.parse(r.text)
         if calls:
             message["content"] = content or None
             message["tool_calls"] = [c.as_openai() for c in calls]
@@ -537,9 +568,10 @@ def stream(s: Served, call: Call, branches: list[Branch], options) -> StreamingR
     """Branches are queued before the response starts, so a full queue is still a 429; the
     background task cancels them also when the client left before the first chunk."""
     include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
     running = submit_all(s, call, branches)
     return StreamingResponse(
-        sse(s, call, branches, running, include_usage),
+        sse(s, call, branches, running, include_usage, continuous),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
         background=BackgroundTask(cancel_all, running),
@@ -547,9 +579,15 @@ def stream(s: Served, call: Call, branches: list[Branch], options) -> StreamingR
 
 
 async def sse(
-    s: Served, call: Call, branches: list[Branch], running: list[Submitted], include_usage: bool
+    s: Served,
+    call: Call,
+    branches: list[Branch],
+    running: list[Submitted],
+    include_usage: bool,
+    continuous: bool = False,
 ) -> AsyncIterator[str]:
-    """Pieces of every branch as they come, each chunk tagged with its choice index."""
+    """Pieces of every branch as they come, each chunk tagged with its choice index; with
+    `continuous` (vLLM's `continuous_usage_stats`) every chunk carries the usage so far."""
     base = {"id": call.id, "created": call.created, "model": s.config.model_name}
     obj = "chat.completion.chunk" if call.chat else "text_completion"
     queue: asyncio.Queue = asyncio.Queue()
@@ -563,7 +601,17 @@ async def sse(
         finally:
             await queue.put((i, None))
 
+    prompt_ids = {b.prompt: len(b.ids) for b in branches}
+    generated = [0] * len(branches)
+
     def data(payload: dict) -> str:
+        if continuous and "usage" not in payload and "error" not in payload:
+            prompt, completion = sum(prompt_ids.values()), sum(generated)
+            payload["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
         return "data: " + json.dumps(payload) + "\n\n"
 
     tasks = [asyncio.create_task(pump(i)) for i in range(len(branches))]
@@ -597,6 +645,7 @@ async def sse(
                 continue
             b = branches[i]
             piece: Piece = item
+            generated[i] += len(piece.token_ids)
             finish = piece.result.finish_reason if piece.result is not None else None
             logprobs = None
             if b.params.logprobs is not None and piece.logprobs:
@@ -609,13 +658,17 @@ async def sse(
                 delta: dict[str, Any] = {}
                 text = piece.text
                 if i in tool_streams:
-                    text = tool_streams[i].feed(piece.text)
+                    ts = tool_streams[i]
+                    text = ts.feed(piece.text)
+                    calls_delta = ts.call_deltas()
                     if piece.result is not None:
-                        rest, calls = tool_streams[i].finish()
+                        rest, calls = ts.finish(finish)
                         text += rest
+                        calls_delta += ts.finish_deltas(calls)
                         if calls:
-                            delta["tool_calls"] = [c.as_openai() | {"index": k} for k, c in enumerate(calls)]
                             finish = "tool_calls"
+                    if calls_delta:
+                        delta["tool_calls"] = calls_delta
                 if text:
                     delta["content"] = text
                 if delta or finish or logprobs:
@@ -628,6 +681,8 @@ async def sse(
                 )
             if piece.result is not None:
                 results[i] = piece.result
+        if all(r is not None for r in results):
+            keep_prefix(s, call)
         if include_usage and all(r is not None for r in results):
             prompts = len({b.prompt for b in branches})
             yield data(base | {"object": obj, "choices": [], "usage": usage(results, prompts)})

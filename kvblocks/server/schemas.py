@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 # OpenAI parameters this server does not implement, with the reason their 400 gives.
 REFUSED = {
@@ -49,6 +49,10 @@ ROUTER_DEFAULTS = {
     "include_reasoning": [True, None],
 }
 
+# Fields of an echoed assistant message (`message.model_dump()` of the openai SDK, vLLM's extras)
+# that carry nothing when null or empty: such a value is dropped wherever a message may be.
+ECHOED_EMPTY = {"annotations", "audio", "function_call", "reasoning_content", "reasoning", "refusal"}
+
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
@@ -58,9 +62,22 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False)
 
 
+class CacheControl(_Model):
+    """Anthropic-style prompt-caching hint (litellm forwards it): keep the prefix that ends with
+    this part in the cache for `ttl` (default 5 minutes). kvblocks pins it for the caller's tenant."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+    @property
+    def seconds(self) -> float:
+        return 3600.0 if self.ttl == "1h" else 300.0
+
+
 class TextPart(_Model):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class FunctionCall(_Model):
@@ -98,6 +115,9 @@ class ChatMessage(_Model):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def parts(self) -> list[TextPart]:
+        return self.content if isinstance(self.content, list) else []
 
 
 class StreamOptions(_Model):
@@ -220,3 +240,149 @@ class ExplainRequest(_Model):
     cache_salt: str | None = None
     # what the request would ask for that changes how the cache is used
     echo_logprobs: bool = False
+
+
+# ---- the Responses API (/v1/responses) ---------------------------------------------------------
+
+# Responses parameters this server cannot honour, refused by name unless they ask for nothing.
+RESPONSES_REFUSED = {
+    "reasoning": "this model does not reason; 'reasoning' cannot be honoured",
+    "background": "background responses are not supported",
+    "conversation": "conversations are not supported; use 'previous_response_id'",
+    "prompt": "stored prompt templates are not supported",
+    "top_logprobs": "log-probabilities are not returned by /v1/responses here; use /v1/chat/completions",
+    "service_tier": "service tiers are not supported",
+    "max_tool_calls": "'max_tool_calls' is not supported",
+}
+RESPONSES_ACCEPTED_DEFAULTS = {
+    "reasoning": [None, {}],
+    "background": [False, None],
+    "conversation": [None],
+    "prompt": [None],
+    "top_logprobs": [None, 0],
+    "service_tier": ["auto", "default", None],
+    "max_tool_calls": [None],
+}
+
+
+class InputText(_Model):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list[Any] | None = None  # echoed output text carries them; nothing to honour
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(_Model):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Model):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Model):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+def _item_kind(value: Any) -> str | None:
+    return value.get("type", "message") if isinstance(value, dict) else None
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(_Model):
+    """A Responses function tool: the chat tool's `function` fields, flattened."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(_Model):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")] | None = None
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _named(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("a 'json_schema' format needs 'name' and 'schema'")
+        return self
+
+
+class TextOptions(_Model):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the only verbosity a plain model has
+
+
+class ResponsesRequest(_Model):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = True
+    text: TextOptions | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = 1.0
+    stream: bool | None = False
+    store: bool | None = True
+    previous_response_id: str | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None  # kept with a stored response, returned as given
+    truncation: Literal["disabled"] | None = None
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # RESPONSES_REFUSED keys, declared so their default values pass
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    conversation: None = None
+    prompt: None = None
+    top_logprobs: int | None = None
+    service_tier: str | None = None
+    max_tool_calls: None = None
+
+    @field_validator("include")
+    @classmethod
+    def _nothing_extra(cls, v):
+        if v:
+            raise ValueError(f"extra output ({', '.join(map(str, v))}) is not available here; send []")
+        return v

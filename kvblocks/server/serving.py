@@ -8,6 +8,7 @@ exiting 0). Here the first SIGTERM or SIGINT starts the drain; a second one ends
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from types import FrameType
@@ -43,10 +44,12 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(app, host: str, port: int, log_level: str) -> None:
-    """Serve `app` (from `create_app`) until a signal, then drain and shut down in order."""
+def serve(app, sock: socket.socket, log_level: str) -> None:
+    """Serve `app` (from `create_app`) on the bound `sock` until a signal, then drain and shut
+    down in order."""
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S
     )
     served = app.state.served
-    DrainingServer(config, served.admission, served.config.drain_timeout_s).run()
+    DrainingServer(config, served.admission, served.config.drain_timeout_s).run(sockets=[sock])

@@ -16,6 +16,7 @@ from kvblocks.namespace import Scope
 from kvblocks.server.bounds import MAX_TOKENIZING
 from kvblocks.server.errors import APIError
 from kvblocks.server.guard import Admission, principal_of
+from kvblocks.server.pins import PrefixPins
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class Served:
     prompt_chars: int | None = None
     tokenize_gate: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_TOKENIZING))
     history: History | None = None
+    pins: PrefixPins | None = None  # `cache_control` pins, made on first use (None: no cache)
 
     @property
     def gen(self) -> CachedGenerator:
@@ -57,6 +59,11 @@ class Served:
     @property
     def cache(self):
         return self.engine.generator.cache
+
+    def prefix_pins(self) -> PrefixPins | None:
+        if self.pins is None and self.cache is not None:
+            self.pins = PrefixPins(self.cache)
+        return self.pins
 
 
 def served(request: Request) -> Served:

@@ -1,0 +1,279 @@
+"""What agent frameworks need from `kvblocks serve` (issue 26), over real HTTP: the Responses API
+(openai SDK, OpenAI Agents SDK), echoed messages, cache_control, truthful finishes, streamed tool
+arguments, continuous usage stats, and a busy port refused before the model loads.
+
+Assertions are on the protocol (shapes, finish reasons, events, usage), never on the model's wisdom.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+
+import openai
+import pytest
+from server_proc import start_server, stop_cleanly
+
+from kvblocks.bench.fixtures import cli_env, kvblocks_command
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+MODEL = "SmolLM2-135M-Instruct"
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = start_server("--capacity", "8192")
+    yield server
+    stop_cleanly(server)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with server.client() as c:
+        yield c
+
+
+def sse_chunks(http, body: dict) -> list[dict]:
+    with http.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# ---- lenient where OpenAI is lenient -----------------------------------------------------------
+
+
+def test_echoed_assistant_message_with_null_fields_is_accepted(client):
+    messages = [{"role": "user", "content": "Say hi."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    echoed = first.choices[0].message.model_dump()
+    assert {"annotations", "audio", "function_call"} <= set(echoed)
+    messages += [echoed, {"role": "user", "content": "Again."}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert second.choices[0].finish_reason in ("stop", "length")
+
+
+def test_unknown_nested_key_is_refused_by_its_path(http):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "colour": 1}]}]}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    assert (
+        r.json()["error"]["message"]
+        == "Unrecognized request argument supplied: messages[0].content[0].colour"
+    )
+
+
+def test_echoed_field_with_a_value_is_still_refused(http):
+    body = {"messages": [{"role": "user", "content": "hi", "audio": {"id": "a1"}}], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "messages[0].audio" in r.json()["error"]["message"]
+
+
+def test_part_type_that_is_not_a_string_is_a_400(http):
+    body = {"messages": [{"role": "user", "content": [{"type": ["text"], "text": "hi"}]}]}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].type"
+
+
+def test_cache_control_pins_the_marked_prefix_for_the_tenant(http):
+    before = http.get("/v1/cache/stats").json()["cache"]["pinned_tokens"]
+    system = {
+        "type": "text",
+        "text": "You are a terse assistant. " * 8,
+        "cache_control": {"type": "ephemeral"},
+    }
+    body = {
+        "messages": [{"role": "system", "content": [system]}, {"role": "user", "content": "Hi."}],
+        "max_tokens": 2,
+    }
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert http.get("/v1/cache/stats").json()["cache"]["pinned_tokens"] > before
+
+
+# ---- truthful finishes, streamed tool arguments, usage -------------------------------------------
+
+
+def test_forced_call_cut_by_max_tokens_says_length_and_leaks_no_markup(http):
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": 6,
+    }
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert "tool_calls" not in choice["message"] and not choice["message"]["content"]
+    chunks = sse_chunks(http, body)
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length"
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert "<tool_call>" not in content
+
+
+def test_streamed_tool_arguments_arrive_in_fragments_in_openai_shape(http):
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": 60,
+    }
+    chunks = sse_chunks(http, body)
+    deltas = [d for c in chunks if c["choices"] for d in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "get_weather"
+    fragments = [d["function"]["arguments"] for d in deltas[1:]]
+    assert deltas[0]["function"]["arguments"] == "" and "city" in json.loads("".join(fragments))
+    opened = next(
+        k for k, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("tool_calls")
+    )
+    assert opened < len(chunks) - 1, "the call opens before the stream ends, not all at once"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(http):
+    body = {
+        "messages": [{"role": "user", "content": "Count to five."}],
+        "max_tokens": 8,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    chunks = sse_chunks(http, body)
+    assert all("usage" in c for c in chunks)
+    completions = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completions == sorted(completions) and completions[-1] == 8
+
+
+# ---- start-up --------------------------------------------------------------------------------
+
+
+def test_busy_port_is_a_one_line_error_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        proc = subprocess.run(
+            [*kvblocks_command(), "serve", "--port", str(port)],
+            capture_output=True, text=True, env=cli_env(), timeout=120,
+        )  # fmt: skip
+        elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    assert proc.stderr.strip().count("\n") == 0 and f"127.0.0.1:{port}" in proc.stderr
+    assert elapsed < 15, f"took {elapsed:.1f} s: the model was loaded first"
+
+
+# ---- the Responses API -----------------------------------------------------------------------
+
+
+def test_responses_string_input_gives_text_and_usage(client):
+    resp = client.responses.create(
+        model=MODEL, input="Say hello.", instructions="Be brief.", max_output_tokens=8
+    )
+    assert resp.object == "response" and resp.status in ("completed", "incomplete")
+    assert isinstance(resp.output_text, str)
+    assert resp.usage.input_tokens > 0 and resp.usage.output_tokens <= 8
+    if resp.status == "incomplete":
+        assert resp.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_stream_events_join_to_the_completed_text(client):
+    events = list(client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=12, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output_text
+
+
+def test_responses_function_call_then_output_continues_from_the_cache(client):
+    first = client.responses.create(
+        model=MODEL, input="Weather in Paris?", tools=[RESPONSES_WEATHER], tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=60, temperature=0,
+    )  # fmt: skip
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+    follow = client.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=[RESPONSES_WEATHER], max_output_tokens=8,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}],
+    )  # fmt: skip
+    assert follow.previous_response_id == first.id
+    assert follow.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    assert client.responses.retrieve(follow.id).id == follow.id
+
+
+def test_responses_streamed_function_arguments_arrive_as_deltas(client):
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Weather in Paris?", tools=[RESPONSES_WEATHER], tool_choice="required",
+            parallel_tool_calls=False, max_output_tokens=60, temperature=0, stream=True,
+        )
+    )  # fmt: skip
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert deltas
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads("".join(deltas)) == json.loads(done.arguments)
+    final = events[-1].response
+    assert [i.call_id for i in final.output if i.type == "function_call"] == [done.item_id[3:]]
+
+
+def test_responses_json_schema_format_constrains_the_text(client):
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    resp = client.responses.create(
+        model=MODEL, input="Give a number.", max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "num", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    assert resp.status == "completed"
+    assert isinstance(json.loads(resp.output_text)["n"], int)
+
+
+def test_responses_refuses_what_it_cannot_honour_by_name(http):
+    r = http.post("/v1/responses", json={"input": "hi", "reasoning": {"effort": "high"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning"
+    r = http.post("/v1/responses", json={"input": "hi", "previous_response_id": "resp_nope"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_openai_agents_sdk_runs_at_its_defaults(server):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    model = agents.OpenAIResponsesModel(
+        model=MODEL,
+        openai_client=openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0),
+    )
+    settings = agents.ModelSettings(max_tokens=40, temperature=0)
+    # a structured output ends under its grammar, so the run completes whatever the model would say
+    agent = agents.Agent(
+        name="a", instructions="Answer yes or no.", model=model, model_settings=settings, output_type=bool
+    )
+    result = agents.Runner.run_sync(agent, "Is the sky blue?")
+    assert isinstance(result.final_output, bool)
