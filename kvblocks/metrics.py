@@ -222,6 +222,11 @@ class CacheCollector(Collector):
             yield CounterMetricFamily(name, doc, value=s[key])
         for name, doc, key in CACHE_GAUGES + (SNAPSHOT_GAUGES if stateful else ()):
             yield GaugeMetricFamily(name, doc, value=s[key])
+        policy = GaugeMetricFamily(
+            "kvblocks_eviction_policy_info", "The pool's eviction policy (value 1).", labels=["policy"]
+        )
+        policy.add_metric([self.cache.eviction_policy], 1)
+        yield policy
         yield from tenant_families(self.cache.tenant_counters(), spills)
 
 

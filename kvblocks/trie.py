@@ -748,6 +748,11 @@ class KVCacheTrie:
     # ---- slots of running requests (packed forwards, kvblocks.paged) -------------------------
 
     @property
+    def eviction_policy(self) -> str:
+        """What leaves a full pool first: `gdsf` or `lru` (`kvblocks.eviction`)."""
+        return self._tree.policy.name
+
+    @property
     def pinned_tokens(self) -> int:
         return self._tree.pinned_tokens
 

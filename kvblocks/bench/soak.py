@@ -6,7 +6,9 @@ streams and measures its TTFT, and one tenant that floods the queue. Meanwhile f
 turn: Redis paused (SIGSTOP), killed and restarted, FLUSHALL, stored values bit-flipped, replaced by
 oversized ones or by keys of the wrong type; clients that vanish mid-stream; malformed bodies.
 
-Then every agent and victim request is replayed against a `--no-cache` server: a reply that differs
+The victim's TTFT and the 400 of a too-long prompt are first measured on the idle server; the
+traffic then runs for a quarter of the duration without faults (RSS is read after this warm-up),
+then for the duration with them. Then every agent and victim request is replayed against a `--no-cache` server: a reply that differs
 is a wrong output. Reported: wrong outputs (target 0), engine deaths (/health not 200 or the process
 gone; 0), 5xx answers to well-formed requests (0) and to malformed ones, RSS growth from warm-up to
 the end (within 10%), and the victim's TTFT p99 during the soak against its p99 on the idle server
@@ -94,11 +96,11 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
             server = spawn_serve(serve_args(args, keys, redis.url, secret), work)
             try:
                 wait_serve(server)
-                tally, rss = soak(server, redis, args)
+                tally, readings = soak(server, redis, args)
             finally:
                 server.stop(60)
         wrong = replay(args, tally, work)
-    return [report(args, tally, rss, wrong)]
+    return [report(args, tally, readings, wrong)]
 
 
 def serve_args(args: argparse.Namespace, keys: Path, redis_url: str, secret: Path) -> list[str]:
@@ -129,36 +131,52 @@ def system_prompt(tenant: str, words: int) -> str:
 
 
 def soak(server: Service, redis: RedisServer, args: argparse.Namespace) -> tuple[Tally, dict[str, float]]:
-    """Idle victim TTFT, then the timed soak under faults; returns the tally and the RSS samples."""
-    tally = Tally()
+    """The victim's TTFT and the too-long prompt's 400 on the idle server; then the traffic without
+    faults (warm-up: RSS is read after it); then the traffic under faults. Returns the tally of the
+    last phase and the readings."""
     idle = Tally()
-    for i in range(12):  # warm-up, and the victim's TTFT on an otherwise idle server
-        victim_turn(server, args, idle, i)
-    rss = {"warm": rss_mib(server), "idle_ttft_p99": float(np.percentile(idle.ttft_s, 99))}
+    for i in range(16):  # the first turns compute the victim's system prompt, the rest hit it
+        victim_turn(server, args, idle if i >= 4 else Tally(), i)
+    for _ in range(5):
+        malformed(server, idle, only="huge prompt")
+    readings = {
+        "idle_ttft_p99": float(np.percentile(idle.ttft_s, 99)),
+        "idle_huge_prompt_s": _median(idle.huge_prompt_s),
+    }
+    traffic(server, redis, args, Tally(), max(10, args.duration // 4), faults_on=False)
+    readings["warm"] = rss_mib(server)
+    tally = Tally()
+    traffic(server, redis, args, tally, args.duration, faults_on=True)
+    if redis.paused:
+        redis.resume()
+    readings["end"] = rss_mib(server)
+    readings["alive"] = float(server.alive())
+    return tally, readings
+
+
+def traffic(server: Service, redis: RedisServer, args, tally: Tally, seconds: int, faults_on: bool) -> None:
+    """Every tenant's traffic for `seconds` (and the Redis faults, if on); the flooder runs four
+    clients at once, so its line fills and it meets 429s."""
     stop = threading.Event()
     workers = [threading.Thread(target=agent, args=(server, args, tally, t, a, stop))
                for t in ("alpha", "beta") for a in range(args.agents)]  # fmt: skip
     turns = itertools.count()
     steps = [
         lambda: victim_turn(server, args, tally, next(turns)),
-        lambda: flood(server, tally),
+        *[lambda: flood(server, tally)] * 4,
         lambda: malformed(server, tally),
         lambda: vanish(server),
         lambda: health(server, tally),
     ]
     workers += [threading.Thread(target=loop, args=(stop, step)) for step in steps]
-    workers.append(threading.Thread(target=faults, args=(stop, redis, args, tally)))
+    if faults_on:
+        workers.append(threading.Thread(target=faults, args=(stop, redis, args, tally)))
     for w in workers:
         w.start()
-    stop.wait(args.duration)
+    stop.wait(seconds)
     stop.set()
     for w in workers:
         w.join(300)
-    if redis.paused:
-        redis.resume()
-    rss["end"] = rss_mib(server)
-    rss["alive"] = float(server.alive())
-    return tally, rss
 
 
 def loop(stop: threading.Event, step: Callable[[], None]) -> None:
@@ -270,8 +288,10 @@ MALFORMED: tuple[tuple[str, bytes], ...] = (
 )
 
 
-def malformed(server: Service, tally: Tally) -> None:
+def malformed(server: Service, tally: Tally, only: str | None = None) -> None:
     for name, raw in MALFORMED:
+        if only is not None and name != only:
+            continue
         route = "/v1/completions" if b'"prompt"' in raw else "/v1/chat/completions"
         start = time.perf_counter()
         try:
@@ -286,7 +306,8 @@ def malformed(server: Service, tally: Tally) -> None:
             tally.add("bad_5xx", f"{name}: {r.status_code} {r.text[:200]}")
         elif not 400 <= r.status_code < 500:
             tally.add("bad_not_4xx", f"{name}: {r.status_code}")
-    time.sleep(1.0)
+    if only is None:
+        time.sleep(1.0)
 
 
 def vanish(server: Service) -> None:
@@ -409,7 +430,7 @@ def replay(args: argparse.Namespace, tally: Tally, work: Path) -> list[str]:
     return wrong
 
 
-def report(args: argparse.Namespace, tally: Tally, rss: dict[str, float], wrong: list[str]) -> Report:
+def report(args: argparse.Namespace, tally: Tally, readings: dict[str, float], wrong: list[str]) -> Report:
     r = Report(
         "soak",
         "Soak: agent tenants, a victim and a flooder while Redis and clients misbehave",
@@ -422,17 +443,17 @@ def report(args: argparse.Namespace, tally: Tally, rss: dict[str, float], wrong:
         },
     )
     soak_p99 = float(np.percentile(tally.ttft_s, 99)) if tally.ttft_s else float("inf")
-    growth = (rss["end"] - rss["warm"]) / rss["warm"]
+    growth = (readings["end"] - readings["warm"]) / readings["warm"]
     r.checks += [
         Check("wrong outputs", len(wrong), "", 0),
-        Check("engine deaths (health not 200)", len(tally.health_failures) + (1 - rss["alive"]), "", 0),
+        Check("engine deaths (health not 200)", len(tally.health_failures) + (1 - readings["alive"]), "", 0),
         Check("5xx on well-formed requests", len(tally.good_5xx), "", 0),
         Check("5xx on malformed requests", len(tally.bad_5xx), "", 0),
-        Check("victim TTFT p99 / idle p99", soak_p99 / rss["idle_ttft_p99"], "x", 2.0),
+        Check("victim TTFT p99 / idle p99", soak_p99 / readings["idle_ttft_p99"], "x", 2.0),
         Check("RSS growth after warm-up", 100 * growth, "%", 10.0),
         Check(
-            "3.5 MB prompt that cannot fit: time to its 400, p50",
-            1e3 * _median(tally.huge_prompt_s),
+            "3.5 MB prompt that cannot fit: 400 on the idle server, p50",
+            1e3 * readings["idle_huge_prompt_s"],
             "ms",
             100,
         ),
@@ -441,8 +462,9 @@ def report(args: argparse.Namespace, tally: Tally, rss: dict[str, float], wrong:
         f"{len(tally.replies)} replies ({len({json.dumps(b, sort_keys=True) for b, _ in tally.replies})} "
         f"distinct requests) checked against a --no-cache server; {tally.rejected_429} requests "
         f"refused with 429; faults injected: {len(tally.faults)} ({', '.join(sorted(set(tally.faults)))})",
-        f"victim TTFT p99 {soak_p99 * 1e3:.0f} ms under load vs {rss['idle_ttft_p99'] * 1e3:.0f} ms idle; "
-        f"RSS {rss['warm']:.0f} MiB after warm-up, {rss['end']:.0f} MiB at the end",
+        f"victim TTFT p99 {soak_p99 * 1e3:.0f} ms under load vs {readings['idle_ttft_p99'] * 1e3:.0f} ms idle; "
+        f"RSS {readings['warm']:.0f} MiB after warm-up, {readings['end']:.0f} MiB at the end; the too-long "
+        f"prompt's 400 took {1e3 * _median(tally.huge_prompt_s):.0f} ms (p50) under load",
     ]
     r.notes += [f"wrong: {w}" for w in wrong[:5]] + [
         f"5xx: {e}" for e in (tally.good_5xx + tally.bad_5xx)[:5]
