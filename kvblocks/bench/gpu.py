@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import threading
 import time
 import traceback
 
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, int_options
+from kvblocks.bench.packed import EngineCall, random_ids
 
 BENCHMARKS = ("gather", "ttft", "agents", "invariance")
 _LLAMA3 = dict(num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=8192, vocab_size=128256)
@@ -140,10 +140,6 @@ def device_seconds(fn, device: torch.device) -> float:
     return start.elapsed_time(stop) / 1e3
 
 
-def random_ids(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
-    return rng.integers(vocab // 8, vocab // 2, n).tolist()
-
-
 def _engine(model, capacity: int, batch: int, batch_tokens: int, invariant: bool = False):
     """A started `BatchEngine` over a fresh trie of `capacity` tokens (ids in, no tokenizer)."""
     from kvblocks import CachedGenerator, KVCacheTrie
@@ -159,39 +155,6 @@ def _engine(model, capacity: int, batch: int, batch_tokens: int, invariant: bool
         max_batch_tokens=batch_tokens,
         invariant=invariant,
     ).start()
-
-
-class _Call:
-    """One request submitted to an engine: when it was sent, its first piece, its tokens."""
-
-    def __init__(self, engine, ids: list[int], max_tokens: int, logprobs: int | None = None) -> None:
-        from kvblocks import GenerationParams
-
-        self.done = threading.Event()
-        self.first = 0.0
-        self.error: BaseException | None = None
-        self.tokens: list[int] = []
-        self.logprobs: list = []
-        self.sent = time.perf_counter()
-        params = GenerationParams(max_new_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-        engine.submit(ids, self._emit, params=params)
-
-    def _emit(self, item) -> None:
-        if isinstance(item, BaseException):
-            self.error = item
-            self.done.set()
-            return
-        self.first = self.first or time.perf_counter()
-        self.tokens += item.token_ids
-        self.logprobs += item.logprobs or []
-        if item.result is not None:
-            self.done.set()
-
-    def wait(self) -> float:
-        """TTFT in seconds, once the request has finished."""
-        if not self.done.wait(1800) or self.error is not None:
-            raise RuntimeError(f"a benchmark request failed: {self.error}")
-        return self.first - self.sent
 
 
 # ---- gather ------------------------------------------------------------------------------------
@@ -276,12 +239,12 @@ def ttft(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
         hf.crop(ready, args.cached)  # back to the prefix alone (nothing copied)
 
     def through(new: list[int]) -> None:
-        _Call(engine, prefix + new, 1).wait()
+        EngineCall(engine, prefix + new, 1).wait()
 
     variants = {"ideal (prefill the new tokens only)": ideal, "BatchEngine": through}
     samples: dict[str, list[float]] = {name: [] for name in variants}
     try:
-        _Call(engine, prefix, 1).wait()  # the prefix is cached
+        EngineCall(engine, prefix, 1).wait()  # the prefix is cached
         for r in range(-2, args.runs):  # two untimed rounds first
             for name, fn in variants.items():
                 new = random_ids(rng, vocab, args.new)
@@ -403,7 +366,7 @@ def agents(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
 
 
 def _kvblocks_wave(engine, prompts: list[list[int]], reply: int) -> tuple[list[float], list[list[int]]]:
-    calls = [_Call(engine, p, reply) for p in prompts]
+    calls = [EngineCall(engine, p, reply) for p in prompts]
     return [c.wait() for c in calls], [c.tokens for c in calls]
 
 
@@ -540,10 +503,10 @@ def _alone_and_batched(
     alone = []
     for p in prompts:
         engine.cache.clear()
-        alone.append(_Call(engine, p, reply, logprobs=2))
+        alone.append(EngineCall(engine, p, reply, logprobs=2))
         alone[-1].wait()
     engine.cache.clear()
-    together = [_Call(engine, p, reply, logprobs=2) for p in prompts + others][: len(prompts)]
+    together = [EngineCall(engine, p, reply, logprobs=2) for p in prompts + others][: len(prompts)]
     for c in together:
         c.wait()
     identical = sum(

@@ -176,8 +176,9 @@ def _engine(model, tokenizer, batch: int, tokens: int = 80, capacity: int = 1638
     return BatchEngine(gen, max_batch_size=batch, max_batch_tokens=tokens, invariant=invariant).start()
 
 
-class _Call:
-    """One submitted request: when it was sent, its first piece, its end."""
+class EngineCall:
+    """One request submitted to an engine: when it was sent, its first piece, its tokens (the GPU
+    suite times its requests with it too)."""
 
     def __init__(self, engine, ids: list[int], max_tokens: int, logprobs: int | None = None) -> None:
         from kvblocks import GenerationParams
@@ -209,7 +210,8 @@ class _Call:
         return self.first - self.sent
 
 
-def _random_ids(rng, vocab: int, n: int) -> list[int]:
+def random_ids(rng, vocab: int, n: int) -> list[int]:
+    """Ids from the middle of the vocabulary (no special tokens), for random prompts."""
     return rng.integers(vocab // 8, vocab // 2, n).tolist()
 
 
@@ -227,14 +229,16 @@ def head_of_line(model, tokenizer, args: argparse.Namespace, opts: BenchOptions)
         engine = _engine(model, tokenizer, batch, tokens or 80, invariant=invariant)
         try:
             for _ in range(opts.warmup):
-                _Call(engine, _random_ids(rng, vocab, 24), 1).wait()
-            idle = [_Call(engine, _random_ids(rng, vocab, 24), 1).wait() for _ in range(args.short_requests)]
-            long = _Call(engine, _random_ids(rng, vocab, args.long_prompt), 1)
+                EngineCall(engine, random_ids(rng, vocab, 24), 1).wait()
+            idle = [
+                EngineCall(engine, random_ids(rng, vocab, 24), 1).wait() for _ in range(args.short_requests)
+            ]
+            long = EngineCall(engine, random_ids(rng, vocab, args.long_prompt), 1)
             time.sleep(0.2)
             loaded = []
             while len(loaded) < args.short_requests and not (loaded and long.done.is_set()):
                 time.sleep(float(rng.uniform(0.0, 0.25)))  # arrivals fall anywhere in a step
-                loaded.append(_Call(engine, _random_ids(rng, vocab, 24), 1).wait())
+                loaded.append(EngineCall(engine, random_ids(rng, vocab, 24), 1).wait())
             long_ttft[name] = long.wait()
         finally:
             engine.stop()
@@ -294,20 +298,20 @@ class _PeakRss:
 def memory(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
     vocab = model.config.vocab_size
     rng = np.random.default_rng(2)
-    document = _random_ids(rng, vocab, args.document)
+    document = random_ids(rng, vocab, args.document)
     growth: dict[str, list[float]] = {}
     for name, batch in (("Engine (batch 1)", 1), ("BatchEngine", 16)):
         engine = _engine(model, tokenizer, batch)
         growth[name] = []
         try:
-            _Call(engine, document, 1).wait()  # the document is cached from here on
+            EngineCall(engine, document, 1).wait()  # the document is cached from here on
             for _ in range(opts.warmup + 3):
                 gc.collect()
                 _trim()  # freed memory back to the OS: what one round allocates shows as growth
                 meter = _PeakRss()
                 before = meter.now()
                 calls = [
-                    _Call(engine, document + _random_ids(rng, vocab, 20), 16) for _ in range(args.readers)
+                    EngineCall(engine, document + random_ids(rng, vocab, 20), 16) for _ in range(args.readers)
                 ]
                 for call in calls:
                     call.wait()
@@ -356,7 +360,7 @@ def ttft(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Repo
 
     vocab = model.config.vocab_size
     rng = np.random.default_rng(3)
-    prefix = _random_ids(rng, vocab, args.cached)
+    prefix = random_ids(rng, vocab, args.cached)
     engines = {"BatchEngine": _engine(model, tokenizer, 16), "Engine (batch 1)": _engine(model, tokenizer, 1)}
     with torch.inference_mode():
         ready = hf.empty_cache(model.config)
@@ -364,7 +368,7 @@ def ttft(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Repo
     state: dict[str, object] = {}
 
     def fresh() -> None:
-        state["new"] = _random_ids(rng, vocab, args.new)
+        state["new"] = random_ids(rng, vocab, args.new)
 
     @torch.inference_mode()
     def ideal() -> None:
@@ -375,11 +379,11 @@ def ttft(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Repo
         hf.crop(ready, args.cached)  # back to the prefix alone, nothing copied
 
     def through(engine):
-        return lambda: _Call(engine, prefix + state["new"], 1).wait()
+        return lambda: EngineCall(engine, prefix + state["new"], 1).wait()
 
     try:
         for engine in engines.values():
-            _Call(engine, prefix, 1).wait()  # the prefix is cached
+            EngineCall(engine, prefix, 1).wait()  # the prefix is cached
         variants = [Variant("ideal (prefill the new tokens only)", ideal, fresh, ideal_teardown)]
         variants += [Variant(name, through(engine), fresh) for name, engine in engines.items()]
         samples = measure(variants, args.runs, opts, "ttft")
@@ -427,21 +431,21 @@ def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) ->
         for i in range(args.agents)
     ]
 
-    def alone(engine) -> list[_Call]:
+    def alone(engine) -> list[EngineCall]:
         out = []
         for ids in prompts:
-            call = _Call(engine, ids, args.reply, logprobs=2)
+            call = EngineCall(engine, ids, args.reply, logprobs=2)
             call.wait()
             out.append(call)
         return out
 
-    def together(engine) -> list[_Call]:
-        calls = [_Call(engine, ids, args.reply, logprobs=2) for ids in prompts]
+    def together(engine) -> list[EngineCall]:
+        calls = [EngineCall(engine, ids, args.reply, logprobs=2) for ids in prompts]
         for call in calls:
             call.wait()
         return calls
 
-    runs: dict[str, list[_Call]] = {}
+    runs: dict[str, list[EngineCall]] = {}
     t0 = time.perf_counter()
     for name, batch, invariant, how in (
         ("Engine, alone", 1, True, alone),
