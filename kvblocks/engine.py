@@ -193,10 +193,10 @@ class Engine:
         for request in self.room.items():
             request.emit(EngineError("admission", stopping))
 
-    def _next_waiting(self, skip: set[str] = frozenset()) -> Request | None:
+    def _next_waiting(self) -> Request | None:
         """The request admission offers next: the head of the least served tenant's line."""
         running = Counter(r.tenant for r in self._running_requests())
-        for tenant in self.room.fair_order(running, skip):
+        for tenant in self.room.fair_order(running):
             heads = self.room.heads(tenant, 1)
             if heads:
                 return heads[0]

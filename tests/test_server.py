@@ -16,6 +16,7 @@ import pytest
 from server_proc import scrape, start_server, stop_cleanly, wait_idle
 
 from kvblocks import CachedGenerator, KVCacheTrie
+from kvblocks.server.guard import PUBLIC_PATHS
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "sk-test-from-env"
@@ -230,7 +231,7 @@ def test_api_key_from_env_guards_every_endpoint_but_health(server, http):
     routes = [(method.upper(), path) for path, item in spec["paths"].items() for method in item]
     assert ("POST", "/v1/chat/completions") in routes and ("GET", "/metrics") in routes
     for method, path in [*routes, ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc")]:
-        if path == "/health":
+        if path in PUBLIC_PATHS:  # /health and /health_generate: routers probe them without a key
             continue
         for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": API_KEY}):
             r = httpx.request(method, f"{server.url}{path}", headers=headers, json={})

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvblocks import CachedGenerator
 from kvblocks.params import GenerationParams
+from kvblocks.server.openai_routes import split_prompts
 
 MODEL = "tiny"
 SYSTEM = "You are a terse assistant for a ferry company. Timetables change in winter. " * 3
@@ -377,3 +378,11 @@ def test_lenient_server_ignores_unknown_arguments_with_a_warning(lenient):
     )
     assert response.status_code == 200
     assert "ignoring unknown request argument 'mystery'" in lenient.stderr()
+
+
+def test_a_list_of_one_id_list_is_one_prompt_of_ids_not_one_prompt_of_lists():
+    """lm-eval sends `[[ids]]`: one prompt, given as a list of token-id lists."""
+    assert split_prompts([[1, 2, 3]]) == [[1, 2, 3]]
+    assert split_prompts([1, 2, 3]) == [[1, 2, 3]]
+    assert split_prompts(["a"]) == ["a"] and split_prompts("a") == ["a"]
+    assert split_prompts([[1], [2]]) == [[1], [2]] and split_prompts([]) == []

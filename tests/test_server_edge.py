@@ -162,6 +162,27 @@ def test_health_and_health_generate_answer_200_on_a_serving_engine(server):
     assert deep.json()["status"] == "ok"
 
 
+def test_a_flood_of_anonymous_health_generate_checks_costs_about_one_generation_a_second(server):
+    def total() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return float(
+            next(line for line in text.splitlines() if line.startswith("kvblocks_requests_total ")).split()[1]
+        )
+
+    before = total()
+    start = time.monotonic()
+
+    async def flood() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            return [
+                r.status_code for r in await asyncio.gather(*(c.get("/health_generate") for _ in range(24)))
+            ]
+
+    assert asyncio.run(flood()) == [200] * 24
+    seconds = time.monotonic() - start
+    assert total() - before <= seconds + 2
+
+
 def test_sigterm_drains_a_stream_in_flight_then_exits_0():
     server = start_server(
         "--model", str(tiny_model_dir(context=4096)), "--served-model-name", MODEL, "--drain-timeout", "300",

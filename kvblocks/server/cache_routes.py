@@ -15,6 +15,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from kvblocks.admission import QueueFullError
 from kvblocks.explain import explain
 from kvblocks.history import tenant_view
 from kvblocks.inspection import inspect_prefixes
@@ -46,12 +47,34 @@ async def health(request: Request):
 
 @router.get("/health_generate")
 async def health_generate(request: Request):
-    """SGLang's deep check: one token generated through the engine within a time limit."""
+    """SGLang's deep check: one token generated through the engine within a time limit. Public, so
+    one probe runs at a time and callers within a second of it share its answer: a flood of
+    anonymous checks costs the engine at most one token per second."""
     s = served(request)
-    problem = unhealthy(s) or await generate_one(s)
+    probe = getattr(request.app.state, "generation_probe", None)
+    if probe is None:
+        probe = request.app.state.generation_probe = GenerationProbe()
+    problem = await probe.check(s)
     if problem is not None:
         return unavailable(problem)
     return {"status": "ok", "model": s.config.model_name}
+
+
+class GenerationProbe:
+    """The last `/health_generate` answer and when it was taken; one generation in flight at most."""
+
+    def __init__(self, fresh_s: float = 1.0) -> None:
+        self.fresh_s = fresh_s
+        self._lock = asyncio.Lock()
+        self._at = -float("inf")
+        self._answer: str | None = None
+
+    async def check(self, s: Served) -> str | None:
+        async with self._lock:
+            if time.monotonic() - self._at >= self.fresh_s:
+                self._answer = unhealthy(s) or await generate_one(s)
+                self._at = time.monotonic()
+            return self._answer
 
 
 def unhealthy(s: Served) -> str | None:
@@ -74,7 +97,10 @@ async def generate_one(s: Served) -> str | None:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(item))
 
     ids = await tokenizing(s.tokenize_gate, s.gen.encode, HEALTH_PROMPT)
-    handle = s.engine.submit(ids, emit, params=GenerationParams(max_new_tokens=1, temperature=0.0))
+    try:
+        handle = s.engine.submit(ids, emit, params=GenerationParams(max_new_tokens=1, temperature=0.0))
+    except QueueFullError as exc:
+        return f"the engine cannot take the check: {exc}"
     try:
         item = await asyncio.wait_for(done, HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:

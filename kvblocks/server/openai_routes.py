@@ -80,7 +80,7 @@ async def completions(request: Request):
     echo = bool(body.echo)
     if echo and body.logprobs is not None and body.stream:
         raise APIError(400, "echo with logprobs is not supported when streaming", param="echo")
-    check_fanout(s, count_prompts(body.prompt), best_of)
+    check_fanout(s, len(split_prompts(body.prompt)), best_of)
     prompts = await encode_prompts(s, body.prompt)
     base = sampling(s, body, 1)
     logprobs = body.logprobs
@@ -189,11 +189,12 @@ def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
     return ChatPlan(ids, parser if offered else None, constraint, keep)
 
 
-def count_prompts(prompt) -> int:
-    """How many prompts a completions `prompt` holds: a string or one id list is one."""
+def split_prompts(prompt) -> list:
+    """The prompts a completions `prompt` holds: a string or one id list is one prompt; a list of
+    strings or of id lists is several."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-        return 1
-    return len(prompt)
+        return [prompt]
+    return list(prompt)
 
 
 def check_fanout(s: Served, prompts: int, per_prompt: int) -> None:
@@ -222,7 +223,7 @@ async def bounded_plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
 async def encode_prompts(s: Served, prompt) -> list[list[int]]:
     """Completions accept a string, a list of strings, a list of ids or a list of id lists. Every
     prompt is checked against the length bound before any is tokenised."""
-    prompts = [prompt] if count_prompts(prompt) == 1 else list(prompt)
+    prompts = split_prompts(prompt)
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt")
     where = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
