@@ -83,6 +83,19 @@ class Tally:
         with self.lock:
             getattr(self, name).append(value)
 
+    def answered(self, who: str, response: httpx.Response) -> bool:
+        """Whether a well-formed request of `who` got its 200; a 429 is counted as a refusal, a
+        5xx as a failure, anything else noted."""
+        if response.status_code == 200:
+            return True
+        if response.status_code == 429:
+            with self.lock:
+                self.rejected_429 += 1
+        else:
+            kind = "good_5xx" if response.status_code >= 500 else "bad_not_4xx"
+            self.add(kind, f"{who}: {response.status_code} {response.text[:200]}")
+        return False
+
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     with tempfile.TemporaryDirectory(prefix="kvblocks-soak-") as tmp:
@@ -202,14 +215,7 @@ def chat(server: Service, tenant: str, body: dict, tally: Tally, timeout: float 
     except httpx.TransportError as exc:
         tally.add("good_5xx", f"{tenant}: transport error {exc}")
         return None
-    if r.status_code == 429:
-        with tally.lock:
-            tally.rejected_429 += 1
-        return None
-    if r.status_code != 200:
-        tally.add(
-            "good_5xx" if r.status_code >= 500 else "bad_not_4xx", f"{tenant}: {r.status_code} {r.text[:200]}"
-        )
+    if not tally.answered(tenant, r):
         return None
     text = r.json()["choices"][0]["message"]["content"] or ""
     tally.add("replies", (body, text))
@@ -252,8 +258,7 @@ def victim_turn(server: Service, args, tally: Tally, i: int) -> None:
                           timeout=300) as r:  # fmt: skip
             if r.status_code != 200:
                 r.read()
-                kind = "good_5xx" if r.status_code >= 500 else "bad_not_4xx"
-                tally.add(kind, f"victim: {r.status_code} {r.text[:200]}")
+                tally.answered("victim", r)
                 return
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
@@ -277,14 +282,8 @@ def flood(server: Service, tally: Tally) -> None:
     except httpx.TransportError as exc:
         tally.add("good_5xx", f"flood: transport error {exc}")
         return
-    if r.status_code == 429:
-        with tally.lock:
-            tally.rejected_429 += 1
+    if not tally.answered("flood", r) and r.status_code == 429:
         time.sleep(0.05)
-    elif r.status_code != 200:
-        tally.add(
-            "good_5xx" if r.status_code >= 500 else "bad_not_4xx", f"flood: {r.status_code} {r.text[:200]}"
-        )
 
 
 MALFORMED: tuple[tuple[str, bytes], ...] = (
