@@ -26,7 +26,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
-from kvblocks.layout import LayerSpec, StateLayout
+from kvblocks.cache.layout import LayerSpec, StateLayout
 
 # Architectures whose cache carries recurrent (SSM / linear-attention / conv) state. That state
 # cannot be sliced per token, so serving a prefix of it would be silently wrong.

@@ -26,9 +26,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvblocks.chunks import VerificationError, all_finite
-from kvblocks.layout import KVLayout
-from kvblocks.redis_tier import RedisTier
+from kvblocks.cache.layout import KVLayout
+from kvblocks.spill.records import VerificationError, all_finite
+from kvblocks.spill.redis_tier import RedisTier
 
 try:
     import blake3

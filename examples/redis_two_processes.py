@@ -55,7 +55,7 @@ def run_process(role: int, args: argparse.Namespace, salt: str) -> dict:
 
     import kvblocks
     from kvblocks import models
-    from kvblocks.sealing import read_secret
+    from kvblocks.spill.sealing import read_secret
 
     torch.set_num_threads(1)
     # As `kvblocks serve` reads it: the file's bytes (whitespace stripped), else $KVBLOCKS_REDIS_SECRET

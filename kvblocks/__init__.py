@@ -12,22 +12,22 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CachedGenerator": "kvblocks.generator",
-    "GenerationResult": "kvblocks.generator",
-    "Piece": "kvblocks.generator",
-    "PromptTooLongError": "kvblocks.generator",
-    "Hit": "kvblocks.trie",
-    "KVCacheTrie": "kvblocks.trie",
-    "PinLimitError": "kvblocks.trie",
-    "PoolFullError": "kvblocks.trie",
-    "Namespace": "kvblocks.namespace",
-    "Scope": "kvblocks.namespace",
-    "GenerationParams": "kvblocks.params",
-    "ParamError": "kvblocks.params",
-    "TokenLogprob": "kvblocks.sampling",
-    "RedisTier": "kvblocks.redis_tier",
-    "SamplingParams": "kvblocks.sampling",
-    "PromptError": "kvblocks.text",
+    "CachedGenerator": "kvblocks.generate.generator",
+    "GenerationResult": "kvblocks.generate.generator",
+    "Piece": "kvblocks.generate.generator",
+    "PromptTooLongError": "kvblocks.generate.generator",
+    "Hit": "kvblocks.cache.trie",
+    "KVCacheTrie": "kvblocks.cache.trie",
+    "PinLimitError": "kvblocks.cache.trie",
+    "PoolFullError": "kvblocks.cache.trie",
+    "Namespace": "kvblocks.cache.namespace",
+    "Scope": "kvblocks.cache.namespace",
+    "GenerationParams": "kvblocks.generate.params",
+    "ParamError": "kvblocks.generate.params",
+    "TokenLogprob": "kvblocks.generate.sampling",
+    "RedisTier": "kvblocks.spill.redis_tier",
+    "SamplingParams": "kvblocks.generate.sampling",
+    "PromptError": "kvblocks.generate.text",
     "UnsupportedModelError": "kvblocks.adapters.hf",
 }
 
@@ -63,10 +63,10 @@ def __getattr__(name: str):
 
 if TYPE_CHECKING:
     from kvblocks.adapters.hf import UnsupportedModelError
-    from kvblocks.generator import CachedGenerator, GenerationResult, Piece, PromptTooLongError
-    from kvblocks.namespace import Namespace, Scope
-    from kvblocks.params import GenerationParams, ParamError
-    from kvblocks.redis_tier import RedisTier
-    from kvblocks.sampling import SamplingParams, TokenLogprob
-    from kvblocks.text import PromptError
-    from kvblocks.trie import Hit, KVCacheTrie, PinLimitError, PoolFullError
+    from kvblocks.cache.namespace import Namespace, Scope
+    from kvblocks.cache.trie import Hit, KVCacheTrie, PinLimitError, PoolFullError
+    from kvblocks.generate.generator import CachedGenerator, GenerationResult, Piece, PromptTooLongError
+    from kvblocks.generate.params import GenerationParams, ParamError
+    from kvblocks.generate.sampling import SamplingParams, TokenLogprob
+    from kvblocks.generate.text import PromptError
+    from kvblocks.spill.redis_tier import RedisTier

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from kvblocks.adapters import hf
-from kvblocks.generator import ModelRunner, context_length
-from kvblocks.sampling import SamplingParams, distribution
-from kvblocks.trie import Hit, KVCacheTrie, Salt
+from kvblocks.cache.trie import Hit, KVCacheTrie, Salt
+from kvblocks.generate.generator import ModelRunner, context_length
+from kvblocks.generate.sampling import SamplingParams, distribution
 
 
 @dataclass(slots=True)

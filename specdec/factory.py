@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvblocks import models
-from kvblocks.trie import KVCacheTrie
+from kvblocks.cache.trie import KVCacheTrie
 
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TrieDrafter, truncated_model
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvblocks.adapters import hf
-from kvblocks.generator import CachedGenerator, DecodeState
-from kvblocks.params import GenerationParams, ParamError
-from kvblocks.sampling import SamplingParams, distribution
-from kvblocks.trie import KVCacheTrie
+from kvblocks.cache.trie import KVCacheTrie
+from kvblocks.generate.generator import CachedGenerator, DecodeState
+from kvblocks.generate.params import GenerationParams, ParamError
+from kvblocks.generate.sampling import SamplingParams, distribution
 
 from .drafters import Drafter, DraftSession, Proposal
 from .rejection import verify

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from kvblocks.text import IdTokenizer  # noqa: F401  (the tests import it from here)
+from kvblocks.generate.text import IdTokenizer  # noqa: F401  (the tests import it from here)
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,6 +1,6 @@
 """A fleet for tests: real `kvblocks serve` replicas (tiny model) behind a real router, on 127.0.0.1.
 
-The machinery is `kvblocks.bench.fleet` (the `kvblocks bench fleet` suite runs the same fleet):
+The machinery is `kvblocks.fleet` (the `kvblocks bench fleet` suite runs the same fleet):
 `Fleet` starts the replicas (extra arguments for all of them and for each one), an optional shared
 Redis or Redis Cluster with one secret, and `start_router(kind, policy, args)` puts sglang-router or
 vllm-router in front; `fleet.replicas[i]` can be `stop`ped, `kill`ed and `restart`ed on its own
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from server_proc import tiny_model_dir
 
-from kvblocks.bench.fleet import (
+from kvblocks.fleet import (
     Fleet,
     Job,
     Outcome,

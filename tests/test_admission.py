@@ -20,10 +20,9 @@ from server_proc import start_server, stop_cleanly, tiny_model_dir
 from tiny_models import tiny_model
 
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie
-from kvblocks.admission import QueueFullError, RoomLimits, WaitingRoom
-from kvblocks.auth import TenantLimits
-from kvblocks.batch_engine import BatchEngine
-from kvblocks.text import IdTokenizer
+from kvblocks.engine.admission import QueueFullError, RoomLimits, TenantLimits, WaitingRoom
+from kvblocks.engine.batch import BatchEngine
+from kvblocks.generate.text import IdTokenizer
 
 
 @dataclass(eq=False)

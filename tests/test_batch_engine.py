@@ -21,8 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from tiny_models import VOCAB, tiny_model
 
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie
-from kvblocks.batch_engine import BatchEngine
-from kvblocks.engine import Engine
+from kvblocks.engine.batch import BatchEngine
+from kvblocks.engine.loop import Engine
 
 
 def workload(seed: int = 0, n: int = 6) -> list[list[int]]:

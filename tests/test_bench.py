@@ -10,9 +10,9 @@ from conftest import IdTokenizer, tiny_llama
 
 from kvblocks.bench import micro
 from kvblocks.bench.harness import BenchOptions, Check, Report, Stats, Variant, measure
-from kvblocks.cli import main
-from kvblocks.layout import KVLayout
-from kvblocks.pool import KVPool
+from kvblocks.cache.layout import KVLayout
+from kvblocks.cache.pool import KVPool
+from kvblocks.cli.commands import main
 
 
 def test_stats_give_median_p99_and_mean():

@@ -9,7 +9,7 @@ from conftest import IdTokenizer, tiny_llama
 
 from kvblocks.bench import workloads as wl
 from kvblocks.bench.harness import BenchOptions
-from kvblocks.cli import main
+from kvblocks.cli.commands import main
 
 VOCAB = 128
 QUIET = BenchOptions(warmup=1, plots=False, progress=False)

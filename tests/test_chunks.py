@@ -18,7 +18,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvblocks.chunks import (
+from kvblocks.cache.layout import KVLayout
+from kvblocks.spill.records import (
     FORMAT_VERSION,
     VerificationError,
     _split_record,
@@ -29,8 +30,7 @@ from kvblocks.chunks import (
     encode_record,
     record_size_bounds,
 )
-from kvblocks.layout import KVLayout
-from kvblocks.sealing import Sealer
+from kvblocks.spill.sealing import Sealer
 
 NS = "ns-a"
 TOKENS = np.arange(100, 108, dtype=np.int32)
@@ -457,7 +457,7 @@ def test_all_finite_agrees_with_isfinite_on_arbitrary_bytes(dtype, data):
 
 
 def test_a_well_formed_record_is_split_without_copying_its_payload():
-    from kvblocks.chunks import _split_record
+    from kvblocks.spill.records import _split_record
 
     kv = random_kv(LAYOUT, len(TOKENS))
     raw = encode_record(NS, TOKENS, LAYOUT, kv)

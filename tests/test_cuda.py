@@ -28,8 +28,8 @@ from tiny_models import VOCAB, random_ids, tiny_model
 from transformers import DynamicCache
 
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie, RedisTier
-from kvblocks.batch_engine import BatchEngine
-from kvblocks.engine import Engine
+from kvblocks.engine.batch import BatchEngine
+from kvblocks.engine.loop import Engine
 
 DEVICE = os.environ.get("KVBLOCKS_TEST_DEVICE", "cuda")
 pytestmark = [

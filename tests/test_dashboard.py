@@ -15,7 +15,7 @@ from server_proc import start_server, stop_cleanly, tiny_model_dir, wait_idle
 from tiny_models import HYBRID_ARCHITECTURES, tiny_model
 
 from kvblocks import KVCacheTrie
-from kvblocks.metrics import CacheCollector, Metrics
+from kvblocks.telemetry.metrics import CacheCollector, Metrics
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboards" / "kvblocks.json"
 # Grafana's variables, as Grafana substitutes them before the query reaches Prometheus

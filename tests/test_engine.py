@@ -11,8 +11,8 @@ import torch
 from conftest import IdTokenizer, tiny_llama
 
 from kvblocks import CachedGenerator, KVCacheTrie
-from kvblocks.engine import Engine
-from kvblocks.generator import Piece
+from kvblocks.engine.loop import Engine
+from kvblocks.generate.generator import Piece
 
 PREFIX = list(range(3, 43))  # 40 tokens, cached before the tests that need a locked hit
 

@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from test_batch_engine import no_leaks, run_all, workload
 from tiny_models import VOCAB, tiny_model
 
-import kvblocks.batch_engine as batch_engine
+import kvblocks.engine.batch as batch_engine
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie, Scope
-from kvblocks.batch_engine import BatchEngine
-from kvblocks.engine import Engine, EngineError
-from kvblocks.text import IdTokenizer
+from kvblocks.engine.batch import BatchEngine
+from kvblocks.engine.loop import Engine, EngineError
+from kvblocks.generate.text import IdTokenizer
 
 POISON = VOCAB - 1
 PHASES = ("match", "admission", "forward", "logprobs", "commit", "step")

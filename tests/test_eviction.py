@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvblocks import cli
-from kvblocks.eviction import LRU, POLICIES, GreedyDualFrequency, make_policy
-from kvblocks.radix import RadixTree
+from kvblocks.cache.eviction import LRU, POLICIES, GreedyDualFrequency, make_policy
+from kvblocks.cache.radix import RadixTree
+from kvblocks.cli import commands as cli
 
 NS = "ns"
 

@@ -7,8 +7,8 @@ import torch
 from conftest import IdTokenizer, tiny_llama
 
 from kvblocks import CachedGenerator, KVCacheTrie, PromptError, PromptTooLongError
-from kvblocks.params import GenerationParams, ParamError
-from kvblocks.sampling import LogitsProcessor
+from kvblocks.generate.params import GenerationParams, ParamError
+from kvblocks.generate.sampling import LogitsProcessor
 from kvblocks.specdec import ModelDrafter, PromptLookupDrafter, SpeculativeGenerator, truncated_model
 
 PROMPT = [5, 17, 42, 9, 77, 3, 101, 64, 12, 8]

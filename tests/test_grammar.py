@@ -8,14 +8,14 @@ import torch
 from transformers import DynamicCache
 
 from kvblocks import models
-from kvblocks.grammar import (
+from kvblocks.generate.grammar import (
     GrammarError,
     json_object_constraint,
     json_schema_constraint,
     lark_constraint,
 )
-from kvblocks.text import encode_prompt
-from kvblocks.tools import detect_parser, get_parser, render_messages, tool_call_grammar
+from kvblocks.generate.text import encode_prompt
+from kvblocks.generate.tools import detect_parser, get_parser, render_messages, tool_call_grammar
 
 try:
     import jsonschema

@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvblocks import UnsupportedModelError
 from kvblocks.adapters import hf
-from kvblocks.layout import LayerSpec
+from kvblocks.cache.layout import LayerSpec
 
 LENGTH = 2 * WINDOW + 4  # long enough that every sliding layer has dropped tokens
 

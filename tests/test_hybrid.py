@@ -36,7 +36,7 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 
 from kvblocks import CachedGenerator, GenerationResult, KVCacheTrie, UnsupportedModelError
 from kvblocks.adapters import hf
-from kvblocks.explain import explain
+from kvblocks.cache.explain import explain
 
 DTYPES = [torch.float32, torch.float64]
 NEW_TOKENS = 5

@@ -1,7 +1,7 @@
 """`kvblocks stats / inspect / explain` against a running `kvblocks serve`.
 
 The server is a real process (tiny random model, SmolLM2's tokenizer, a 160-token device pool so
-that evictions are cheap to cause). The CLI runs in-process through `kvblocks.cli.main` (it only
+that evictions are cheap to cause). The CLI runs in-process through `kvblocks.cli.commands.main` (it only
 speaks HTTP, and a fresh `kvblocks` process costs seconds of imports); the unreachable-server case
 runs the real console script to show the whole process prints one line and no traceback.
 """
@@ -26,7 +26,7 @@ from server_proc import (
     wait_idle,
 )
 
-from kvblocks.cli import main
+from kvblocks.cli.commands import main
 
 MODEL = "tiny"
 API_KEY = "sk-inspect"
@@ -264,8 +264,9 @@ def test_plot_without_matplotlib_is_one_clear_line(kvblocks, monkeypatch, tmp_pa
 
 def test_the_clis_copies_of_library_constants_match_the_library():
     # cli.py keeps its own copies so `--help` and the HTTP-only commands start without torch.
-    from kvblocks import cli, tools
-    from kvblocks.redis_tier import DEFAULT_TTL_S
+    from kvblocks.cli import commands as cli
+    from kvblocks.generate import tools
+    from kvblocks.spill.redis_tier import DEFAULT_TTL_S
 
     assert tuple(tools.PARSERS) == cli.TOOL_PARSERS
     assert cli.DEFAULT_REDIS_TTL_S == DEFAULT_TTL_S

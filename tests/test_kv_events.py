@@ -1,4 +1,4 @@
-"""KV events in vLLM's wire format (kvblocks.kv_events), read the way routers read them: a real ZMQ
+"""KV events in vLLM's wire format (kvblocks.telemetry.kv_events), read the way routers read them: a real ZMQ
 SUB socket (and a DEALER for replays) decoding every batch with msgpack, against a real trie."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from test_trie import CONFIG, SPECS, synthetic_past, synthetic_trie
 from transformers import AutoTokenizer
 
 from kvblocks import KVCacheTrie
-from kvblocks.cli import main
-from kvblocks.kv_events import END_SEQ, BlockHasher, KVEventPublisher
-from kvblocks.namespace import Namespace
-from kvblocks.redis_tier import RedisTier
+from kvblocks.cache.namespace import Namespace
+from kvblocks.cli.commands import main
+from kvblocks.spill.redis_tier import RedisTier
+from kvblocks.telemetry.kv_events import END_SEQ, BlockHasher, KVEventPublisher
 
 BS = 4  # block size of these tests: small prompts span several blocks
 STORED_KEYS = [

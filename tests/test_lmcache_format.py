@@ -28,8 +28,8 @@ from kvblocks.adapters.lmcache import (
     object_key,
     to_lmcache,
 )
-from kvblocks.chunks import VerificationError
-from kvblocks.layout import KVLayout
+from kvblocks.cache.layout import KVLayout
+from kvblocks.spill.records import VerificationError
 
 CHUNK = 16
 LAYERS, HEADS, DIM = 2, 2, 4

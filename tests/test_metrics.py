@@ -11,8 +11,8 @@ from redis_server import RedisServer
 from server_proc import start_server, stop_cleanly, tiny_model_dir, wait_idle
 
 from kvblocks import CachedGenerator, KVCacheTrie, RedisTier
-from kvblocks.metrics import CacheCollector, Metrics
-from kvblocks.vllm_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+from kvblocks.telemetry.metrics import CacheCollector, Metrics
+from kvblocks.telemetry.vllm_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 MODEL = "tiny"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from kvblocks.namespace import Namespace, Scope, model_fingerprint, namespace_for
+from kvblocks.cache.namespace import Namespace, Scope, model_fingerprint, namespace_for
 
 
 @pytest.fixture(scope="module")

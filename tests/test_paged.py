@@ -1,4 +1,4 @@
-"""Packed forwards over the pool (kvblocks.paged) equal one request at a time with a DynamicCache.
+"""Packed forwards over the pool (kvblocks.engine.paged) equal one request at a time with a DynamicCache.
 
 Three requests run as a mixed schedule: a prompt prefilled in two chunks, a prompt that shares
 the first prompt's leading tokens by pointing at its slots (computed in the same forward), a third
@@ -14,12 +14,12 @@ import pytest
 import torch
 from tiny_models import VOCAB, WINDOW, tiny_model
 
-from kvblocks import paged
 from kvblocks.adapters import hf
-from kvblocks.layout import KVLayout
-from kvblocks.paged import PagedRunner, Segment
-from kvblocks.pool import KVPool
-from kvblocks.trie import KVCacheTrie, PoolFullError
+from kvblocks.cache.layout import KVLayout
+from kvblocks.cache.pool import KVPool
+from kvblocks.cache.trie import KVCacheTrie, PoolFullError
+from kvblocks.engine import paged
+from kvblocks.engine.paged import PagedRunner, Segment
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gpt2", "gpt_neox", "opt"]
 DECODE = 4

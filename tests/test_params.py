@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from kvblocks.params import GenerationParams, ParamError
-from kvblocks.sampling import SamplingParams
+from kvblocks.generate.params import GenerationParams, ParamError
+from kvblocks.generate.sampling import SamplingParams
 
 
 def test_defaults_process_nothing():

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvblocks.layout import KVLayout
-from kvblocks.pool import KVPool
+from kvblocks.cache.layout import KVLayout
+from kvblocks.cache.pool import KVPool
 
 SHAPES = ((2, 4), (0, 0), (1, 3))  # layer 1 caches nothing
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from kvblocks.eviction import LRU, EvictionPolicy, GreedyDualFrequency
-from kvblocks.radix import Node, RadixTree, common_prefix_len
+from kvblocks.cache.eviction import LRU, EvictionPolicy, GreedyDualFrequency
+from kvblocks.cache.radix import Node, RadixTree, common_prefix_len
 
 NS = "ns"
 

@@ -23,10 +23,10 @@ from redis_server import LocalCluster, RedisServer, RedisUnavailable, free_port,
 
 import kvblocks
 from kvblocks import CachedGenerator, KVCacheTrie
-from kvblocks.chunks import NativeCodec, chain_hashes, encode_record
-from kvblocks.layout import KVLayout
-from kvblocks.redis_tier import DEFAULT_TTL_S, RedisTier
-from kvblocks.sealing import Sealer
+from kvblocks.cache.layout import KVLayout
+from kvblocks.spill.records import NativeCodec, chain_hashes, encode_record
+from kvblocks.spill.redis_tier import DEFAULT_TTL_S, RedisTier
+from kvblocks.spill.sealing import Sealer
 
 SEED = 0
 CHUNK = 8
@@ -140,7 +140,7 @@ import json, sys
 import torch
 from conftest import IdTokenizer, tiny_llama
 from kvblocks import CachedGenerator, KVCacheTrie
-from kvblocks.redis_tier import RedisTier
+from kvblocks.spill.redis_tier import RedisTier
 
 args = json.loads(sys.argv[1])
 runs = []

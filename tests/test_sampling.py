@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kvblocks.params import GenerationParams
-from kvblocks.sampling import (
+from kvblocks.generate.params import GenerationParams
+from kvblocks.generate.sampling import (
     LOGPROB_ROWS,
     LogitsProcessor,
     SamplingParams,

@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from kvblocks.sealing import SECRET_ENV, TAG_BYTES, Sealer, SealError, read_secret
+from kvblocks.spill.sealing import SECRET_ENV, TAG_BYTES, Sealer, SealError, read_secret
 
 SECRET = b"0123456789abcdef-secret"
 

@@ -19,7 +19,7 @@ from server_proc import start_server, stop_cleanly, tiny_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvblocks import CachedGenerator
-from kvblocks.params import GenerationParams
+from kvblocks.generate.params import GenerationParams
 from kvblocks.server.openai_routes import split_prompts
 
 MODEL = "tiny"

@@ -9,7 +9,7 @@ import json
 
 from server_proc import tiny_model_dir
 
-from kvblocks.cli import main
+from kvblocks.cli.commands import main
 
 
 def test_a_soak_under_faults_gives_no_wrong_output_no_engine_death_and_no_5xx(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Speculative sampling end to end: the output distribution is exactly the target's.
 
 A stand-in model with a vocabulary of 8 makes the target's joint distribution over the first
-three generated tokens (temperature, top-k and top-p applied by `kvblocks.sampling.distribution`)
+three generated tokens (temperature, top-k and top-p applied by `kvblocks.generate.sampling.distribution`)
 cheap to enumerate. 30k requests with different seeds go through the real `SpeculativeGenerator`
 loop, and Pearson's chi-square test must accept kvblocks and reject a control that forgets the
 rejection correction (it samples p instead of norm(max(0, p - q)) after a rejection) already at
@@ -22,8 +22,8 @@ from transformers import LlamaConfig
 
 from kvblocks import CachedGenerator, KVCacheTrie
 from kvblocks.adapters import hf
-from kvblocks.generator import ModelRunner
-from kvblocks.sampling import SamplingParams, distribution
+from kvblocks.generate.generator import ModelRunner
+from kvblocks.generate.sampling import SamplingParams, distribution
 from kvblocks.specdec import ModelDrafter, PromptLookupDrafter, SpeculativeGenerator, TrieDrafter, verify
 
 # the package re-exports the function `verify` under its module's name: fetch the modules themselves

@@ -8,9 +8,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvblocks import models
-from kvblocks.grammar import lark_constraint
-from kvblocks.text import encode_prompt
-from kvblocks.tools import (
+from kvblocks.generate.grammar import lark_constraint
+from kvblocks.generate.text import encode_prompt
+from kvblocks.generate.tools import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,

@@ -20,9 +20,10 @@ from redis_server import RedisServer, RedisUnavailable, unavailable
 from server_proc import start_server, stop_cleanly, tiny_model_dir
 from tiny_models import tiny_model
 
-from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie, RedisTier, Scope, tracing
-from kvblocks.batch_engine import BatchEngine
-from kvblocks.text import IdTokenizer
+from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie, RedisTier, Scope
+from kvblocks.engine.batch import BatchEngine
+from kvblocks.generate.text import IdTokenizer
+from kvblocks.telemetry import tracing
 
 TENANT = "acme-payroll"
 PROMPT = list(range(3, 3 + 96))

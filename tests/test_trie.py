@@ -24,8 +24,8 @@ from transformers import DynamicCache, LlamaConfig
 
 from kvblocks import Hit, KVCacheTrie, PinLimitError
 from kvblocks.adapters import hf
-from kvblocks.layout import LayerSpec
-from kvblocks.namespace import Namespace
+from kvblocks.cache.layout import LayerSpec
+from kvblocks.cache.namespace import Namespace
 
 # ---- synthetic KV: a pure function of (salt, prefix) ----------------------------------------------
 

@@ -28,7 +28,7 @@ from redis_server import RedisServer, RedisUnavailable, unavailable
 
 from kvblocks import CachedGenerator, KVCacheTrie
 from kvblocks.adapters import hf
-from kvblocks.redis_tier import RedisTier
+from kvblocks.spill.redis_tier import RedisTier
 
 CHUNK = 8
 VOCAB = 128  # tiny_llama's

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvblocks.adapters import hf
-from kvblocks.generator import CachedGenerator, ModelRunner
-from kvblocks.sampling import SamplingParams, choose
-from kvblocks.trie import KVCacheTrie
+from kvblocks.cache.trie import KVCacheTrie
+from kvblocks.generate.generator import CachedGenerator, ModelRunner
+from kvblocks.generate.sampling import SamplingParams, choose
 
 Clock = Callable[[], float]
 GREEDY = SamplingParams()

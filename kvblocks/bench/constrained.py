@@ -70,8 +70,9 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
 
 
 def bench_constrained(model_path: str | None, repeats: int, opts: BenchOptions) -> Report:
-    from kvblocks import CachedGenerator, grammar, models, tools
-    from kvblocks.params import GenerationParams
+    from kvblocks import CachedGenerator, models
+    from kvblocks.generate import grammar, tools
+    from kvblocks.generate.params import GenerationParams
 
     model, tokenizer = models.load(model_path)
     gen = CachedGenerator(model, tokenizer, None)

@@ -289,7 +289,7 @@ class Service:
 def kvblocks_command() -> list[str]:
     """The `kvblocks` console script of this interpreter's environment."""
     script = Path(sys.executable).with_name("kvblocks")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvblocks.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvblocks.cli.commands"]
 
 
 def cli_env(**extra: str) -> dict[str, str]:

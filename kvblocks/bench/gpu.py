@@ -143,8 +143,8 @@ def device_seconds(fn, device: torch.device) -> float:
 def _engine(model, capacity: int, batch: int, batch_tokens: int, invariant: bool = False):
     """A started `BatchEngine` over a fresh trie of `capacity` tokens (ids in, no tokenizer)."""
     from kvblocks import CachedGenerator, KVCacheTrie
-    from kvblocks.batch_engine import BatchEngine
-    from kvblocks.text import IdTokenizer
+    from kvblocks.engine.batch import BatchEngine
+    from kvblocks.generate.text import IdTokenizer
 
     trie = KVCacheTrie.for_model(model, capacity_tokens=capacity)
     generator = CachedGenerator(model, IdTokenizer(), trie)
@@ -162,8 +162,8 @@ def _engine(model, capacity: int, batch: int, batch_tokens: int, invariant: bool
 
 def gather(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
     from kvblocks.adapters import hf
-    from kvblocks.layout import KVLayout
-    from kvblocks.pool import KVPool
+    from kvblocks.cache.layout import KVLayout
+    from kvblocks.cache.pool import KVPool
 
     device = next(model.parameters()).device
     layout = KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model)))
@@ -456,7 +456,7 @@ def _peak(device: torch.device) -> int:
 
 
 def invariance(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
-    from kvblocks import paged
+    from kvblocks.engine import paged
 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype

@@ -103,8 +103,8 @@ class _Lane:
     """One served variant: its generator, its conversations' histories and what each request got."""
 
     def __init__(self, name: str, model, cache) -> None:
-        from kvblocks.generator import CachedGenerator
-        from kvblocks.text import IdTokenizer
+        from kvblocks.generate.generator import CachedGenerator
+        from kvblocks.generate.text import IdTokenizer
 
         self.name = name
         self.cache = cache

@@ -51,7 +51,7 @@ def serve_big_trie(port: int, nodes: int, ready) -> None:
     from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
     from kvblocks import CachedGenerator, KVCacheTrie, models
-    from kvblocks.engine import Engine
+    from kvblocks.engine.loop import Engine
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
 
     torch.set_num_threads(1)

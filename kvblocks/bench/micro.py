@@ -34,10 +34,10 @@ from kvblocks.bench.harness import (
     measure,
     progress,
 )
+from kvblocks.cache.layout import KVLayout, LayerSpec
+from kvblocks.cache.pool import KVPool
+from kvblocks.cache.radix import SLOT_DTYPE, TOKEN_DTYPE
 from kvblocks.errors import UserError
-from kvblocks.layout import KVLayout, LayerSpec
-from kvblocks.pool import KVPool
-from kvblocks.radix import SLOT_DTYPE, TOKEN_DTYPE
 
 BENCHMARKS = ("gather", "trie", "ttft", "fingerprint")
 GB = 1e9
@@ -292,8 +292,8 @@ def tiny_trie(capacity: int, layers: int, head_dim: int):
     """A KVCacheTrie over a tiny 1-head layout (no model), so a million tokens fit in a few MB of KV."""
     from transformers import LlamaConfig
 
-    from kvblocks.namespace import Namespace
-    from kvblocks.trie import KVCacheTrie
+    from kvblocks.cache.namespace import Namespace
+    from kvblocks.cache.trie import KVCacheTrie
 
     config = LlamaConfig(
         hidden_size=head_dim,
@@ -487,9 +487,9 @@ def bench_ttft(
     opts: BenchOptions, model, tokenizer, cached: int, question: int, repeats: int, nocache_repeats: int
 ) -> Report:
     from kvblocks.adapters import hf
-    from kvblocks.generator import CachedGenerator
-    from kvblocks.sampling import SamplingParams, choose
-    from kvblocks.trie import KVCacheTrie
+    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.generate.generator import CachedGenerator
+    from kvblocks.generate.sampling import SamplingParams, choose
 
     rng = np.random.default_rng(2)
     vocab = model.config.vocab_size
@@ -575,7 +575,7 @@ def bench_fingerprint(opts: BenchOptions, model, model_name: str | None, repeats
     xxh3-128 over the same tensors' bytes, the floor any full-weight hash pays."""
     import xxhash
 
-    from kvblocks.namespace import model_fingerprint
+    from kvblocks.cache.namespace import model_fingerprint
 
     tensors = [t.detach() for _, t in [*model.named_parameters(), *model.named_buffers()]]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -632,7 +632,7 @@ def bench_fingerprint(opts: BenchOptions, model, model_name: str | None, repeats
         Check("model_fingerprint / bare xxh3-128, weights warm", report.ratio(warm_name, bare_name)),
     ]
     report.notes = [
-        f"`kvblocks.namespace.model_fingerprint`: the config (JSON) and every parameter and buffer ({len(tensors)} "
+        f"`kvblocks.cache.namespace.model_fingerprint`: the config (JSON) and every parameter and buffer ({len(tensors)} "
         f"tensors, {nbytes / 1e6:,.1f} MB) with its name, dtype and shape, streamed through xxh3-128; the "
         f"result was the same in every run ({next(iter(seen))})",
         "'right after a load': the model is loaded again (untimed setup, `kvblocks.models.load`, as "

@@ -1,7 +1,7 @@
 """`kvblocks bench packed`: the paged, batched engine against one request at a time and the ideal.
 
 - decode: B requests each hold a C-token context. One timed run is one decode step for all of
-  them: one packed forward (`kvblocks.paged.PagedRunner`: every request's next token in one `[1, B]`
+  them: one packed forward (`kvblocks.engine.paged.PagedRunner`: every request's next token in one `[1, B]`
   sequence, attention per request through its pool slots) or B forwards of one token each on the
   request's own `DynamicCache` (what `Engine` does). Both greedy-decode the same tokens; the suite
   checks that the token streams are identical.
@@ -46,7 +46,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         "packed",
         run,
         help="decode throughput: one packed forward over the pool vs one forward per request",
-        description="Decode steps of B requests as one packed forward (kvblocks.paged) vs one at a time.",
+        description="Decode steps of B requests as one packed forward (kvblocks.engine.paged) vs one at a time.",
         model=True,
         only=("decode", "head-of-line", "memory", "ttft", "exactness"),
     )
@@ -88,9 +88,9 @@ def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
     import torch
 
     from kvblocks.adapters import hf
-    from kvblocks.layout import KVLayout
-    from kvblocks.paged import PagedRunner, Segment
-    from kvblocks.pool import KVPool
+    from kvblocks.cache.layout import KVLayout
+    from kvblocks.cache.pool import KVPool
+    from kvblocks.engine.paged import PagedRunner, Segment
 
     b, context = args.requests, args.context
     rng = np.random.default_rng(0)
@@ -155,7 +155,7 @@ def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
         f"tokens/s: packed {b / report.median('packed forward'):.1f}, one at a time "
         f"{b / report.median('one request at a time'):.1f}; every request decoded "
         f"{len(packed_tokens[0])} tokens in each variant",
-        "packed = kvblocks.paged.PagedRunner (K/V written to and read from pool slots, no per-request "
+        "packed = kvblocks.engine.paged.PagedRunner (K/V written to and read from pool slots, no per-request "
         "cache); one at a time = a transformers DynamicCache per request, one forward per token",
     ]
     return report
@@ -167,8 +167,8 @@ def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
 def _engine(model, tokenizer, batch: int, tokens: int = 80, capacity: int = 16384, invariant: bool = True):
     """`Engine` (batch 1) or `BatchEngine` over a fresh trie, started."""
     from kvblocks import CachedGenerator, KVCacheTrie
-    from kvblocks.batch_engine import BatchEngine
-    from kvblocks.engine import Engine
+    from kvblocks.engine.batch import BatchEngine
+    from kvblocks.engine.loop import Engine
 
     gen = CachedGenerator(model, tokenizer, KVCacheTrie.for_model(model, capacity_tokens=capacity))
     if batch == 1:
@@ -348,7 +348,7 @@ def _trim() -> None:
 
 def model_token_bytes(model) -> int:
     from kvblocks.adapters import hf
-    from kvblocks.layout import KVLayout
+    from kvblocks.cache.layout import KVLayout
 
     return KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))).token_bytes()
 
@@ -414,7 +414,7 @@ def ttft(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Repo
 def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
     """Greedy replies of chat turns sharing a system prompt: each request alone vs all at once."""
     from kvblocks.bench.server import system_prompt
-    from kvblocks.text import encode_prompt
+    from kvblocks.generate.text import encode_prompt
 
     system = system_prompt(tokenizer, args.system_tokens)
     prompts = [

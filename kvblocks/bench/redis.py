@@ -183,9 +183,9 @@ def layout_trie(layers: int, heads: int, head_dim: int, capacity: int, spill=Non
     import torch
     from transformers import LlamaConfig
 
-    from kvblocks.layout import LayerSpec
-    from kvblocks.namespace import Namespace
-    from kvblocks.trie import KVCacheTrie
+    from kvblocks.cache.layout import LayerSpec
+    from kvblocks.cache.namespace import Namespace
+    from kvblocks.cache.trie import KVCacheTrie
 
     config = LlamaConfig(
         hidden_size=heads * head_dim,
@@ -215,7 +215,7 @@ def bench_restore(
     from redis.utils import HIREDIS_AVAILABLE
 
     from kvblocks.bench.micro import KVSource
-    from kvblocks.redis_tier import RedisTier
+    from kvblocks.spill.redis_tier import RedisTier
 
     layers, heads, head_dim = shape
     c = tier_kwargs["chunk_tokens"]
@@ -421,9 +421,9 @@ def bench_ttft(
 ) -> Report:
     """Process A (this one) serves one request and writes its prefix through to Redis; process B
     (a fresh interpreter) is timed. Only ids and the URL cross the process boundary."""
-    from kvblocks.generator import CachedGenerator
-    from kvblocks.redis_tier import RedisTier
-    from kvblocks.trie import KVCacheTrie
+    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.generate.generator import CachedGenerator
+    from kvblocks.spill.redis_tier import RedisTier
 
     rng = np.random.default_rng(4)
     vocab = model.config.vocab_size
@@ -508,10 +508,10 @@ def bench_ttft(
 def process_b(spec: dict) -> dict:
     """The timed side of the TTFT benchmark, run in its own interpreter (see `bench_ttft`)."""
     from kvblocks.adapters import hf
-    from kvblocks.generator import CachedGenerator
-    from kvblocks.redis_tier import RedisTier
-    from kvblocks.sampling import SamplingParams, choose
-    from kvblocks.trie import KVCacheTrie
+    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.generate.generator import CachedGenerator
+    from kvblocks.generate.sampling import SamplingParams, choose
+    from kvblocks.spill.redis_tier import RedisTier
 
     opts = BenchOptions(**spec["opts"], plots=False)
     set_threads(opts.threads)
@@ -582,9 +582,9 @@ def bench_decode(
 ) -> Report:
     from kvblocks.adapters import hf
     from kvblocks.bench.micro import KVSource
-    from kvblocks.generator import CachedGenerator
-    from kvblocks.redis_tier import RedisTier
-    from kvblocks.trie import KVCacheTrie
+    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.generate.generator import CachedGenerator
+    from kvblocks.spill.redis_tier import RedisTier
 
     if new_tokens < 3:
         raise UserError("--decode-tokens must be at least 3")

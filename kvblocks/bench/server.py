@@ -234,7 +234,7 @@ async def wave(client, load: Load, tokenizer, system: str, args, tag: str, turns
 async def agent(
     client, load: Load, tokenizer, system: str, args, tag: str, index: int, turns: int, bar=None
 ) -> list[Sent]:
-    from kvblocks.text import encode_prompt
+    from kvblocks.generate.text import encode_prompt
 
     messages = [{"role": "system", "content": system}]
     sent = []

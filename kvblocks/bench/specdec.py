@@ -245,7 +245,8 @@ def bench_workload(
 ) -> list[Report]:
     import torch
 
-    from kvblocks.generator import CachedGenerator
+    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.generate.generator import CachedGenerator
     from kvblocks.specdec import (
         ModelDrafter,
         PromptLookupDrafter,
@@ -254,7 +255,6 @@ def bench_workload(
         TrieDrafter,
         truncated_model,
     )
-    from kvblocks.trie import KVCacheTrie
 
     capacity = 16_384
     cache = KVCacheTrie.for_model(model, capacity_tokens=capacity)
@@ -516,7 +516,7 @@ class StepCosts:
 
 def propose_times(opts: BenchOptions, w: Workload, drafter, context: list[int], repeats: int) -> dict:
     """A point-mass drafter's proposal time on a prompt and half its answer (microseconds, no model)."""
-    from kvblocks.sampling import SamplingParams
+    from kvblocks.generate.sampling import SamplingParams
 
     session = drafter.start(context, None)
     half = context[: len(context) - w.max_new_tokens // 2]
@@ -563,9 +563,9 @@ def bench_sweep(
 ) -> Report:
     """alpha and c for each K (gamma = 1, greedy) and the S they predict for gamma = 1, 2, 4."""
     from kvblocks.adapters import hf
-    from kvblocks.generator import CachedGenerator, ModelRunner
+    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.generate.generator import CachedGenerator, ModelRunner
     from kvblocks.specdec import ModelDrafter, SpeculativeGenerator, truncated_model
-    from kvblocks.trie import KVCacheTrie
 
     cache = KVCacheTrie.for_model(model, capacity_tokens=8192)
     base = CachedGenerator(model, tokenizer, cache)

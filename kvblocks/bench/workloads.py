@@ -57,8 +57,8 @@ from kvblocks.bench.harness import (
     measure,
     positive_int,
 )
+from kvblocks.cache.eviction import DEFAULT_POLICY, POLICIES
 from kvblocks.errors import UserError
-from kvblocks.eviction import DEFAULT_POLICY, POLICIES
 
 OPTIONAL = ("no-reuse", "deepcopy", "cb", "cb-batch")
 CB_BATCH = "transformers CB, all at once"
@@ -888,7 +888,7 @@ def make_workload(kind: str, sizes: dict, vocab: int) -> Workload:
 
 def bench_workload(model, tokenizer, kind: str, sizes: dict, opts: BenchOptions) -> WorkloadReport:
     """Build the workload `kind` from `sizes` (the CLI's flags), run every variant, report."""
-    from kvblocks.generator import context_length
+    from kvblocks.generate.generator import context_length
 
     w = make_workload(kind, sizes, model.config.vocab_size)
     lengths = w.prompt_lengths()

@@ -16,14 +16,15 @@ from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvblocks import grammar, tools, tracing
-from kvblocks.engine import Engine
-from kvblocks.history import History, sample_of
+from kvblocks.engine.loop import Engine
+from kvblocks.generate import grammar, tools
 from kvblocks.server import cache_routes, openai_routes, responses_routes, worker_routes
 from kvblocks.server.bounds import char_limit
 from kvblocks.server.errors import APIError, validation_error
 from kvblocks.server.guard import GuardConfig, RequestGuard
 from kvblocks.server.state import Served, ServerConfig
+from kvblocks.telemetry import tracing
+from kvblocks.telemetry.history import History, sample_of
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:

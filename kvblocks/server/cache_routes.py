@@ -15,17 +15,17 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from kvblocks.admission import QueueFullError
-from kvblocks.explain import explain
-from kvblocks.history import tenant_view
-from kvblocks.inspection import inspect_prefixes
-from kvblocks.metrics import CONTENT_TYPE_LATEST
-from kvblocks.params import GenerationParams
+from kvblocks.cache.explain import explain
+from kvblocks.cache.inspection import inspect_prefixes
+from kvblocks.engine.admission import QueueFullError
+from kvblocks.generate.params import GenerationParams
 from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.guard import error_response
 from kvblocks.server.schemas import ExplainRequest
 from kvblocks.server.state import Served, caller, require_engine_view, scope_of, served
+from kvblocks.telemetry.history import tenant_view
+from kvblocks.telemetry.metrics import CONTENT_TYPE_LATEST
 
 router = APIRouter()
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvblocks.auth import OPEN, ApiKeys, Principal
+from kvblocks.server.auth import OPEN, ApiKeys, Principal
 
 PUBLIC_PATHS = frozenset({"/health", "/health_generate"})
 DRAIN_RETRY_AFTER_S = 5

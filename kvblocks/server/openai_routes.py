@@ -20,11 +20,11 @@ from fastapi import APIRouter, Request
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
-from kvblocks import grammar, tools
-from kvblocks.admission import QueueFullError
-from kvblocks.generator import GenerationResult, Piece
-from kvblocks.params import GenerationParams, ParamError
-from kvblocks.sampling import TokenLogprob
+from kvblocks.engine.admission import QueueFullError
+from kvblocks.generate import grammar, tools
+from kvblocks.generate.generator import GenerationResult, Piece
+from kvblocks.generate.params import GenerationParams, ParamError
+from kvblocks.generate.sampling import TokenLogprob
 from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.schemas import ChatCompletionRequest, CompletionRequest

@@ -12,7 +12,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvblocks.trie import PinLimitError
+from kvblocks.cache.trie import PinLimitError
 
 MAX_PINS_PER_TENANT = 8
 log = logging.getLogger("kvblocks.server")

@@ -26,8 +26,8 @@ from fastapi import APIRouter, Request
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
-from kvblocks import tools
-from kvblocks.generator import GenerationResult
+from kvblocks.generate import tools
+from kvblocks.generate.generator import GenerationResult
 from kvblocks.server.errors import APIError, parse_request, validate
 from kvblocks.server.openai_routes import (
     Branch,

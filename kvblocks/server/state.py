@@ -8,15 +8,15 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from kvblocks.auth import ApiKeys, Principal
-from kvblocks.engine import Engine
-from kvblocks.generator import CachedGenerator
-from kvblocks.history import History
-from kvblocks.namespace import Scope
+from kvblocks.cache.namespace import Scope
+from kvblocks.engine.loop import Engine
+from kvblocks.generate.generator import CachedGenerator
+from kvblocks.server.auth import ApiKeys, Principal
 from kvblocks.server.bounds import MAX_TOKENIZING
 from kvblocks.server.errors import APIError
 from kvblocks.server.guard import Admission, principal_of
 from kvblocks.server.pins import PrefixPins
+from kvblocks.telemetry.history import History
 
 
 @dataclass(slots=True)
@@ -35,7 +35,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     history_interval_s: float = 5.0  # seconds between samples of /v1/cache/history
     history_window_s: float = 6 * 3600  # how far back it reaches
-    vllm_metrics: bool = True  # /metrics also under vLLM's names (kvblocks.vllm_metrics)
+    vllm_metrics: bool = True  # /metrics also under vLLM's names (kvblocks.telemetry.vllm_metrics)
 
 
 @dataclass(slots=True)

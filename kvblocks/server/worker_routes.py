@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from kvblocks import __version__
-from kvblocks.params import GenerationParams
+from kvblocks.generate.params import GenerationParams
 from kvblocks.server.bounds import check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.openai_routes import (

@@ -1,7 +1,7 @@
 """The batched engine: continuous batching of running requests over the shared KV pool.
 
 `BatchEngine` has `Engine`'s interface (submit, load, metrics, start, stop) and the same emitted
-pieces, but each loop iteration is one packed forward (`kvblocks.paged`) over every running
+pieces, but each loop iteration is one packed forward (`kvblocks.engine.paged`) over every running
 request: decode tokens first, then chunks of prefill, under `max_batch_tokens`, for at most
 `max_batch_size` requests; a step in which some request can get its first token leaves long
 prefills out (head-of-line blocking is then the step in flight plus one short step). A request's
@@ -40,18 +40,19 @@ from typing import Any
 
 import numpy as np
 
-from kvblocks import paged, tracing
-from kvblocks.admission import LimitsOf, RoomLimits, no_limits
-from kvblocks.engine import Engine, EngineError, Request, trace_admitted, trace_ended
-from kvblocks.generator import CachedGenerator, GenerationResult, Piece
-from kvblocks.metrics import Metrics
-from kvblocks.params import GenerationParams
-from kvblocks.radix import common_prefix_len
-from kvblocks.sampling import LogitsProcessor, choose, distribution, token_logprobs
+from kvblocks.cache.radix import common_prefix_len
+from kvblocks.cache.trie import Hit, PoolFullError
+from kvblocks.engine import paged
+from kvblocks.engine.admission import LimitsOf, RoomLimits, no_limits
+from kvblocks.engine.loop import Engine, EngineError, Request, trace_admitted, trace_ended
+from kvblocks.generate.generator import CachedGenerator, GenerationResult, Piece
+from kvblocks.generate.params import GenerationParams
+from kvblocks.generate.sampling import LogitsProcessor, choose, distribution, token_logprobs
+from kvblocks.generate.text import StopTextAssembler
 from kvblocks.specdec.generator import SpecStats, SpeculativeGenerator
 from kvblocks.specdec.rejection import verify
-from kvblocks.text import StopTextAssembler
-from kvblocks.trie import Hit, PoolFullError
+from kvblocks.telemetry import tracing
+from kvblocks.telemetry.metrics import Metrics
 
 CHUNK = 64  # batch-invariant mode cuts prompts at every multiple of this many positions
 LOOK = 32  # waiting requests per tenant that admission considers each step (never the whole line)
@@ -141,7 +142,9 @@ class BatchEngine(Engine):
         limits_of: LimitsOf = no_limits,
     ) -> None:
         if generator.cache is None or not paged.supports(generator.model):
-            raise ValueError("the batched engine needs a prefix cache and a model kvblocks.paged supports")
+            raise ValueError(
+                "the batched engine needs a prefix cache and a model kvblocks.engine.paged supports"
+            )
         check_settings(max_batch_size, max_batch_tokens, invariant, chunk)
         super().__init__(generator, metrics, max_active, limits, limits_of)
         # plain decoding, or draft/verify rounds as multi-token chunks of the packed forward
@@ -337,7 +340,7 @@ class BatchEngine(Engine):
         if not s.started:
             s.cached_tokens = s.hit.length
             s.started = True
-        s.slots = s.hit._slots.copy()
+        s.slots = s.hit.slots.copy()
         s.start = s.computed = s.hit.length
 
     # ---- one packed forward ------------------------------------------------------------------------
@@ -597,8 +600,8 @@ class BatchEngine(Engine):
         held = self.cache.hold(s.sequence[:n], salt=s.salt)
         s.hit.release()
         s.hit = held
-        s.slots = np.concatenate([held._slots, beyond])
-        s.start = len(held._slots)
+        s.slots = np.concatenate([held.slots, beyond])
+        s.start = len(held.slots)
 
     def _complete(self, s: Sequence) -> None:
         """The computed tokens (prompt and reply, not the last sampled one) pass to the trie."""

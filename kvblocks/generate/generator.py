@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from kvblocks.adapters import hf
-from kvblocks.params import GenerationParams, ParamError
-from kvblocks.sampling import (
+from kvblocks.cache.trie import KVCacheTrie, Salt
+from kvblocks.generate.params import GenerationParams, ParamError
+from kvblocks.generate.sampling import (
     LogitsProcessor,
     SamplingParams,
     TokenLogprob,
@@ -26,8 +27,7 @@ from kvblocks.sampling import (
     seeded_rng,
     token_logprobs,
 )
-from kvblocks.text import Prompt, PromptError, StopTextAssembler, encode_prompt
-from kvblocks.trie import KVCacheTrie, Salt
+from kvblocks.generate.text import Prompt, PromptError, StopTextAssembler, encode_prompt
 
 
 class PromptTooLongError(PromptError):

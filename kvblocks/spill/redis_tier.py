@@ -34,9 +34,9 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvblocks.chunks import ChunkCodec, NativeCodec, VerificationError
-from kvblocks.layout import KVLayout, StateLayout
-from kvblocks.sealing import Sealer
+from kvblocks.cache.layout import KVLayout, StateLayout
+from kvblocks.spill.records import ChunkCodec, NativeCodec, VerificationError
+from kvblocks.spill.sealing import Sealer
 
 log = logging.getLogger("kvblocks.redis")
 

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvblocks import tracing
-from kvblocks.admission import LimitsOf, QueueFullError, RoomLimits, WaitingRoom, no_limits
-from kvblocks.generator import CachedGenerator, Piece
-from kvblocks.metrics import CacheCollector, Metrics
+from kvblocks.engine.admission import LimitsOf, QueueFullError, RoomLimits, WaitingRoom, no_limits
+from kvblocks.generate.generator import CachedGenerator, Piece
+from kvblocks.telemetry import tracing
+from kvblocks.telemetry.metrics import CacheCollector, Metrics
 
 __all__ = ["Engine", "EngineError", "Load", "QueueFullError", "Request"]
 
@@ -292,7 +292,7 @@ class Engine:
         )
 
 
-# ---- traces (kvblocks.tracing; each a no-op while tracing is off) ------------------------------
+# ---- traces (kvblocks.telemetry.tracing; each a no-op while tracing is off) ------------------------------
 
 
 def trace_submitted(request: Request) -> None:

@@ -19,6 +19,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvblocks.engine.admission import TenantLimits
+
 KEYS_FILE_ENV = "KVBLOCKS_API_KEYS_FILE"
 MIN_KEY_CHARS = 8
 MAX_TENANT_CHARS = 128
@@ -42,15 +44,6 @@ class Principal:
     def sees_engine(self) -> bool:
         """May read what every tenant's traffic does to the engine (load, server info, metrics)."""
         return self.role in ("router", "admin")
-
-
-@dataclass(slots=True, frozen=True)
-class TenantLimits:
-    """A tenant's bounds in the engine. None: only the server-wide bound applies."""
-
-    max_running: int | None = None
-    max_waiting: int | None = None
-    weight: float = 1.0
 
 
 LIMIT_FIELDS = ("max_running", "max_waiting", "weight")

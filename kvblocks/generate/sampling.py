@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvblocks.params import GenerationParams
+    from kvblocks.generate.params import GenerationParams
 
 # Below this temperature sampling is greedy (as in vLLM): dividing float32 logits by a tinier
 # temperature overflows to inf and the distribution becomes NaN.

@@ -15,10 +15,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvblocks.vllm_metrics import VllmCollector, VllmHistograms
+from kvblocks.telemetry.vllm_metrics import VllmCollector, VllmHistograms
 
 if TYPE_CHECKING:
-    from kvblocks.trie import KVCacheTrie
+    from kvblocks.cache.trie import KVCacheTrie
 
 __all__ = ["CONTENT_TYPE_LATEST", "CacheCollector", "Metrics"]
 
@@ -61,7 +61,7 @@ class Metrics:
     def export_vllm(
         self, model_name: str, load: Callable[[], tuple[int, int]], cache: KVCacheTrie | None
     ) -> None:
-        """Export vLLM's names beside kvblocks' own (`kvblocks.vllm_metrics`), labelled `model_name`."""
+        """Export vLLM's names beside kvblocks' own (`kvblocks.telemetry.vllm_metrics`), labelled `model_name`."""
         self.vllm = VllmHistograms(self.registry, model_name)
         self.register(VllmCollector(model_name, lambda: self.counters, load, cache))
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from kvblocks.radix import Node
+    from kvblocks.cache.radix import Node
 
 DEFAULT_POLICY = "gdsf"
 

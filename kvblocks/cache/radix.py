@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvblocks.eviction import LRU, EvictionPolicy
+from kvblocks.cache.eviction import LRU, EvictionPolicy
 
 TOKEN_DTYPE = np.int32
 SLOT_DTYPE = np.int32
@@ -35,7 +35,7 @@ class Node:
     pin_ref: int = 0
     last_access: int = 0
     hits: int = 0
-    stamp: float = 0.0  # the eviction policy's value at the last touch (`kvblocks.eviction`)
+    stamp: float = 0.0  # the eviction policy's value at the last touch (`kvblocks.cache.eviction`)
     snap: np.ndarray | None = None  # slots of the recurrent-state snapshot after the last token
 
     @property
@@ -285,7 +285,7 @@ class RadixTree:
         before_drop: Callable[[Node], None] | None = None,
     ) -> np.ndarray:
         """Free at least `num_tokens` slots (fewer if too much is locked or pinned), in the order of
-        the tree's eviction policy (`kvblocks.eviction`).
+        the tree's eviction policy (`kvblocks.cache.eviction`).
 
         A leaf is trimmed from its tail, so eviction is token-granular and what stays is still a
         prefix of something that was inserted; a leaf's snapshot goes with the first token trimmed.

@@ -15,7 +15,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from kvblocks.auth import TenantLimits
+
+@dataclass(slots=True, frozen=True)
+class TenantLimits:
+    """A tenant's bounds in the engine. None: only the server-wide bound applies."""
+
+    max_running: int | None = None
+    max_waiting: int | None = None
+    weight: float = 1.0
+
 
 LimitsOf = Callable[[str], TenantLimits]
 

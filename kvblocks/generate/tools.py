@@ -28,8 +28,8 @@ from typing import ClassVar
 
 from jinja2 import TemplateError
 
-from kvblocks.grammar import JSON_OPTIONS
-from kvblocks.text import PromptError
+from kvblocks.generate.grammar import JSON_OPTIONS
+from kvblocks.generate.text import PromptError
 
 
 class ToolError(ValueError):
@@ -550,7 +550,7 @@ def _check_roles(messages: Sequence[dict]) -> None:
 def render_messages(
     tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None, parser: ToolParser | None = None
 ) -> list[dict[str, str]] | list[int]:
-    """The chat prompt with tools, in a form `kvblocks.text.encode_prompt` takes.
+    """The chat prompt with tools, in a form `kvblocks.generate.text.encode_prompt` takes.
 
     - no tools and no tool turns: plain `{role, content}` messages, exactly as without tools;
     - the chat template handles tools: the token ids of the template rendered with `tools=`;

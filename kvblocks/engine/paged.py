@@ -1,6 +1,6 @@
 """Packed forwards over the KV pool: many requests in one forward, K/V read through slot lists.
 
-This is the attention path of the batched engine (`kvblocks.batch_engine`, `kvblocks serve
+This is the attention path of the batched engine (`kvblocks.engine.batch`, `kvblocks serve
 --max-batch-size`). A packed forward takes segments, one per request: the request's new tokens (a
 decode token or a chunk of prefill) and the pool slots of every position the request has so far,
 its new tokens' slots last. The tokens of all segments go through the model as one sequence
@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvblocks.pool import KVPool
+from kvblocks.cache.pool import KVPool
 
 NAME = "kvblocks_paged"
 # Model types whose packed forward is tested equal to one request at a time (tests/test_paged.py).

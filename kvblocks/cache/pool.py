@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvblocks.layout import KVLayout
-from kvblocks.radix import SLOT_DTYPE
+from kvblocks.cache.layout import KVLayout
+from kvblocks.cache.radix import SLOT_DTYPE
 
 
 class KVPool:

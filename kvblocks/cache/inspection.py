@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from kvblocks.trie import KVCacheTrie
+from kvblocks.cache.trie import KVCacheTrie
 
 PREVIEW_TOKENS = 48
 

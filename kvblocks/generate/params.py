@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from kvblocks.sampling import ParamError, SamplingParams
+from kvblocks.generate.sampling import ParamError, SamplingParams
 
 
 class Constraint(Protocol):

@@ -59,9 +59,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # kvblocks.tools.PARSERS, without importing it here
-EVICTION_POLICIES = ("gdsf", "lru")  # kvblocks.eviction.POLICIES, without importing the package here
-DEFAULT_REDIS_TTL_S = 24 * 3600.0  # kvblocks.redis_tier.DEFAULT_TTL_S, without importing torch here
+TOOL_PARSERS = (
+    "hermes",
+    "llama3_json",
+    "mistral",
+)  # kvblocks.generate.tools.PARSERS, without importing it here
+EVICTION_POLICIES = ("gdsf", "lru")  # kvblocks.cache.eviction.POLICIES, without importing the package here
+DEFAULT_REDIS_TTL_S = 24 * 3600.0  # kvblocks.spill.redis_tier.DEFAULT_TTL_S, without importing torch here
 
 DRAFT_HELP = (
     "drafter: a model path, self:K (the target's first K layers), lookup[:N] (n-gram prompt lookup) or trie"
@@ -101,8 +105,8 @@ def load_stack(args: argparse.Namespace):
     capacity = parse_capacity(args.capacity)
     spill = None
     if args.redis:
-        from kvblocks.redis_tier import RedisTier
-        from kvblocks.sealing import read_secret
+        from kvblocks.spill.redis_tier import RedisTier
+        from kvblocks.spill.sealing import read_secret
 
         try:
             secret = read_secret(args.redis_secret_file)
@@ -144,9 +148,9 @@ def build_engine(args: argparse.Namespace, gen, keys=None):
     """`BatchEngine` where the packed path serves the model (unless --max-batch-size 1), else `Engine`
     (one request per forward); when a batch size was asked for and cannot be had, a line on stderr
     says why. Its waiting room takes the --max-waiting bounds and the keys file's tenant limits."""
-    from kvblocks import paged
-    from kvblocks.admission import RoomLimits, no_limits
-    from kvblocks.engine import Engine
+    from kvblocks.engine import paged
+    from kvblocks.engine.admission import RoomLimits, no_limits
+    from kvblocks.engine.loop import Engine
 
     room = {
         "limits": RoomLimits(args.max_waiting, args.max_waiting_per_tenant),
@@ -164,7 +168,7 @@ def build_engine(args: argparse.Namespace, gen, keys=None):
         if args.max_batch_size is not None:  # asked for, not the default
             print(f"kvblocks: --max-batch-size {size} ignored: {why}", file=sys.stderr, flush=True)
         return Engine(gen, **room)
-    from kvblocks.batch_engine import BatchEngine
+    from kvblocks.engine.batch import BatchEngine
 
     return BatchEngine(
         gen,
@@ -274,7 +278,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
     if args.drain_timeout < 0:
         raise UserError(f"--drain-timeout must be 0 or more, got {args.drain_timeout:g}")
-    from kvblocks.batch_engine import check_settings
+    from kvblocks.engine.batch import check_settings
 
     size = batch_size(args)
     try:  # batch invariance only matters where requests are batched
@@ -285,7 +289,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"{exc}{'; or pass --no-batch-invariant' if 'invariant' in str(exc) else ''}"
         ) from exc
     if args.otlp_traces_endpoint:
-        from kvblocks import tracing
+        from kvblocks.telemetry import tracing
 
         try:
             tracing.configure(args.otlp_traces_endpoint)
@@ -304,7 +308,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError("--kv-events-endpoint reports what the cache holds: drop --no-cache")
     publisher = None
     if args.kv_events_endpoint:
-        from kvblocks.kv_events import KVEventPublisher
+        from kvblocks.telemetry.kv_events import KVEventPublisher
 
         try:
             publisher = KVEventPublisher(
@@ -359,7 +363,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def load_api_keys(args: argparse.Namespace):
     """--api-keys FILE ($KVBLOCKS_API_KEYS_FILE), else --api-key KEY ($KVBLOCKS_API_KEY), else None."""
-    from kvblocks.auth import KEYS_FILE_ENV, ApiKeys, permission_warning
+    from kvblocks.server.auth import KEYS_FILE_ENV, ApiKeys, permission_warning
 
     path = args.api_keys or os.environ.get(KEYS_FILE_ENV) or None
     key = args.api_key or os.environ.get("KVBLOCKS_API_KEY") or None
@@ -614,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-cache", action="store_true", help="no prefix reuse: prefill every prompt in full")
     sv.set_defaults(func=cmd_serve)
 
-    from kvblocks.inspect_cli import add_inspect_parsers
+    from kvblocks.cli.client import add_inspect_parsers
 
     add_inspect_parsers(sub)
 

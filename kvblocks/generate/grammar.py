@@ -60,7 +60,7 @@ def ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
 
 
 class GrammarConstraint:
-    """One sequence's parser state; implements `kvblocks.params.Constraint`."""
+    """One sequence's parser state; implements `kvblocks.generate.params.Constraint`."""
 
     def __init__(self, matcher: LLMatcher, n_tokens: int, vocab_size: int) -> None:
         self.matcher = matcher
@@ -97,7 +97,7 @@ class GrammarConstraint:
 
 @dataclass(frozen=True, slots=True)
 class GrammarFactory:
-    """A compiled grammar; implements `kvblocks.params.ConstraintFactory`."""
+    """A compiled grammar; implements `kvblocks.generate.params.ConstraintFactory`."""
 
     matcher: LLMatcher
     n_tokens: int

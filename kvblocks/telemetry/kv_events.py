@@ -47,7 +47,7 @@ import numpy as np
 import xxhash
 import zmq
 
-log = logging.getLogger("kvblocks.kv_events")
+log = logging.getLogger("kvblocks.telemetry.kv_events")
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size, and the routers' `--kv-event-block-size`
 MEDIUM_GPU = "GPU"  # vLLM's name for the device tier (whatever the device is)

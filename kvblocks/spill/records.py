@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import xxhash
 
-from kvblocks.layout import KVLayout, StateLayout
-from kvblocks.sealing import NONCE_BYTES, TAG_BYTES, Sealer
+from kvblocks.cache.layout import KVLayout, StateLayout
+from kvblocks.spill.sealing import NONCE_BYTES, TAG_BYTES, Sealer
 
 FORMAT_VERSION = 2
 

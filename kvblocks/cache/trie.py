@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvblocks import tracing
 from kvblocks.adapters import hf
-from kvblocks.eviction import EvictionPolicy, make_policy
-from kvblocks.explain import EvictionLedger
-from kvblocks.layout import KVLayout, LayerSpec, StateLayout
-from kvblocks.namespace import Namespace, Scope, namespace_for
-from kvblocks.pool import KVPool
-from kvblocks.radix import SLOT_DTYPE, TOKEN_DTYPE, Match, Node, RadixTree
+from kvblocks.cache.eviction import EvictionPolicy, make_policy
+from kvblocks.cache.explain import EvictionLedger
+from kvblocks.cache.layout import KVLayout, LayerSpec, StateLayout
+from kvblocks.cache.namespace import Namespace, Scope, namespace_for
+from kvblocks.cache.pool import KVPool
+from kvblocks.cache.radix import SLOT_DTYPE, TOKEN_DTYPE, Match, Node, RadixTree
+from kvblocks.telemetry import tracing
 
 if TYPE_CHECKING:
-    from kvblocks.kv_events import KVEventPublisher
-    from kvblocks.redis_tier import Fetched, RedisTier
+    from kvblocks.spill.redis_tier import Fetched, RedisTier
+    from kvblocks.telemetry.kv_events import KVEventPublisher
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
 # Recurrent and hybrid models: a snapshot of the recurrent state every this many tokens (besides
@@ -122,6 +122,13 @@ class Hit:
         if self._locked:
             trie._tree.lock(match.node, +1)
 
+    @property
+    def slots(self) -> np.ndarray:
+        """The pool slots of the `length` hit tokens, in order (read-only; valid until `release()`)."""
+        view = self._slots.view()
+        view.flags.writeable = False
+        return view
+
     def to_hf_cache(self):
         """A fresh transformers cache holding the KV of the `length` hit tokens."""
         if self.length and not self._locked:
@@ -213,7 +220,7 @@ class KVCacheTrie:
 
         Capacity is `capacity_tokens`, or `capacity_bytes` of KV (default 1 GiB) divided by the
         bytes one token takes across all layers. `spill` adds a shared tier below the device
-        pool (`RedisTier`). `eviction` orders what leaves a full pool: a `kvblocks.eviction`
+        pool (`RedisTier`). `eviction` orders what leaves a full pool: a `kvblocks.cache.eviction`
         policy or its name (`lru`, `gdsf`; default `gdsf`). On a recurrent or hybrid model the
         recurrent state is snapshotted every `snapshot_every` tokens (0: only where a request
         ends, branches or stops one token short), and the snapshots share the pool's capacity.
@@ -716,7 +723,7 @@ class KVCacheTrie:
             }
 
     def attach_events(self, events: KVEventPublisher) -> None:
-        """Publish KV events (`kvblocks.kv_events`) for what this cache stores and evicts from now on;
+        """Publish KV events (`kvblocks.telemetry.kv_events`) for what this cache stores and evicts from now on;
         the publisher starts by announcing what is resident already."""
         with self._lock:
             events.bind(self.namespace.key, (self._lock, self._event_nodes))
@@ -745,11 +752,11 @@ class KVCacheTrie:
     def token_bytes(self) -> int:
         return self._pool.token_bytes
 
-    # ---- slots of running requests (packed forwards, kvblocks.paged) -------------------------
+    # ---- slots of running requests (packed forwards, kvblocks.engine.paged) -------------------------
 
     @property
     def eviction_policy(self) -> str:
-        """What leaves a full pool first: `gdsf` or `lru` (`kvblocks.eviction`)."""
+        """What leaves a full pool first: `gdsf` or `lru` (`kvblocks.cache.eviction`)."""
         return self._tree.policy.name
 
     @property

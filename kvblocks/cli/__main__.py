@@ -1,0 +1,7 @@
+"""`python -m kvblocks.cli`."""
+
+import sys
+
+from kvblocks.cli.commands import main
+
+sys.exit(main())

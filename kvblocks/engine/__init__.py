@@ -1,0 +1,1 @@
+"""The engine: the loop that owns the model, admission, scheduling, and the packed forward."""

@@ -1,0 +1,1 @@
+"""Generation: one request's prefill and decode over the cache, sampling, prompts, grammars, tools."""

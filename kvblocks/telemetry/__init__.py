@@ -1,0 +1,1 @@
+"""What the running system tells: Prometheus metrics, counter history, traces, KV events."""
