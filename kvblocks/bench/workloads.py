@@ -921,9 +921,8 @@ def bench_workload(model, tokenizer, kind: str, sizes: dict, opts: BenchOptions)
 
 
 def _params(kind: str, sizes: dict, model, opts: BenchOptions, requests: int, capacity: int) -> dict:
-    name = getattr(model.config, "name_or_path", "") or model.config.model_type
     return (
-        {"workload": kind, "model": name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+        {"workload": kind, **fixtures.model_params(model)}
         | {k: sizes[k] for k in SUITES[kind].params}
         | {"requests": requests, "capacity_tokens": capacity, "seed": sizes["seed"], "clock": opts.clock}
     )
