@@ -48,7 +48,6 @@ from kvblocks.bench.harness import (
     repeats_row,
     set_threads,
 )
-from kvblocks.bench.micro import KVSource
 from kvblocks.cache.trie import KVCacheTrie
 from kvblocks.errors import UserError
 from kvblocks.spill.redis_tier import RedisTier
@@ -153,29 +152,6 @@ def random_ids(rng: np.random.Generator, vocab: int, n: int, avoid: int | None =
     return ids
 
 
-def layout_trie(layers: int, heads: int, head_dim: int, capacity: int, spill=None):
-    """A KVCacheTrie with a model's KV layout but no model (random KV is inserted by hand)."""
-    import torch
-    from transformers import LlamaConfig
-
-    from kvblocks.cache.layout import LayerSpec
-    from kvblocks.cache.namespace import Namespace
-
-    config = LlamaConfig(
-        hidden_size=heads * head_dim,
-        head_dim=head_dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        intermediate_size=4 * heads * head_dim,
-    )
-    specs = [LayerSpec("full", heads, head_dim)] * layers
-    ns = Namespace("bench-layout", "float32")
-    return KVCacheTrie(
-        config, specs, ns, capacity_tokens=capacity, dtype=torch.float32, device="cpu", spill=spill
-    )
-
-
 # ---- a. restore throughput -------------------------------------------------------------------
 
 
@@ -248,14 +224,14 @@ class Restore:
     shape: tuple[int, int, int]
     tokens: int
     ids: np.ndarray
-    source: KVSource
+    source: fixtures.KVSource
     raw: redis.Redis
     raw_pure: redis.Redis
 
     def side(self, secret: bytes | None) -> Side:
         """Write the KV through a tier with this secret (write-through, flushed) and find its records."""
         tier = RedisTier(self.url, **self.tier_kwargs, secret=secret)
-        trie = layout_trie(*self.shape, self.tokens, spill=tier)
+        trie = fixtures.layout_trie(*self.shape, self.tokens, spill=tier)
         ns_key, c = trie.namespace.key, self.tier_kwargs["chunk_tokens"]
         trie.insert(self.ids[: self.tokens], self.source.cache(self.tokens))
         tier.flush()
@@ -308,12 +284,12 @@ def bench_restore(
     pure = {"parser_class": _RESP2Parser}
     ids = np.asarray(random_ids(np.random.default_rng(3), 32_000, tokens + 1))
     raw, raw_pure = redis.Redis.from_url(url), redis.Redis.from_url(url, **pure)
-    source = KVSource(layers, heads, head_dim, tokens)
+    source = fixtures.KVSource(layers, heads, head_dim, tokens)
     bench = Restore(url, tier_kwargs, (layers, heads, head_dim), tokens, ids, source, raw, raw_pure)
     sides = {"plain": bench.side(None), "sealed": bench.side(BENCH_SECRET)}
     # the same records as the plain side (same namespace), read through a client without hiredis
     pure_tier = RedisTier(url, **tier_kwargs, client_options=pure)
-    pure_trie = layout_trie(layers, heads, head_dim, tokens, spill=pure_tier)
+    pure_trie = fixtures.layout_trie(layers, heads, head_dim, tokens, spill=pure_tier)
     plain = sides["plain"]
     assert pure_trie.namespace.key == plain.ns_key
     variants = [
@@ -559,7 +535,7 @@ class Decode:
     tokenizer: object
     rng: np.random.Generator
     system: list[int]  # the cached prefix before each run's fresh question
-    source: KVSource  # random KV of the earlier request spilled during each run
+    source: fixtures.KVSource  # random KV of the earlier request spilled during each run
     spill: int
     tokens: int
     gaps: dict[str, list[float]] = field(default_factory=dict)  # every gap between two tokens
@@ -623,7 +599,7 @@ def bench_decode(
     rng = np.random.default_rng(5)
     system = random_ids(rng, model.config.vocab_size, prefix)
     specs = hf.describe_layers(model)
-    source = KVSource(len(specs), specs[0].heads, specs[0].head_dim, spill)
+    source = fixtures.KVSource(len(specs), specs[0].heads, specs[0].head_dim, spill)
     bench = Decode(model, tokenizer, rng, system, source, spill, tokens)
     capacity = 4 * (len(system) + spill + tokens + 64)
     tier = RedisTier(url, **tier_kwargs)
