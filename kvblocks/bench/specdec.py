@@ -603,6 +603,21 @@ def sweep_alpha(
     return accepted / (accepted + rejected) if accepted + rejected else 0.0
 
 
+def add_sweep_row(report: Report, k: int, alpha: float, c: float, v: dict[int, float]) -> None:
+    """A K-layer self-drafter's alpha, c and the speed-up they predict at its best gamma."""
+    predicted = {g: predicted_speedup(alpha, g, c, v[g]) for g in v}
+    best = max(predicted, key=predicted.get)
+    report.checks += [
+        Check(f"self:{k} alpha", alpha),
+        Check(f"self:{k} c", c),
+        Check(f"self:{k} predicted S at its best γ ({best})", predicted[best]),
+    ]
+    report.notes.append(
+        f"self:{k}: alpha {alpha:.3f}, c {c:.3f}, S(γ=1) {predicted[1]:.3f}, S(γ=2) {predicted[2]:.3f}, "
+        f"S(γ=4) {predicted[4]:.3f}"
+    )
+
+
 def bench_sweep(
     opts: BenchOptions, model, tokenizer, layer_counts: list[int], tokens: int, repeats: int
 ) -> Report:
@@ -649,18 +664,7 @@ def bench_sweep(
     t1 = report.median(variants[0].name)
     v = {g: report.median(variants[i].name) / t1 for i, g in ((1, 1), (2, 2), (3, 4))}
     for i, k in enumerate(layer_counts):
-        c = report.median(variants[4 + i].name) / t1
-        predicted = {g: predicted_speedup(alphas[k], g, c, v[g]) for g in v}
-        best = max(predicted, key=predicted.get)
-        report.checks += [
-            Check(f"self:{k} alpha", alphas[k]),
-            Check(f"self:{k} c", c),
-            Check(f"self:{k} predicted S at its best γ ({best})", predicted[best]),
-        ]
-        report.notes.append(
-            f"self:{k}: alpha {alphas[k]:.3f}, c {c:.3f}, S(γ=1) {predicted[1]:.3f}, S(γ=2) {predicted[2]:.3f}, "
-            f"S(γ=4) {predicted[4]:.3f}"
-        )
+        add_sweep_row(report, k, alphas[k], report.median(variants[4 + i].name) / t1, v)
     report.notes += [
         f"v(1) {v[1]:.3f}, v(2) {v[2]:.3f}, v(4) {v[4]:.3f} (target forwards of 2, 3, 5 tokens over 1 token)",
         f"alpha from greedy speculative runs with gamma = 1 ({len(prompts)} open-ended prompts x {tokens} tokens, "
