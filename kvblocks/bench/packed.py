@@ -35,45 +35,46 @@ from kvblocks.bench.harness import (
     Variant,
     add_suite,
     fmt_seconds,
-    int_options,
+    ints,
     measure,
+)
+
+BENCHMARKS = ("decode", "head-of-line", "memory", "ttft", "exactness")
+OPTIONS = ints(
+    "",
+    [
+        ("requests", 16, "decode: concurrent requests"),
+        ("context", 600, "decode: tokens of context per request"),
+        ("steps", 10, "decode: timed decode steps per variant"),
+        ("long-prompt", 3000, "head-of-line: tokens of the long prompt"),
+        ("short-requests", 6, "head-of-line: short requests timed per variant (idle and loaded)"),
+        ("document", 2800, "memory: tokens of the cached document"),
+        ("readers", 8, "memory: concurrent requests over the document"),
+        ("cached", 1000, "ttft: cached prefix tokens"),
+        ("new", 30, "ttft: new tokens after the prefix"),
+        ("runs", 10, "ttft: timed runs per variant"),
+        ("agents", 16, "exactness: requests (chat turns sharing a system prompt)"),
+        ("reply", 32, "exactness: greedy tokens per request"),
+        ("system-tokens", 600, "exactness: shared system prompt"),
+    ],
 )
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
+    add_suite(
         suites,
         "packed",
         run,
         help="decode throughput: one packed forward over the pool vs one forward per request",
         description="Decode steps of B requests as one packed forward (kvblocks.engine.paged) vs one at a time.",
         model=True,
-        only=("decode", "head-of-line", "memory", "ttft", "exactness"),
-    )
-    int_options(
-        p,
-        "",
-        [
-            ("requests", 16, "decode: concurrent requests"),
-            ("context", 600, "decode: tokens of context per request"),
-            ("steps", 10, "decode: timed decode steps per variant"),
-            ("long-prompt", 3000, "head-of-line: tokens of the long prompt"),
-            ("short-requests", 6, "head-of-line: short requests timed per variant (idle and loaded)"),
-            ("document", 2800, "memory: tokens of the cached document"),
-            ("readers", 8, "memory: concurrent requests over the document"),
-            ("cached", 1000, "ttft: cached prefix tokens"),
-            ("new", 30, "ttft: new tokens after the prefix"),
-            ("runs", 10, "ttft: timed runs per variant"),
-            ("agents", 16, "exactness: requests (chat turns sharing a system prompt)"),
-            ("reply", 32, "exactness: greedy tokens per request"),
-            ("system-tokens", 600, "exactness: shared system prompt"),
-        ],
+        only=BENCHMARKS,
+        options=OPTIONS,
     )
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     model, tokenizer = fixtures.load_model(args.model)
-    chosen = args.only or ["decode", "head-of-line", "memory", "ttft", "exactness"]
     suites = {
         "decode": decode,
         "head-of-line": head_of_line,
@@ -81,80 +82,87 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
         "ttft": ttft,
         "exactness": exactness,
     }
-    return [suites[name](model, tokenizer, args, opts) for name in chosen]
+    return [suites[name](model, tokenizer, args, opts) for name in args.only or BENCHMARKS]
+
+
+PACKED, SOLO = "packed forward", "one request at a time"
+
+
+class DecodeBoth:
+    """B prompts prefilled both ways: into pool slots for the packed runner, and each into its own
+    `DynamicCache`; every step then greedy-decodes one more token per request, per way."""
+
+    def __init__(self, model, prompts: list[list[int]], capacity: int) -> None:
+        import torch
+
+        from kvblocks.adapters import hf
+        from kvblocks.cache.layout import KVLayout
+        from kvblocks.cache.pool import KVPool
+        from kvblocks.engine.paged import PagedRunner, Segment
+
+        self.model, self.segment = model, Segment
+        self.pool = KVPool(
+            KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))), capacity, "cpu"
+        )
+        self.runner = PagedRunner(model, self.pool)
+        self.slots = [self.pool.alloc(len(p)) for p in prompts]
+        self.packed_tokens: list[list[int]] = []
+        self.solo_tokens: list[list[int]] = []
+        self.caches = []
+        with torch.inference_mode():
+            for i, prompt in enumerate(prompts):
+                first = self.runner.forward([Segment(prompt, self.slots[i])])[0][-1]
+                self.packed_tokens.append([int(first.argmax())])
+                cache = hf.empty_cache(model.config)
+                logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+                self.solo_tokens.append([int(logits[0, -1].argmax())])
+                self.caches.append(cache)
+
+    def packed_step(self) -> None:
+        segments = []
+        for i, tokens in enumerate(self.packed_tokens):
+            self.slots[i] = np.concatenate([self.slots[i], self.pool.alloc(1)])
+            segments.append(self.segment(tokens[-1:], self.slots[i]))
+        for tokens, logits in zip(self.packed_tokens, self.runner.forward(segments)):
+            tokens.append(int(logits[-1].argmax()))
+
+    def solo_step(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            for tokens, cache in zip(self.solo_tokens, self.caches):
+                logits = self.model(
+                    input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True
+                ).logits
+                tokens.append(int(logits[0, -1].argmax()))
 
 
 def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
-    import torch
-
-    from kvblocks.adapters import hf
-    from kvblocks.cache.layout import KVLayout
-    from kvblocks.cache.pool import KVPool
-    from kvblocks.engine.paged import PagedRunner, Segment
-
     b, context = args.requests, args.context
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(vocab // 8, vocab // 2, context).tolist() for _ in range(b)]
-    capacity = b * (context + args.steps + opts.warmup + 2)
-    pool = KVPool(KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))), capacity, "cpu")
-    runner = PagedRunner(model, pool)
-    slots = [pool.alloc(context) for _ in range(b)]
-    packed_tokens: list[list[int]] = []
-    solo_tokens: list[list[int]] = []
-    caches = []
-    with torch.inference_mode():
-        for i, prompt in enumerate(prompts):
-            first = runner.forward([Segment(prompt, slots[i])])[0][-1]
-            packed_tokens.append([int(first.argmax())])
-            cache = hf.empty_cache(model.config)
-            logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
-            solo_tokens.append([int(logits[0, -1].argmax())])
-            caches.append(cache)
-
-    def packed_step() -> None:
-        segments = []
-        for i in range(b):
-            slots[i] = np.concatenate([slots[i], pool.alloc(1)])
-            segments.append(Segment(packed_tokens[i][-1:], slots[i]))
-        for i, logits in enumerate(runner.forward(segments)):
-            packed_tokens[i].append(int(logits[-1].argmax()))
-
-    @torch.inference_mode()
-    def solo_step() -> None:
-        for i in range(b):
-            ids = torch.tensor([solo_tokens[i][-1:]])
-            logits = model(input_ids=ids, past_key_values=caches[i], use_cache=True).logits
-            solo_tokens[i].append(int(logits[0, -1].argmax()))
-
-    variants = [Variant("packed forward", packed_step), Variant("one request at a time", solo_step)]
-    samples = measure(variants, args.steps, opts, "packed")
-    report = Report(
-        "packed-decode",
-        f"Decode steps of {b} requests, {context}-token contexts",
-        {
-            "model": args.model or "SmolLM2-135M-Instruct",
-            "requests": b,
-            "context": context,
-            "steps": args.steps,
-        },
-        samples,
-        baseline="one request at a time",
+    both = DecodeBoth(model, prompts, capacity=b * (context + args.steps + opts.warmup + 2))
+    samples = measure(
+        [Variant(PACKED, both.packed_step), Variant(SOLO, both.solo_step)], args.steps, opts, "packed"
     )
-    speedup = report.median("one request at a time") / report.median("packed forward")
+    params = {
+        "model": args.model or "SmolLM2-135M-Instruct",
+        "requests": b,
+        "context": context,
+        "steps": args.steps,
+    }
+    title = f"Decode steps of {b} requests, {context}-token contexts"
+    report = Report("packed-decode", title, params, samples, baseline=SOLO)
+    differ = sum(p != s for p, s in zip(both.packed_tokens, both.solo_tokens))
     report.checks = [
-        Check("decode throughput, packed / one at a time", speedup, "x", 2.5, True),
-        Check(
-            "requests whose greedy tokens differ",
-            sum(p != s for p, s in zip(packed_tokens, solo_tokens)),
-            "",
-            0,
-        ),
+        Check("decode throughput, packed / one at a time", report.ratio(SOLO, PACKED), "x", 2.5, True),
+        Check("requests whose greedy tokens differ", differ, "", 0),
     ]
     report.notes = [
-        f"tokens/s: packed {b / report.median('packed forward'):.1f}, one at a time "
-        f"{b / report.median('one request at a time'):.1f}; every request decoded "
-        f"{len(packed_tokens[0])} tokens in each variant",
+        f"tokens/s: packed {b / report.median(PACKED):.1f}, one at a time "
+        f"{b / report.median(SOLO):.1f}; every request decoded "
+        f"{len(both.packed_tokens[0])} tokens in each variant",
         "packed = kvblocks.engine.paged.PagedRunner (K/V written to and read from pool slots, no per-request "
         "cache); one at a time = a transformers DynamicCache per request, one forward per token",
     ]
@@ -411,6 +419,55 @@ def ttft(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Repo
     return report
 
 
+EXACT_RUNS = (  # name, batch size, batch-invariant, how the requests are sent
+    ("Engine, alone", 1, True, "alone"),
+    ("BatchEngine invariant, alone", 16, True, "alone"),
+    ("BatchEngine invariant, all at once", 16, True, "together"),
+    ("BatchEngine --no-batch-invariant, alone", 16, False, "alone"),
+    ("BatchEngine --no-batch-invariant, all at once", 16, False, "together"),
+)
+EXACT_PAIRS = (  # run, reference; flips are a target only against the invariant engine alone
+    ("BatchEngine invariant, all at once", "BatchEngine invariant, alone"),
+    ("BatchEngine invariant, all at once", "Engine, alone"),
+    ("BatchEngine --no-batch-invariant, all at once", "BatchEngine --no-batch-invariant, alone"),
+    ("BatchEngine --no-batch-invariant, all at once", "Engine, alone"),
+    ("BatchEngine invariant, alone", "Engine, alone"),
+)
+
+
+def send(engine, prompts: list[list[int]], reply: int, together: bool) -> list[EngineCall]:
+    """Greedy replies with top-2 logprobs: each request once the previous finished, or all at once."""
+    calls = []
+    for ids in prompts:
+        calls.append(EngineCall(engine, ids, reply, logprobs=2))
+        if not together:
+            calls[-1].wait()
+    for call in calls:
+        call.wait()
+    return calls
+
+
+def compare(
+    runs: list[EngineCall], reference: list[EngineCall]
+) -> tuple[list[tuple[int, float]], int, float]:
+    """(first differing token and the reference's top-2 margin there) per flipped reply, replies with
+    bit-identical logprobs, and the largest chosen-token logprob difference before any flip."""
+    flips, exact, worst = [], 0, 0.0
+    for a, b in zip(runs, reference):
+        exact += [(lp.token, lp.logprob, tuple(lp.top)) for lp in a.logprobs] == [
+            (lp.token, lp.logprob, tuple(lp.top)) for lp in b.logprobs
+        ]
+        steps = min(len(a.tokens), len(b.tokens))
+        same = next((i for i in range(steps) if a.tokens[i] != b.tokens[i]), steps)
+        worst = max(
+            [worst] + [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:same], b.logprobs[:same])]
+        )
+        if same < steps:
+            top = b.logprobs[same].top
+            flips.append((same, top[0][1] - top[1][1]))
+    return flips, exact, worst
+
+
 def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
     """Greedy replies of chat turns sharing a system prompt: each request alone vs all at once."""
     from kvblocks.bench.server import system_prompt
@@ -419,94 +476,44 @@ def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) ->
     system = system_prompt(tokenizer, args.system_tokens)
     prompts = [
         encode_prompt(
-            tokenizer,
-            [
-                {"role": "system", "content": system},
-                {
-                    "role": "user",
-                    "content": f"Customer {i} asks about order {1000 + 37 * i}: {_QUESTIONS[i % 4]}",
-                },
-            ],
+            tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": _question(i)}]
         )
         for i in range(args.agents)
     ]
-
-    def alone(engine) -> list[EngineCall]:
-        out = []
-        for ids in prompts:
-            call = EngineCall(engine, ids, args.reply, logprobs=2)
-            call.wait()
-            out.append(call)
-        return out
-
-    def together(engine) -> list[EngineCall]:
-        calls = [EngineCall(engine, ids, args.reply, logprobs=2) for ids in prompts]
-        for call in calls:
-            call.wait()
-        return calls
-
     runs: dict[str, list[EngineCall]] = {}
     t0 = time.perf_counter()
-    for name, batch, invariant, how in (
-        ("Engine, alone", 1, True, alone),
-        ("BatchEngine invariant, alone", 16, True, alone),
-        ("BatchEngine invariant, all at once", 16, True, together),
-        ("BatchEngine --no-batch-invariant, alone", 16, False, alone),
-        ("BatchEngine --no-batch-invariant, all at once", 16, False, together),
-    ):
+    for name, batch, invariant, how in EXACT_RUNS:
         engine = _engine(model, tokenizer, batch, invariant=invariant)
         try:
-            runs[name] = how(engine)
+            runs[name] = send(engine, prompts, args.reply, together=how == "together")
         finally:
             engine.stop()
     elapsed = time.perf_counter() - t0
-    checks, notes = [], []
-    for name, reference in (
-        ("BatchEngine invariant, all at once", "BatchEngine invariant, alone"),
-        ("BatchEngine invariant, all at once", "Engine, alone"),
-        ("BatchEngine --no-batch-invariant, all at once", "BatchEngine --no-batch-invariant, alone"),
-        ("BatchEngine --no-batch-invariant, all at once", "Engine, alone"),
-        ("BatchEngine invariant, alone", "Engine, alone"),
-    ):
-        flips, exact, worst = [], 0, 0.0
-        for a, b in zip(runs[name], runs[reference]):
-            exact += [(lp.token, lp.logprob, tuple(lp.top)) for lp in a.logprobs] == [
-                (lp.token, lp.logprob, tuple(lp.top)) for lp in b.logprobs
-            ]
-            steps = min(len(a.tokens), len(b.tokens))
-            same = next((i for i in range(steps) if a.tokens[i] != b.tokens[i]), steps)
-            worst = max(
-                [worst] + [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:same], b.logprobs[:same])]
-            )
-            if same < steps:
-                top = b.logprobs[same].top
-                flips.append((same, top[0][1] - top[1][1]))
+    title = f"Greedy replies of {args.agents} chat turns sharing a system prompt, alone vs all at once"
+    params = {"agents": args.agents, "reply_tokens": args.reply, "system_prompt_tokens": args.system_tokens}
+    report = Report("exactness", title, params)
+    for name, reference in EXACT_PAIRS:
+        flips, exact, worst = compare(runs[name], runs[reference])
         target = 0 if reference == "BatchEngine invariant, alone" else None
-        checks.append(Check(f"greedy flips, {name} vs {reference}", len(flips), "", target))
-        checks.append(
-            Check(
-                f"share of replies with bit-identical logprobs, {name} vs {reference}", exact / len(prompts)
-            )
-        )
-        notes.append(
+        report.checks.append(Check(f"greedy flips, {name} vs {reference}", len(flips), "", target))
+        share = f"share of replies with bit-identical logprobs, {name} vs {reference}"
+        report.checks.append(Check(share, exact / len(prompts)))
+        report.notes.append(
             f"{name} vs {reference}: {len(flips)} of {len(prompts)} replies differ"
             + "".join(f"; at token {i} (top-2 logprob margin {m:.2e})" for i, m in flips)
             + f"; largest chosen-token logprob difference before any flip {worst:.2e}"
         )
-    report = Report(
-        "exactness",
-        f"Greedy replies of {args.agents} chat turns sharing a system prompt, alone vs all at once",
-        {"agents": args.agents, "reply_tokens": args.reply, "system_prompt_tokens": args.system_tokens},
-    )
-    report.checks = checks
-    report.notes = [
-        *notes,
+    report.notes.append(
         f"fp32 on CPU, {args.reply} greedy tokens per request (ignore_eos), logprobs with the top 2; alone = "
         "each request submitted once the previous one finished; all at once = 16 requests submitted together "
         f"(batch 16, 80 tokens/step, the server's defaults); margin = top-1 minus top-2 logprob of the reference at the first "
         f"differing token; {elapsed:.0f} s for the five runs",
-    ]
+    )
     return report
+
+
+def _question(i: int) -> str:
+    return f"Customer {i} asks about order {1000 + 37 * i}: {_QUESTIONS[i % 4]}"
 
 
 _QUESTIONS = (
