@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from kvblocks.cache.pool import KVPool
 
 NAME = "kvblocks_paged"
+ATTENTION_RANGE = "kvblocks.attention"  # the profiler range around every call of `paged_attention`
 # Model types whose packed forward is tested equal to one request at a time (tests/test_paged.py).
 SUPPORTED = frozenset(
     {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "opt"}
@@ -305,7 +306,15 @@ def _reader(pool: KVPool, slots: np.ndarray) -> torch.Tensor | slice:
     return pool.index(slots)
 
 
-def paged_attention(
+def paged_attention(*args, **kwargs):
+    """The attention interface's signature: `query [1, Hq, T, D]`, `key/value [1, Hkv, T, D]` of the
+    packed new tokens (rotary applied). Returns `([1, T, Hq, D], None)`. Runs inside a profiler range
+    named `ATTENTION_RANGE`, so a profile can tell attention from the rest of a step."""
+    with torch.profiler.record_function(ATTENTION_RANGE):
+        return _paged_attention(*args, **kwargs)
+
+
+def _paged_attention(
     module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -317,8 +326,6 @@ def paged_attention(
     softcap: float | None = None,
     **kwargs,
 ):
-    """The attention interface's signature: `query [1, Hq, T, D]`, `key/value [1, Hkv, T, D]` of the
-    packed new tokens (rotary applied). Returns `([1, T, Hq, D], None)`."""
     batch: PagedBatch | None = kwargs.pop(NAME, None)
     if batch is None:  # an ordinary forward: the model's own implementation, same arguments
         if sliding_window is not None:
