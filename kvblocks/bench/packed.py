@@ -31,6 +31,7 @@ from kvblocks.bench import fixtures
 from kvblocks.bench.harness import (
     BenchOptions,
     Check,
+    Option,
     Report,
     Variant,
     add_suite,
@@ -38,11 +39,25 @@ from kvblocks.bench.harness import (
     ints,
     measure,
 )
+from kvblocks.errors import UserError
 
 BENCHMARKS = ("decode", "head-of-line", "memory", "ttft", "exactness")
-OPTIONS = ints(
-    "",
-    [
+OPTIONS = (
+    Option(
+        "--shared",
+        int,
+        0,
+        "decode: leading tokens of context every request shares, stored once in the pool as the trie "
+        "stores a system prompt (default 0)",
+    ),
+    Option(
+        "--profile",
+        bool,
+        False,
+        "decode: also profile one packed step (attention, matmul, copies, python) and its FLOP/s "
+        "against a matmul peak of the model's shapes at 64 rows",
+    ),
+    *ints("", [
         ("requests", 16, "decode: concurrent requests"),
         ("context", 600, "decode: tokens of context per request"),
         ("steps", 10, "decode: timed decode steps per variant"),
@@ -56,8 +71,8 @@ OPTIONS = ints(
         ("agents", 16, "exactness: requests (chat turns sharing a system prompt)"),
         ("reply", 32, "exactness: greedy tokens per request"),
         ("system-tokens", 600, "exactness: shared system prompt"),
-    ],
-)
+    ]),
+)  # fmt: skip
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
@@ -86,13 +101,17 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
 
 
 PACKED, SOLO = "packed forward", "one request at a time"
+PER_SEGMENT = "packed, one attention call per request"
 
 
 class DecodeBoth:
-    """B prompts prefilled both ways: into pool slots for the packed runner, and each into its own
-    `DynamicCache`; every step then greedy-decodes one more token per request, per way."""
+    """B prompts prefilled both ways: into pool slots for the packed runners (the first `shared`
+    tokens, common to every prompt, stored once and pointed at by every request, as the trie hands
+    out a cached system prompt), and each into its own `DynamicCache`; every step then greedy-decodes
+    one more token per request, per way. Two packed runners read the same slots: cascade attention
+    (the CPU default) and one attention call per request."""
 
-    def __init__(self, model, prompts: list[list[int]], capacity: int) -> None:
+    def __init__(self, model, prompts: list[list[int]], capacity: int, shared: int = 0) -> None:
         import torch
 
         from kvblocks.adapters import hf
@@ -104,33 +123,56 @@ class DecodeBoth:
         self.pool = KVPool(
             KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))), capacity, "cpu"
         )
-        self.runner = PagedRunner(model, self.pool)
-        self.slots = [self.pool.alloc(len(p)) for p in prompts]
-        self.packed_tokens: list[list[int]] = []
-        self.solo_tokens: list[list[int]] = []
+        self.runners = {
+            PACKED: PagedRunner(model, self.pool),
+            PER_SEGMENT: PagedRunner(model, self.pool, cascade=False),
+        }
+        common = self.pool.alloc(shared)
+        if shared:
+            self.runners[PACKED].forward([Segment(prompts[0][:shared], common)])
+        self.pool.alloc(1)  # no request's own slots continue the shared run (the trie's tokens would)
+        self.slots = [np.concatenate([common, self.pool.alloc(len(p) - shared)]) for p in prompts]
+        self.tokens: dict[str, list[list[int]]] = {PACKED: [], PER_SEGMENT: [], SOLO: []}
         self.caches = []
         with torch.inference_mode():
             for i, prompt in enumerate(prompts):
-                first = self.runner.forward([Segment(prompt, self.slots[i])])[0][-1]
-                self.packed_tokens.append([int(first.argmax())])
+                first = self.runners[PACKED].forward([Segment(prompt[shared:], self.slots[i])])[0][-1]
+                self.tokens[PACKED].append([int(first.argmax())])
+                self.tokens[PER_SEGMENT].append([int(first.argmax())])
                 cache = hf.empty_cache(model.config)
                 logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
-                self.solo_tokens.append([int(logits[0, -1].argmax())])
+                self.tokens[SOLO].append([int(logits[0, -1].argmax())])
                 self.caches.append(cache)
+        self.lengths = [len(s) for s in self.slots]  # positions each way's requests hold
+        self.grown = {PACKED: list(self.slots), PER_SEGMENT: list(self.slots)}
 
-    def packed_step(self) -> None:
-        segments = []
-        for i, tokens in enumerate(self.packed_tokens):
-            self.slots[i] = np.concatenate([self.slots[i], self.pool.alloc(1)])
-            segments.append(self.segment(tokens[-1:], self.slots[i]))
-        for tokens, logits in zip(self.packed_tokens, self.runner.forward(segments)):
-            tokens.append(int(logits[-1].argmax()))
+    def step(self, name: str):
+        """One decode step of every request with the packed runner `name` (each way keeps its own
+        slots for the tokens it decodes)."""
+
+        def run() -> None:
+            segments = []
+            for i, tokens in enumerate(self.tokens[name]):
+                self.grown[name][i] = np.concatenate([self.grown[name][i], self.pool.alloc(1)])
+                segments.append(self.segment(tokens[-1:], self.grown[name][i]))
+            for tokens, logits in zip(self.tokens[name], self.runners[name].forward(segments)):
+                tokens.append(int(logits[-1].argmax()))
+
+        return run
+
+    def replay(self) -> None:
+        """The last packed step again (same segments, the same slots rewritten): what the profile times."""
+        segments = [
+            self.segment(tokens[-2:-1], slots)
+            for tokens, slots in zip(self.tokens[PACKED], self.grown[PACKED])
+        ]
+        self.runners[PACKED].forward(segments)
 
     def solo_step(self) -> None:
         import torch
 
         with torch.inference_mode():
-            for tokens, cache in zip(self.solo_tokens, self.caches):
+            for tokens, cache in zip(self.tokens[SOLO], self.caches):
                 logits = self.model(
                     input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True
                 ).logits
@@ -138,35 +180,64 @@ class DecodeBoth:
 
 
 def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
-    b, context = args.requests, args.context
+    b, context, shared = args.requests, args.context, args.shared
+    if not 0 <= shared < context:
+        raise UserError(f"--shared must be at least 0 and below --context ({context}); got {shared}")
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
-    prompts = [rng.integers(vocab // 8, vocab // 2, context).tolist() for _ in range(b)]
-    both = DecodeBoth(model, prompts, capacity=b * (context + args.steps + opts.warmup + 2))
-    samples = measure(
-        [Variant(PACKED, both.packed_step), Variant(SOLO, both.solo_step)], args.steps, opts, "packed"
-    )
+    common = rng.integers(vocab // 8, vocab // 2, shared).tolist()
+    prompts = [common + rng.integers(vocab // 8, vocab // 2, context - shared).tolist() for _ in range(b)]
+    steps = 2 * (args.steps + opts.warmup) + 4
+    both = DecodeBoth(model, prompts, capacity=b * (context + steps) + shared + 8, shared=shared)
+    variants = [Variant(PACKED, both.step(PACKED)), Variant(PER_SEGMENT, both.step(PER_SEGMENT))]
+    samples = measure([*variants, Variant(SOLO, both.solo_step)], args.steps, opts, "packed")
     params = {
         "model": args.model or "SmolLM2-135M-Instruct",
         "requests": b,
         "context": context,
         "steps": args.steps,
     }
-    title = f"Decode steps of {b} requests, {context}-token contexts"
+    if shared:
+        params["shared"] = shared
+    title = f"Decode steps of {b} requests, {context}-token contexts" + (
+        f" ({shared} shared)" if shared else ""
+    )
     report = Report("packed-decode", title, params, samples, baseline=SOLO)
-    differ = sum(p != s for p, s in zip(both.packed_tokens, both.solo_tokens))
+    differ = sum(p != s for p, s in zip(both.tokens[PACKED], both.tokens[SOLO]))
     report.checks = [
         Check("decode throughput, packed / one at a time", report.ratio(SOLO, PACKED), "x", 2.5, True),
         Check("requests whose greedy tokens differ", differ, "", 0),
     ]
     report.notes = [
-        f"tokens/s: packed {b / report.median(PACKED):.1f}, one at a time "
-        f"{b / report.median(SOLO):.1f}; every request decoded "
-        f"{len(both.packed_tokens[0])} tokens in each variant",
-        "packed = kvblocks.engine.paged.PagedRunner (K/V written to and read from pool slots, no per-request "
-        "cache); one at a time = a transformers DynamicCache per request, one forward per token",
+        f"tokens/s: packed {b / report.median(PACKED):.1f}, packed one attention call per request "
+        f"{b / report.median(PER_SEGMENT):.1f}, one at a time {b / report.median(SOLO):.1f}",
+        "packed = kvblocks.engine.paged.PagedRunner (K/V written to and read from pool slots; cascade "
+        "attention: the shared run read once for every request); one at a time = a transformers "
+        "DynamicCache per request, one forward per token",
     ]
+    if args.profile:
+        profile_checks(report, model, both, b)
     return report
+
+
+def profile_checks(report: Report, model, both: DecodeBoth, requests: int) -> None:
+    """Where a packed step goes, and its FLOP/s against the model's matmul peak (issue 23's targets)."""
+    from kvblocks.bench import stepprofile
+
+    profile = stepprofile.profile_step(both.replay)
+    keys = sum(both.grown[PACKED][i].size for i in range(requests))
+    flops = stepprofile.step_flops(model, requests, keys)
+    peak = stepprofile.matmul_peak(model)
+    achieved = flops / profile.seconds
+    report.checks += [
+        Check("attention (gather + attend) share of a packed step", profile.shares["attention"], "", 0.25),
+        Check("achieved FLOP/s / matmul peak at 64 rows", achieved / peak, "", 0.4, True),
+    ]
+    shares = ", ".join(f"{name} {share:.0%}" for name, share in profile.shares.items())
+    report.notes.append(
+        f"a packed step ({profile.seconds * 1e3:.0f} ms CPU): {shares}; {achieved / 1e9:.1f} GFLOP/s "
+        f"achieved, matmul peak {peak / 1e9:.1f} GFLOP/s"
+    )
 
 
 # ---- engine-level: head of line, memory, TTFT against the ideal ---------------------------------
