@@ -121,6 +121,6 @@ def test_schemathesis_finds_no_failure_against_the_published_document(server, tm
         "--max-examples", "5", "--max-time", "45", "--seed", "26", "--request-timeout", "30",
         "--no-shrink", "--report-dir", str(tmp_path),
     ]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)  # its cache too
     assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-2000:]
     assert "Traceback" not in server.stderr()

@@ -37,7 +37,7 @@ router = APIRouter()
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as schemas._Model: no coercion
 
 
 class TokenizeRequest(_Body):
