@@ -118,7 +118,7 @@ def test_schemathesis_finds_no_failure_against_the_published_document(server, tm
         str(Path(sys.executable).with_name("schemathesis")), "run", f"{server.url}/openapi.json",
         "--header", f"Authorization: Bearer {API_KEY}",
         "--exclude-checks", CHECKS_EXCLUDED,
-        "--max-examples", "5", "--max-time", "45", "--seed", "26", "--request-timeout", "30",
+        "--max-examples", "5", "--max-time", "30", "--seed", "26", "--request-timeout", "30",
         "--no-shrink", "--report-dir", str(tmp_path),
     ]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)  # its cache too

@@ -32,7 +32,10 @@ MEANING = {
     503: "The server is shutting down or its engine cannot serve",
 }
 RETRY_AFTER = {
-    "Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}
+    "Retry-After": {
+        "description": "Seconds to wait before retrying (with every 429, and with 503 while the server drains)",
+        "schema": {"type": "integer"},
+    }
 }
 _BODIES: dict[str, type[BaseModel]] = {}
 
@@ -70,7 +73,12 @@ def answers(*statuses: int, stream: bool = False) -> dict[int | str, dict[str, A
 
 
 def error_answer(status: int) -> dict[str, Any]:
-    answer: dict[str, Any] = {"model": ErrorBody, "description": MEANING[status]}
+    """An error status as the document lists it: what it means here, OpenAI's error body."""
+    schema = {"$ref": REF.format(model=ErrorBody.__name__)}
+    answer: dict[str, Any] = {
+        "description": MEANING[status],
+        "content": {"application/json": {"schema": schema}},
+    }
     if status in (429, 503):
         answer["headers"] = RETRY_AFTER
     return answer
@@ -115,16 +123,4 @@ def add_guard_answers(operation: dict, method: str, public: bool, keyed: bool) -
         operation["security"] = [{"bearer": []}]
         statuses.append(401)
     for status in statuses:
-        responses.setdefault(str(status), rendered_error(status))
-
-
-def rendered_error(status: int) -> dict[str, Any]:
-    """`error_answer` as it reads in the document (FastAPI renders the ones routes declare)."""
-    schema = {"$ref": REF.format(model=ErrorBody.__name__)}
-    answer: dict[str, Any] = {
-        "description": MEANING[status],
-        "content": {"application/json": {"schema": schema}},
-    }
-    if status in (429, 503):
-        answer["headers"] = RETRY_AFTER
-    return answer
+        responses.setdefault(str(status), error_answer(status))
