@@ -292,8 +292,8 @@ def tiny_trie(capacity: int, layers: int, head_dim: int):
     """A KVCacheTrie over a tiny 1-head layout (no model), so a million tokens fit in a few MB of KV."""
     from transformers import LlamaConfig
 
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.cache.namespace import Namespace
-    from kvblocks.cache.trie import KVCacheTrie
 
     config = LlamaConfig(
         hidden_size=head_dim,
@@ -487,7 +487,7 @@ def bench_ttft(
     opts: BenchOptions, model, tokenizer, cached: int, question: int, repeats: int, nocache_repeats: int
 ) -> Report:
     from kvblocks.adapters import hf
-    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.generate.generator import CachedGenerator
     from kvblocks.generate.sampling import SamplingParams, choose
 

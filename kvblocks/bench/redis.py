@@ -183,9 +183,9 @@ def layout_trie(layers: int, heads: int, head_dim: int, capacity: int, spill=Non
     import torch
     from transformers import LlamaConfig
 
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.cache.layout import LayerSpec
     from kvblocks.cache.namespace import Namespace
-    from kvblocks.cache.trie import KVCacheTrie
 
     config = LlamaConfig(
         hidden_size=heads * head_dim,
@@ -421,7 +421,7 @@ def bench_ttft(
 ) -> Report:
     """Process A (this one) serves one request and writes its prefix through to Redis; process B
     (a fresh interpreter) is timed. Only ids and the URL cross the process boundary."""
-    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.generate.generator import CachedGenerator
     from kvblocks.spill.redis_tier import RedisTier
 
@@ -508,7 +508,7 @@ def bench_ttft(
 def process_b(spec: dict) -> dict:
     """The timed side of the TTFT benchmark, run in its own interpreter (see `bench_ttft`)."""
     from kvblocks.adapters import hf
-    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.generate.generator import CachedGenerator
     from kvblocks.generate.sampling import SamplingParams, choose
     from kvblocks.spill.redis_tier import RedisTier
@@ -581,8 +581,8 @@ def bench_decode(
     repeats: int,
 ) -> Report:
     from kvblocks.adapters import hf
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.bench.micro import KVSource
-    from kvblocks.cache.trie import KVCacheTrie
     from kvblocks.generate.generator import CachedGenerator
     from kvblocks.spill.redis_tier import RedisTier
 

@@ -245,7 +245,7 @@ def bench_workload(
 ) -> list[Report]:
     import torch
 
-    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.generate.generator import CachedGenerator
     from kvblocks.specdec import (
         ModelDrafter,
@@ -563,7 +563,7 @@ def bench_sweep(
 ) -> Report:
     """alpha and c for each K (gamma = 1, greedy) and the S they predict for gamma = 1, 2, 4."""
     from kvblocks.adapters import hf
-    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.generate.generator import CachedGenerator, ModelRunner
     from kvblocks.specdec import ModelDrafter, SpeculativeGenerator, truncated_model
 

@@ -142,8 +142,9 @@ def explain(
     prompt_side = _pieces(tokenizer, ids[matched : matched + window], matched)
     cached_next = cache.continuation(arr[:matched], window, salt=salt)
     cached_side = _pieces(tokenizer, cached_next, matched)
-    evicted = cache.evicted_length(arr, matched, salt=salt)
-    others = cache.other_namespace_lengths(arr, salt=salt, all_tenants=all_tenants)
+    ids, ns = cache.key_of(arr, salt)
+    evicted = cache.reports.evicted_length(ns.key, ids, matched)
+    others = cache.reports.other_namespace_lengths(ns, ids, all_tenants)
     best_other = max(others.values(), default=0)
     if evicted > matched:
         reason, detail = "evicted", f"the first {evicted} tokens were cached before and evicted"
