@@ -12,19 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvblocks.cache.layout import StateLayout
 from kvblocks.cache.namespace import Namespace
-from kvblocks.cache.pool import KVPool
-from kvblocks.cache.radix import Node, RadixTree
-from kvblocks.cache.stats import TenantCounters
-
-if TYPE_CHECKING:
-    from kvblocks.spill.redis_tier import RedisTier
+from kvblocks.cache.radix import Node
+from kvblocks.cache.resident import Resident
 
 # a snapshot every this many tokens (besides the ends of prompts and replies, the position before a
 # prompt's last token and branch points)
@@ -77,7 +73,7 @@ class SnapshotPlan:
 class Snapshots:
     """The snapshot policy of one cache and the snapshots it keeps (in pool slots, at trie nodes).
 
-    `store` and `dropped` run under the cache's lock; `make_room` is the cache's eviction.
+    `store`, `read` and `dropped` (the eviction hook) run under the resident's lock.
     """
 
     def __init__(
@@ -85,15 +81,13 @@ class Snapshots:
         layout: StateLayout | None,
         every: int,
         min_prefill: int,
-        parts: tuple[RadixTree, KVPool, TenantCounters],
-        make_room: Callable[[int], int],
-        spill: RedisTier | None,
+        resident: Resident,
     ) -> None:
         if every < 0:
             raise ValueError(f"snapshot_every must be >= 0 (0: only at prompt and reply ends), got {every}")
-        self.layout, self.every, self.min_prefill, self.spill = layout, every, min_prefill, spill
-        self._tree, self._pool, self._counters = parts
-        self._make_room = make_room
+        self.layout, self.every, self.min_prefill = layout, every, min_prefill
+        self._resident = resident
+        self._tree, self._pool, self._counters = resident.tree, resident.pool, resident.counters
 
     def points(self, start: int, prompt_length: int, matched: int) -> list[int]:
         """Where a request prefilling positions [start, prompt_length) stops to snapshot the
@@ -108,10 +102,11 @@ class Snapshots:
         points = {prompt_length - least, prompt_length, matched}
         if every:
             points.update(range((start // every + 1) * every, prompt_length, every))
-        if self.spill is not None and self.spill.spills_state:
+        spill = self._resident.spill
+        if spill is not None and spill.spills_state:
             # the spill tier keeps snapshots only at chunk ends: another process resumes this prompt
             # at most a chunk short of it
-            chunk = self.spill.chunk_tokens
+            chunk = spill.chunk_tokens
             points.add((prompt_length - least) // chunk * chunk)
         kept, previous = [], start
         for p in sorted(p for p in points if start < p <= prompt_length):
@@ -143,15 +138,12 @@ class Snapshots:
         node = self._tree.boundary(m)
         if node.snap is not None:
             return False
-        need = self._pool.slots_for(self.layout.nbytes)
         self._tree.lock(node, +1)  # the room made for it must not evict the node itself
         try:
-            if need > self._pool.num_free:
-                self._make_room(need - self._pool.num_free)
-            if need > self._pool.num_free:
+            slots = self._resident.reserve(self._pool.slots_for(self.layout.nbytes))
+            if slots is None:
                 self._counters.add(ns.tenant, snapshot_dropped=1)
                 return False
-            slots = self._pool.alloc(need)
             self._pool.write_blob(slots, blob)
             self._tree.set_snapshot(node, slots)
             self._counters.add(ns.tenant, snapshots_stored=1)
@@ -176,6 +168,7 @@ class Snapshots:
         """Eviction hook: a snapshot leaves the device; counted, and in write-back mode spilled first."""
         key = self._tree.namespace_of(node)
         self._counters.add(self._counters.tenant_of(key), snapshots_evicted=1)
-        if self.spill is not None and self.spill.write_mode == "back":
+        spill = self._resident.spill
+        if spill is not None and spill.write_mode == "back":
             ids, _ = self._tree.path(node)
-            self.spill.on_snapshot(key, ids, self.blob(node))
+            spill.on_snapshot(key, ids, self.blob(node))

@@ -1,7 +1,7 @@
 """The cache's side of the spill tier (`kvblocks.spill`): what a lookup fetches from Redis and
 promotes into the pool, and what the tier's writer reads back out of it.
 
-Redis round trips run outside the cache's lock, so the device may change while they are under way;
+Redis round trips run outside the lock, so the device may change while they are under way;
 everything fetched is checked against the tree again, under the lock, before it is stored.
 """
 
@@ -13,35 +13,35 @@ import numpy as np
 import torch
 
 from kvblocks.cache.namespace import Namespace
+from kvblocks.cache.resident import KVSource, Resident
 from kvblocks.telemetry import tracing
 
 if TYPE_CHECKING:
-    from kvblocks.cache.trie import PrefixCache
     from kvblocks.spill.redis_tier import Fetched
 
 
 class SpillLink:
-    """Fetch, promote and read back for one cache whose `spill` tier is set."""
+    """Fetch, promote and read back between the resident KV and its `spill` tier."""
 
-    def __init__(self, cache: PrefixCache) -> None:
-        self._cache = cache
+    def __init__(self, resident: Resident, *, recurrent: bool) -> None:
+        self._resident, self._recurrent = resident, recurrent
 
     def fetch(self, ns: Namespace, ids: np.ndarray, limit: int) -> tuple[Fetched | None, Any]:
         """What the spill tier holds beyond the resident prefix of `ids[:limit]`: KV, and on a
         recurrent model a (position, snapshot) to serve it from. The Redis round trips run unlocked:
         other threads go on meanwhile."""
-        cache, spill = self._cache, self._cache.spill
-        with cache._lock:
-            m = cache._tree.match(ns.key, ids[:limit], touch=False, create=False)
+        r, spill = self._resident, self._resident.spill
+        with r.lock:
+            m = r.tree.match(ns.key, ids[:limit], touch=False, create=False)
             device = m.length
-            servable = device if cache.state is None else cache._tree.snapshot_prefix(m).length
+            servable = r.tree.snapshot_prefix(m).length if self._recurrent else device
         spill.on_hit(ns.key, ids, device)  # rewrites chunks Redis lost, off this thread
         fetched = state = None
         if device < limit:
             with tracing.child("redis.fetch", device_tokens=device) as span:
                 fetched = spill.fetch(ns.key, ids, device, limit)
                 tracing.annotate(span, redis_tokens=0 if fetched is None else fetched.length)
-        if servable < limit and cache.state is not None:  # a recurrent model needs a state there too
+        if servable < limit and self._recurrent:  # a recurrent model needs a state there too
             reach = device if fetched is None else max(device, fetched.start + fetched.length)
             state = spill.fetch_state(ns.key, ids, servable, reach)
         return fetched, state
@@ -54,42 +54,30 @@ class SpillLink:
         run then no longer starts where the resident prefix ends, and storing it would put its KV
         at the wrong positions. It is dropped instead (counted as lost; the request prefills).
         """
-        cache = self._cache
-        before = cache._tree.match(ns.key, ids, touch=False, create=False).length
+        r = self._resident
+        before = r.tree.match(ns.key, ids, touch=False, create=False).length
         if before < fetched.start:
-            cache._counters.add(ns.tenant, spill_lost_tokens=fetched.length)
+            r.counters.add(ns.tenant, spill_lost_tokens=fetched.length)
             return
-        _, stored = cache._store(
-            ns, ids[: fetched.start + fetched.length], _slicer(fetched.start, fetched.kv)
-        )
-        cache._counters.add(ns.tenant, spill_hit_tokens=stored)
-
-    def evicting(self, ns_key: str, ids: np.ndarray, slots: np.ndarray, count: int) -> None:
-        """Under the lock, before the last `count` of `ids` leave the pool: in write-back mode, spill them."""
-        if self._cache.spill.write_mode == "back":
-            self._cache.spill.on_evict(ns_key, ids, len(ids) - count, lambda a, b: self.gather(slots[a:b]))
+        _, stored = r.store(ns, ids[: fetched.start + fetched.length], _slicer(fetched.start, fetched.kv))
+        r.counters.add(ns.tenant, spill_hit_tokens=stored)
 
     def read_kv(self, ns_key: str, ids: np.ndarray, start: int, end: int) -> list[torch.Tensor | None] | None:
         """KV of positions [start, end) of `ids` if still resident (for the spill tier's writer)."""
-        cache = self._cache
-        with cache._lock:
-            m = cache._tree.match(ns_key, ids[:end], touch=False, create=False)
+        r = self._resident
+        with r.lock:
+            m = r.tree.match(ns_key, ids[:end], touch=False, create=False)
             if m.length < end:
                 return None
-            cache._tree.lock(m.node, +1)
+            r.tree.lock(m.node, +1)
         try:
-            return self.gather(m.slots(end)[start:end])
+            return r.gather(m.slots(end)[start:end])
         finally:
-            with cache._lock:
-                cache._tree.lock(m.node, -1)
-
-    def gather(self, slots: np.ndarray) -> list[torch.Tensor | None]:
-        pool = self._cache.pool
-        index = pool.index(slots)
-        return [None if s.kind == "none" else pool.gather(i, index) for i, s in enumerate(self._cache.specs)]
+            with r.lock:
+                r.tree.lock(m.node, -1)
 
 
-def _slicer(base: int, kv: list[torch.Tensor | None]):
+def _slicer(base: int, kv: list[torch.Tensor | None]) -> KVSource:
     """A KV source over tensors that start at position `base`."""
 
     def source(start: int, end: int) -> list[torch.Tensor | None]:

@@ -8,20 +8,18 @@ records (`CachedPrefix`, `TreeNode`) and lengths, which `inspection` and `explai
 from __future__ import annotations
 
 import heapq
-import threading
 from collections import defaultdict
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvblocks.cache.explain import EvictionLedger
 from kvblocks.cache.namespace import Namespace
-from kvblocks.cache.pool import KVPool
-from kvblocks.cache.radix import Node, RadixTree
+from kvblocks.cache.radix import Node
 
 if TYPE_CHECKING:
     from kvblocks.cache.layout import StateLayout
+    from kvblocks.cache.resident import Resident
 
 
 @dataclass(slots=True)
@@ -120,16 +118,10 @@ class TreeNode:
 class Reports:
     """Read-only views of one cache: its stats, most-hit prefixes and shape, each under its lock."""
 
-    def __init__(
-        self,
-        lock: threading.RLock,
-        tree: RadixTree,
-        pool: KVPool,
-        memory: tuple[TenantCounters, EvictionLedger],
-        state: StateLayout | None,
-    ) -> None:
-        self._lock, self._tree, self._pool, self._state = lock, tree, pool, state
-        self._counters, self._ledger = memory
+    def __init__(self, resident: Resident, state: StateLayout | None) -> None:
+        r = resident
+        self._lock, self._tree, self._pool, self._state = r.lock, r.tree, r.pool, state
+        self._counters, self._ledger = r.counters, r.ledger
 
     def stats(self, tenant: str | None = None) -> dict[str, int]:
         """Counters and occupancy: the whole trie's, or one tenant's (tokens of its namespaces)."""

@@ -10,26 +10,25 @@ class with the transformers bridge. Its rooms, each in its own module, share the
 
 from __future__ import annotations
 
-import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvblocks.cache.bridge import PastBridge
-from kvblocks.cache.eviction import EvictionPolicy, make_policy
-from kvblocks.cache.explain import EvictionLedger
+from kvblocks.cache.eviction import EvictionPolicy
 from kvblocks.cache.hit import Hit
 from kvblocks.cache.layout import KVLayout, LayerSpec, StateLayout
 from kvblocks.cache.namespace import Namespace, Scope
 from kvblocks.cache.pool import KVPool
-from kvblocks.cache.radix import TOKEN_DTYPE, Match, Node, RadixTree
+from kvblocks.cache.radix import TOKEN_DTYPE
+from kvblocks.cache.resident import PinLimitError, Resident
 from kvblocks.cache.slots import PoolFullError, RunningSlots
 from kvblocks.cache.snapshots import DEFAULT_SNAPSHOT_EVERY, SnapshotPlan, Snapshots
 from kvblocks.cache.spill_link import SpillLink
-from kvblocks.cache.stats import Reports, TenantCounters
+from kvblocks.cache.stats import Reports
 from kvblocks.telemetry import tracing
 
 if TYPE_CHECKING:
@@ -44,8 +43,6 @@ STATE_ARENA_BYTES = 256
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 # A request's place inside the model's namespace: a plain cache salt, or a tenant and its salt.
 Salt = str | Scope | None
-# (start, end) -> per-layer [end - start, 2, H, D] KV, None for layers that cache nothing
-KVSource = Callable[[int, int], list[torch.Tensor | None]]
 
 
 def as_token_array(token_ids: TokenIds) -> np.ndarray:
@@ -58,10 +55,6 @@ def as_token_array(token_ids: TokenIds) -> np.ndarray:
             )
         token_ids = token_ids.cpu().numpy()
     return np.asarray(token_ids, dtype=TOKEN_DTYPE).reshape(-1)
-
-
-class PinLimitError(ValueError):
-    """Pinning this prefix would exceed the trie's cap on pinned tokens."""
 
 
 class PrefixCache:
@@ -96,21 +89,17 @@ class PrefixCache:
         self.min_prefill = bridge.min_prefill if state is not None else 1
         layout = KVLayout(dtype, tuple(specs))
         arena = STATE_ARENA_BYTES if state is not None and not layout.token_bytes() else 0
-        self._pool = KVPool(layout, capacity_tokens, device, arena_bytes=arena)
-        self._tree = RadixTree(make_policy(eviction))
-        self._lock = threading.RLock()
-        self._counters = TenantCounters()
-        self._ledger = EvictionLedger()
+        self.resident = r = Resident(layout, capacity_tokens, device, arena, eviction, spill)
+        self._tree, self._pool, self._lock, self._counters = r.tree, r.pool, r.lock, r.counters
         self.max_pinned_tokens = capacity_tokens // 2 if max_pinned_tokens is None else max_pinned_tokens
         self.spill = spill
-        self.events: KVEventPublisher | None = None
-        parts = (self._tree, self._pool, self._counters)
-        self.snapshots = Snapshots(state, snapshot_every, self.min_prefill, parts, self._evict, spill)
-        self.slots = RunningSlots(self)
-        self.reports = Reports(self._lock, self._tree, self._pool, (self._counters, self._ledger), state)
-        self._spill = SpillLink(self)
+        self.snapshots = Snapshots(state, snapshot_every, self.min_prefill, r)
+        r.on_snapshot_drop = self.snapshots.dropped
+        self.slots = RunningSlots(r)
+        self.reports = Reports(r, state)
+        self._spill = SpillLink(r, recurrent=state is not None)
         if spill is not None:
-            spill.bind(layout, self._pool.device, self._spill.read_kv, namespace.key, state)
+            spill.bind(layout, r.pool.device, self._spill.read_kv, namespace.key, state)
 
     def key_of(self, token_ids: TokenIds, salt: Salt) -> tuple[np.ndarray, Namespace]:
         """The ids as an array and the namespace they are looked up in."""
@@ -218,7 +207,7 @@ class PrefixCache:
         if snapshots is None and self.state is not None and held is not None and n == held:
             snapshots = {n: self.bridge.capture(past)}  # the state `past` stands at
         with self._lock:
-            start, stored = self._store(ns, ids[:n], lambda a, b: self.bridge.extract(past, a, b))
+            start, stored = self.resident.store(ns, ids[:n], lambda a, b: self.bridge.extract(past, a, b))
             kept = {p: blob for p, blob in (snapshots or {}).items() if 0 < p <= n}
             saved = [p for p in sorted(kept) if self.snapshots.store(ns, ids[:p], kept[p])]
         if self.spill is not None:
@@ -228,130 +217,48 @@ class PrefixCache:
                 self.spill.on_snapshot(ns.key, ids[:p], kept[p])
         return stored
 
-    def _store(self, ns: Namespace, ids: np.ndarray, source: KVSource) -> tuple[int, int]:
-        """Store the KV of the not-yet-resident tail of `ids`; returns (first new position, count)."""
-        m = self._tree.match(ns.key, ids)
-        need = len(ids) - m.length
-        if need <= 0:
-            return m.length, 0
-        self._counters.seen(ns)
-        self._tree.lock(m.node, +1)  # the room made for the tail must not evict its head
-        try:
-            if need > self._pool.num_free:
-                self._evict(need - self._pool.num_free)
-            k = min(need, self._pool.num_free)
-            self._counters.add(ns.tenant, insert_dropped_tokens=need - k)
-            if k == 0:
-                return m.length, 0
-            start = m.length
-            kv = source(start, start + k)
-            slots = self._pool.alloc(k)
-            try:
-                index = self._pool.index(slots)
-                for layer, data in enumerate(kv):
-                    if data is not None:
-                        self._pool.scatter(layer, index, data[:, 0], data[:, 1])
-            except BaseException:
-                self._pool.release(slots)
-                raise
-            self._attach(ns, m, ids[: start + k], slots)
-            return start, k
-        finally:
-            self._tree.lock(m.node, -1)
-
-    def _attach(self, ns: Namespace, m: Match, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Under the lock: make `slots` (holding the KV of `ids[m.length:]`) the tree's, right after
-        the match `m`, and report the store (events, counters)."""
-        self._tree.extend(m, ids[m.length :], slots)
-        if self.events is not None:
-            self.events.stored(ids, m.length)
-        self._counters.add(ns.tenant, inserted_tokens=len(slots))
-
     def evict(self, num_tokens: int) -> int:
         """Free up to `num_tokens` least-recently-used unlocked, unpinned tokens."""
         with self._lock:
-            return self._evict(num_tokens)
-
-    def _evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` slots; returns how many were freed (tokens, and the slots of
-        recurrent-state snapshots that went)."""
-        snapshot_slots = self._tree.snapshot_slots
-        freed = self._tree.evict(num_tokens, self._before_trim, self.snapshots.dropped)
-        self._pool.release(freed)
-        self._counters.total.evicted_tokens += len(freed) - (snapshot_slots - self._tree.snapshot_slots)
-        return len(freed)
-
-    def _before_trim(self, node: Node, count: int) -> None:
-        """Remember what is evicted (for `explain`) and, in write-back mode, spill it first."""
-        ns_key = self._tree.namespace_of(node)
-        ids, slots = self._tree.path(node)
-        self._ledger.record(ns_key, ids, len(ids) - count)
-        tenant = self._counters.tenant_of(ns_key)
-        if tenant is not None:  # the total counts freed slots once, in `_evict`
-            self._counters.tenants[tenant].evicted_tokens += count
-        if self.spill is not None:
-            self._spill.evicting(ns_key, ids, slots, count)
-        if self.events is not None:  # complete Redis chunks stay restorable (the shared tier)
-            chunk = self.spill.chunk_tokens if self.spill is not None else len(ids) + 1
-            self.events.evicted(ids, len(ids) - count, len(ids) // chunk * chunk)
+            return self.resident.evict(num_tokens)
 
     def pin(self, token_ids: TokenIds, *, salt: Salt = None) -> int:
         """Exempt the resident prefix of `token_ids` from eviction; returns the pinned length L.
 
-        Release it with `unpin` of exactly those L tokens (`token_ids[:L]`).
+        Release it with `unpin` of exactly those L tokens (`token_ids[:L]`). Raises PinLimitError
+        past `max_pinned_tokens`.
         """
         ids, ns = self.key_of(token_ids, salt)
         with self._lock:
-            m = self._tree.match(ns.key, ids, create=False)
-            if m.length == 0:
-                return 0
-            added = self._tree.unpinned_tokens_on_path(m.node) - (len(m.node.tokens) - m.node_offset) * (
-                m.node.pin_ref == 0
-            )
-            if self._tree.pinned_tokens + added > self.max_pinned_tokens:
-                raise PinLimitError(
-                    f"pinning {m.length} tokens would pin {self._tree.pinned_tokens + added}, "
-                    f"over the cap of {self.max_pinned_tokens}"
-                )
-            node = self._tree.split(m.node, m.node_offset)
-            self._tree.pin(node, +1)
-            return m.length
+            return self.resident.pin(ns.key, ids, self.max_pinned_tokens)
 
     def unpin(self, token_ids: TokenIds, *, salt: Salt = None) -> int:
         """Undo one `pin` of exactly this prefix; returns the unpinned length (0 if it was not pinned)."""
         ids, ns = self.key_of(token_ids, salt)
         with self._lock:
-            m = self._tree.match(ns.key, ids, touch=False, create=False)
-            node = m.node
-            # Pin counts propagate to the root, so the pins that end exactly here are this node's
-            # count minus its children's (splits preserve that difference).
-            ends_here = node.pin_ref - sum(c.pin_ref for c in node.children.values())
-            if m.length == 0 or m.node_offset != len(node.tokens) or ends_here <= 0:
-                return 0
-            self._tree.pin(node, -1)
-            return m.length
+            return self.resident.unpin(ns.key, ids)
 
     def clear(self) -> int:
         """Evict every unlocked, unpinned token (what `/flush_cache` asks for); returns how many went.
         Running requests keep their locked prefixes and pins stay: unpin a prefix to let it go."""
         with self._lock:
-            if self.events is not None:
-                self.events.cleared()
-            return self._evict(self._pool.capacity)
+            if self.resident.events is not None:
+                self.resident.events.cleared()
+            return self.resident.evict(self._pool.capacity)
 
     def attach_events(self, events: KVEventPublisher) -> None:
         """Publish KV events (`kvblocks.telemetry.kv_events`) for what this cache stores and evicts
         from now on; the publisher starts by announcing what is resident already."""
         with self._lock:
             events.bind(self.namespace.key, (self._lock, self.reports.event_nodes))
-            self.events = events
+            self.resident.events = events
 
     def close(self) -> None:
         """Flush and close the spill tier (queued writes finish first) and the events publisher."""
         if self.spill is not None:
             self.spill.close()
-        if self.events is not None:
-            self.events.close()
+        if self.resident.events is not None:
+            self.resident.events.close()
 
     # ---- the rooms' methods under the contract's names -------------------------------------
 
@@ -364,8 +271,8 @@ class PrefixCache:
         out = self.reports.stats(tenant)
         if tenant is None and self.spill is not None:
             out |= self.spill.stats()
-        if tenant is None and self.events is not None:
-            out |= self.events.stats()
+        if tenant is None and self.resident.events is not None:
+            out |= self.resident.events.stats()
         return out
 
     def tenant_counters(self) -> dict[str, dict[str, int]]:
@@ -378,13 +285,19 @@ class PrefixCache:
         return self.slots.evictable_tokens()
 
     def hold(self, token_ids: TokenIds, *, salt: Salt = None) -> Hit:
-        return self.slots.hold(token_ids, salt=salt)
+        """Lock the whole resident prefix of `token_ids` (no token left out, nothing counted as a
+        lookup): a running request keeps what it just adopted from being evicted under it."""
+        ids, ns = self.key_of(token_ids, salt)
+        with self._lock:
+            m = self._tree.match(ns.key, ids, create=False)
+            return Hit(self, ns, m, m.length)
 
     def release_slots(self, slots: np.ndarray) -> None:
         self.slots.release_slots(slots)
 
     def adopt(self, token_ids: TokenIds, slots: np.ndarray, start: int, *, salt: Salt = None) -> int:
-        return self.slots.adopt(token_ids, slots, start, salt=salt)
+        ids, ns = self.key_of(token_ids, salt)
+        return self.slots.adopt(ns, ids, slots, start)
 
     @property
     def pool(self) -> KVPool:
@@ -403,7 +316,3 @@ class PrefixCache:
     @property
     def pinned_tokens(self) -> int:
         return self._tree.pinned_tokens
-
-    @property
-    def snapshot_every(self) -> int:
-        return self.snapshots.every
