@@ -3,9 +3,10 @@
 `PrefixCache` matches, stores, evicts and pins; it takes layer specs and tensors and never looks
 into a framework's cache: a `PastBridge` (`kvblocks.cache.bridge`) injected at construction reads
 KV out of one and builds one for a hit. `kvblocks.KVCacheTrie` (`kvblocks.adapters.hf_trie`) is this
-class with the transformers bridge. Its rooms, each in its own module, share the lock, tree and pool:
-`snapshots` (recurrent-state policy and storage), `slots` (running requests' slots), `reports`
-(counters, stats, inspection); the contract's names for their methods are kept here.
+class with the transformers bridge. Its rooms, each in its own module, work through one `Resident`
+(tree, pool, lock): `snapshots` (recurrent-state policy and storage), `slots` (running requests'
+slots), `reports` (counters, stats, inspection), `spill_link` (Redis fetch and promotion); the
+contract's names for the rooms' methods (`stats`, `reserve`, `adopt`, ...) are kept here.
 """
 
 from __future__ import annotations
