@@ -14,11 +14,11 @@ from kvblocks.engine import paged, speculative
 from kvblocks.engine.admission import LimitsOf, RoomLimits, no_limits
 from kvblocks.engine.loop import Engine
 from kvblocks.engine.model_runner import PackedRunner
-from kvblocks.engine.scheduler import CHUNK, LOOK, BatchLimits
+from kvblocks.engine.scheduler import CHUNK, BatchLimits
 from kvblocks.generate.generator import CachedGenerator
 from kvblocks.telemetry.metrics import Metrics
 
-__all__ = ["CHUNK", "LOOK", "BatchEngine", "check_settings"]
+__all__ = ["CHUNK", "BatchEngine", "check_settings"]
 
 
 def check_settings(
