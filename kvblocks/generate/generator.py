@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,18 +202,7 @@ class CachedGenerator:
             if params.prompt_logprobs is not None:
                 prompt_logprobs = self._prompt_logprobs(ids, run, params.prompt_logprobs)
             tokens = self._decode(ids, run, out)
-            for token in tokens:
-                now = time.perf_counter()
-                if not out.generated:
-                    self._commit_prompt(run)
-                row = None
-                if run.logits is not None:
-                    row = run.logits[-1] if output_logits else run.logits.pop()
-                piece = out.push(token, row, now)
-                run.sequence.append(token)
-                if out.finish is not None:
-                    break
-                yield piece
+            piece = yield from self._pieces(tokens, run, out, output_logits)
             tokens.close()
             final = out.conclude(
                 piece,
@@ -238,6 +227,24 @@ class CachedGenerator:
         # Committed before the result is handed over: a consumer that stops at the result piece
         # (without exhausting the stream) holds no lock, and its next turn hits this one.
         yield final
+
+    def _pieces(
+        self, tokens: Iterator[int], run: DecodeState, out: Decoding, output_logits: bool
+    ) -> Generator[Piece, None, Piece]:
+        """Each decoded token through the per-token rule: yield its piece, return the last one."""
+        for token in tokens:
+            now = time.perf_counter()
+            if not out.generated:
+                self._commit_prompt(run)
+            row = None
+            if run.logits is not None:
+                row = run.logits[-1] if output_logits else run.logits.pop()
+            piece = out.push(token, row, now)
+            run.sequence.append(token)
+            if out.finish is not None:
+                return piece
+            yield piece
+        raise AssertionError("a decode strategy yields tokens until the rule finishes the sequence")
 
     def _start(
         self, ids: list[int], hit: Hit | None, rows: list[torch.Tensor] | None, salt: Salt
