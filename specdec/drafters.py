@@ -15,6 +15,7 @@ import torch
 from kvblocks.adapters import hf
 from kvblocks.adapters.hf_trie import KVCacheTrie
 from kvblocks.cache.trie import Hit, Salt
+from kvblocks.generate.decoding import context_room
 from kvblocks.generate.generator import ModelRunner, context_length
 from kvblocks.generate.sampling import SamplingParams, distribution
 
@@ -101,8 +102,7 @@ class ModelDraftSession(DraftSession):
         self, committed: list[int], gamma: int, params: SamplingParams, rng: torch.Generator | None
     ) -> Proposal:
         runner, max_context = self.drafter.runner, self.drafter.max_context
-        if max_context is not None:
-            gamma = min(gamma, max_context - len(committed) - 1)
+        gamma = min(gamma, context_room(max_context, len(committed) + 1))
         if gamma <= 0:
             return Proposal([], None)
         logits = runner.forward(committed[self.length :], self.past)[-1]

@@ -20,6 +20,7 @@ import torch
 
 from kvblocks.adapters import hf
 from kvblocks.adapters.hf_trie import KVCacheTrie
+from kvblocks.generate.decoding import Decoding, context_room
 from kvblocks.generate.generator import CachedGenerator, DecodeState
 from kvblocks.generate.params import GenerationParams, ParamError
 from kvblocks.generate.sampling import SamplingParams, distribution
@@ -155,7 +156,7 @@ class SpeculativeGenerator(CachedGenerator):
         probabilities aligned to the target's vocabulary (None from a point-mass drafter) and
         `tail_q`, the drafter's distribution where a draft the target's vocabulary lacks cut the
         round short (for `verify`). The batched engine drafts through here too."""
-        room = gamma if self.max_context is None else min(gamma, self.max_context - len(committed) - 1)
+        room = min(gamma, context_room(self.max_context, len(committed) + 1))
         proposal = session.propose(committed, room, params, rng) if room > 0 else _NO_DRAFT
         drafts = proposal.tokens[: max(room, 0)]
         # A draft id the target's vocabulary lacks has p = 0: it is rejected outright, so it is never
@@ -168,15 +169,33 @@ class SpeculativeGenerator(CachedGenerator):
         q = None if proposal.q is None else _match_vocab(proposal.q[: len(drafts)], self.target_vocab)
         return drafts, q, tail_q
 
+    def settle(
+        self,
+        logits: torch.Tensor,
+        proposal: tuple[list[int], torch.Tensor | None, torch.Tensor | None],
+        params: SamplingParams,
+        rng: torch.Generator | None,
+        stats: SpecStats,
+        gamma: int,
+    ) -> tuple[int, int, int]:
+        """Judge one round's `proposal` (from `propose`) against the target's `logits` of the fed
+        token and the drafts: (drafts accepted, the target's own token, the next round's gamma).
+        The one-request path and the batched engine both settle rounds here."""
+        drafts, q, tail_q = proposal
+        n, token = verify(distribution(logits, params), drafts, q, params.greedy, rng, tail_q=tail_q)
+        stats.record(len(drafts), n)
+        return n, token, self.next_gamma(gamma, len(drafts), n)
+
     def next_gamma(self, gamma: int, drafted: int, accepted: int) -> int:
         """Adaptive gamma: one more after a fully accepted round, one fewer after a rejection."""
         if not self.adaptive or not drafted:
             return gamma
         return min(gamma + 1, self.max_gamma) if accepted == drafted else max(gamma - 1, 1)
 
-    def _decode(
-        self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None
-    ) -> Iterator[int]:
+    def _decode(self, ids: list[int], run: DecodeState, out: Decoding) -> Iterator[int]:
+        """Draft/verify rounds; every committed token goes to the per-token rule (`out`) through the
+        stream, which owns the finish checks, so a round's tail past a finish is never emitted."""
+        params, rng = out.params.sampling, out.rng
         stats = run.spec = SpecStats(self.gamma)
         committed = list(ids)
         gamma = self.gamma
@@ -187,11 +206,12 @@ class SpeculativeGenerator(CachedGenerator):
             if state is not None and run.computed < len(ids) - 1:  # snapshots along the prompt
                 self._prefill(ids, run, len(ids) - 1)
             while True:
-                drafts, q, tail_q = self.propose(drafter, committed, gamma, params, rng)
+                proposal = self.propose(drafter, committed, gamma, params, rng)
+                drafts = proposal[0]
                 feed = committed[run.computed :] + drafts
                 saved = hf.capture_state(run.past, state) if state is not None and drafts else None
                 logits = self.runner.forward(feed, run.past, keep=len(drafts) + 1)
-                n, token = verify(distribution(logits, params), drafts, q, params.greedy, rng, tail_q=tail_q)
+                n, token, next_gamma = self.settle(logits, proposal, params, rng, stats, gamma)
                 new = [*drafts[:n], token]
                 committed.extend(new)
                 if saved is not None and n < len(drafts):
@@ -201,10 +221,9 @@ class SpeculativeGenerator(CachedGenerator):
                 run.computed = len(committed) - 1
                 self._snapshot(run)
                 drafter.rollback(len(committed) - 1)
-                stats.record(len(drafts), n)
                 if self.on_round is not None:
                     self.on_round(Round(list(committed), drafts, n, token, run.past))
-                gamma = self.next_gamma(gamma, len(drafts), n)
+                gamma = next_gamma
                 for emitted, row in zip(new, logits[: n + 1]):
                     if run.logits is not None:  # row by row: the consumer may stop mid-round
                         run.logits.append(row.detach().clone())

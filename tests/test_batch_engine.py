@@ -319,6 +319,31 @@ def test_requests_the_packed_path_does_not_serve_take_the_one_request_path():
     no_leaks(engine.cache)
 
 
+def test_generation_fields_given_as_keywords_take_the_packed_path():
+    """Typed options: `max_new_tokens=3` is a GenerationParams field, not an unknown option that
+    sends the request down the one-request path."""
+    model = tiny_model("llama", torch.float64)
+    cache = KVCacheTrie.for_model(model, capacity_tokens=512)
+    engine = BatchEngine(CachedGenerator(model, IdTokenizer(), cache)).start()
+    try:
+        done = threading.Event()
+        pieces = []
+
+        def emit(item):
+            pieces.append(item)
+            if isinstance(item, BaseException) or item.result is not None:
+                done.set()
+
+        engine.submit(workload(seed=2)[0], emit, max_new_tokens=3)
+        assert done.wait(30)
+        assert len(pieces[-1].result.token_ids) == 3 and engine.one_at_a_time == 0
+        with pytest.raises(TypeError):
+            engine.submit(workload(seed=2)[0], emit, max_new_token=3)
+        assert engine.queued == 0
+    finally:
+        engine.stop()
+
+
 def test_bad_settings_and_unsupported_models_are_refused():
     model = tiny_model("llama", torch.float64)
     with pytest.raises(ValueError, match="max_batch_tokens >= max_batch_size"):

@@ -19,6 +19,7 @@ from test_batch_engine import no_leaks, run_all, workload
 from tiny_models import VOCAB, tiny_model
 
 import kvblocks.engine.batch as batch_engine
+import kvblocks.generate.decoding as decoding
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie, Scope
 from kvblocks.engine.batch import BatchEngine
 from kvblocks.engine.loop import Engine, EngineError
@@ -95,7 +96,7 @@ def inject(engine: BatchEngine, cache: KVCacheTrie, phase: str, monkeypatch) -> 
             ),
         )
     elif phase == "logprobs":  # only the victim asks for log-probabilities
-        monkeypatch.setattr(batch_engine, "token_logprobs", lambda *a, **k: _raise())
+        monkeypatch.setattr(decoding, "token_logprobs", lambda *a, **k: _raise())
     elif phase == "commit":
         real_adopt = cache.adopt
 

@@ -2,13 +2,15 @@
 
 Every forward pass runs on the engine thread, so two requests never race on the model. Submitted
 requests wait in the `WaitingRoom` (bounded per tenant and in total; a full room refuses with
-`QueueFullError`); each cycle admits from it in weighted fair order across tenants, then advances
-every active request one step (`_step`). `BatchEngine` keeps this loop and admission and replaces
-the steps with packed forwards.
+`QueueFullError`). Each step admits from it, then schedules → runs → postprocesses the packed batch
+(`Scheduler`, `PackedRunner`, the per-token rule) and advances the requests on the serial runner
+one stream step each. `Engine(generator)` is this loop with the serial runner alone; `BatchEngine`
+is the same loop with a packed runner.
 
-A fault stays where it happened: an exception while serving one request fails that request (the
-client gets an `EngineError` naming the phase), and one outside any request fails the requests of
-that cycle; neither stops the thread. `health_problem` says when the thread died or stalled anyway.
+A fault stays where it happened: every phase is guarded here (`_fail`, `_contain`). An exception
+while serving one request fails that request (the client gets an `EngineError` naming the phase),
+and one outside any request fails the requests of that step; neither stops the thread.
+`health_problem` says when the thread died or stalled anyway.
 """
 
 from __future__ import annotations
@@ -18,54 +20,28 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable
 
+from kvblocks.cache.trie import PoolFullError
+from kvblocks.engine import speculative
 from kvblocks.engine.admission import LimitsOf, QueueFullError, RoomLimits, WaitingRoom, no_limits
-from kvblocks.generate.generator import CachedGenerator, Piece
-from kvblocks.telemetry import tracing
+from kvblocks.engine.model_runner import Batch, PackedRunner
+from kvblocks.engine.postprocess import Postprocessor
+from kvblocks.engine.report import Reporter, trace_ended, trace_submitted
+from kvblocks.engine.request import Emit, EngineError, Load, Options, Request
+from kvblocks.engine.scheduler import BatchLimits, Scheduler
+from kvblocks.engine.sequence import Sequence
+from kvblocks.engine.serial import SerialRunner
+from kvblocks.engine.slots import SlotManager
+from kvblocks.generate.generator import CachedGenerator
 from kvblocks.telemetry.metrics import CacheCollector, Metrics
 
 __all__ = ["Engine", "EngineError", "Load", "QueueFullError", "Request"]
 
 
-class EngineError(RuntimeError):
-    """What a request's client receives when the engine failed it: the phase and the cause."""
-
-    def __init__(self, phase: str, cause: BaseException) -> None:
-        super().__init__(f"{phase} failed: {type(cause).__name__}: {cause}")
-        self.phase = phase
-
-
-@dataclass(eq=False)
-class Request:
-    """One queued generation. `emit` is called on the engine thread with each Piece, or an Exception."""
-
-    prompt: object
-    options: dict
-    emit: Callable[[Piece | BaseException], None]
-    id: int = 0
-    tenant: str = ""
-    submitted: float = field(default_factory=time.perf_counter)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    stream: Iterator[Piece] | None = None
-    last_token_at: float = 0.0
-    tokens: int = 0  # prompt ids plus tokens generated so far (the request's KV footprint)
-    prepared: Any = None  # the batched engine's state for it, made once at its first admission
-    spans: dict = field(default_factory=dict)  # its open trace spans by phase (tracing on only)
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """What the engine holds right now, as routers ask for it (`/get_load`)."""
-
-    running: int
-    waiting: int
-    tokens: int  # prompt plus generated tokens of the running and waiting requests
-
-
 class Engine:
+    """The loop; with `packed` (what `BatchEngine` passes) it also runs packed forwards."""
+
     def __init__(
         self,
         generator: CachedGenerator,
@@ -73,8 +49,11 @@ class Engine:
         max_active: int = 64,
         limits: RoomLimits | None = None,
         limits_of: LimitsOf = no_limits,
+        *,
+        packed: tuple[PackedRunner, BatchLimits] | None = None,
     ) -> None:
         self.generator = generator
+        self.cache = generator.cache
         self.metrics = metrics or Metrics()
         if generator.cache is not None:
             self.metrics.register(CacheCollector(generator.cache))
@@ -82,13 +61,25 @@ class Engine:
         self.room = WaitingRoom(
             limits, limits_of, lambda: self.metrics.inc("kvblocks_requests_cancelled_total")
         )
-        self._active: list[Request] = []
+        self.report = Reporter(self.metrics)
+        self.serial = SerialRunner(generator, self.report, max_active)
+        self.runner: PackedRunner | None = None
+        self.scheduler: Scheduler | None = None
+        self.rounds = generator if isinstance(generator, speculative.Rounds) else None
+        if packed is not None:
+            self.runner, batch_limits = packed
+            self.slots = SlotManager(generator.cache)
+            self.scheduler = Scheduler(self.room, self.slots, batch_limits, self._fail)
+            self.output = Postprocessor(self.report, self.scheduler, self.slots, self.rounds)
+        self.one_at_a_time = 0  # requests that took the serial path beside a packed one
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvblocks-engine", daemon=True)
         self.stall_s = 30.0
         self._beat = time.monotonic()  # when the loop last completed a step
         self._death: str | None = None
+
+    # ---- the inbox, from any thread -------------------------------------------------------------
 
     def start(self) -> Engine:
         self._thread.start()
@@ -99,20 +90,19 @@ class Engine:
         self.room.wake()
         self._thread.join(timeout)
 
-    def submit(self, prompt, emit: Callable[[Piece | BaseException], None], *, tenant: str = "", **options):
-        """Queue one request; QueueFullError when its tenant's line or the room is full."""
+    def submit(self, prompt, emit: Emit, *, tenant: str = "", **options) -> Request:
+        """Queue one request; `options` are `CachedGenerator.stream`'s (`params`, `salt`, ...): an
+        unknown one is a TypeError here. QueueFullError when its tenant's line or the room is full."""
         return self.submit_all([(prompt, emit, options)], tenant=tenant)[0]
 
-    def submit_all(
-        self, items: Iterable[tuple[object, Callable[[Piece | BaseException], None], dict]], tenant: str = ""
-    ) -> list[Request]:
+    def submit_all(self, items: Iterable[tuple[object, Emit, dict]], tenant: str = "") -> list[Request]:
         """Queue several requests of one tenant together, or none (QueueFullError): the branches of
         one HTTP request are refused as a whole, never half admitted."""
         requests = []
         for prompt, emit, options in items:
             ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
             request = Request(
-                prompt, options, emit, next(self._ids), tenant, tokens=len(prompt) if ids else 0
+                prompt, Options.of(**options), emit, next(self._ids), tenant, tokens=len(prompt) if ids else 0
             )
             request.emit = _guarded(emit, request)
             trace_submitted(request)
@@ -126,13 +116,20 @@ class Engine:
             raise
         return requests
 
+    def cancel(self, request: Request) -> None:
+        request.cancel()
+
     @property
     def queued(self) -> int:
         return len(self.room)
 
     @property
     def active(self) -> int:
-        return len(self._active)
+        return len(self._running) + len(self.serial.active)
+
+    @property
+    def _running(self) -> list[Sequence]:
+        return self.scheduler.running if self.scheduler is not None else []
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve right now (its thread died, or it stopped stepping while work
@@ -152,9 +149,9 @@ class Engine:
         return Load(len(running), len(waiting), sum(r.tokens for r in running + waiting))
 
     def _running_requests(self) -> list[Request]:
-        return list(self._active)
+        return [s.request for s in list(self._running)] + list(self.serial.active)
 
-    # ---- the loop --------------------------------------------------------------------------
+    # ---- the loop -------------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -167,170 +164,133 @@ class Engine:
         while not self._stop.is_set():
             self._beat = time.monotonic()
             try:
-                self._cycle()
+                self.step()
             except Exception as exc:  # a fault outside every per-request guard: a bug, contained
                 self._contain(exc)
         self._shutdown()
 
-    def _cycle(self) -> None:
-        if not self._active:
+    def step(self) -> None:
+        """Admit; schedule → run → postprocess the packed batch; one stream step per serial request."""
+        if not self.active:
             self.room.wait(0.5)
         self._admit()
-        for request in list(self._active):
-            self._step(request)
+        self._step_packed()
+        self.serial.step()
+
+    def _admit(self) -> None:
+        if self.scheduler is None:
+            self.serial.admit(self.room)
+        else:
+            self.scheduler.admit(self._prepare, Counter(r.tenant for r in self._running_requests()))
+
+    def _step_packed(self) -> None:
+        if self.scheduler is None:
+            return
+        for s in list(self._running):
+            if s.request.cancelled.is_set():
+                self.report.cancelled()
+                self._drop(s)
+        batch = self._schedule_batch()
+        outputs = self.runner.run(batch, self._fail)
+        self._postprocess(batch, outputs)
+
+    def _schedule_batch(self) -> Batch:
+        return self.scheduler.schedule(self._plan)
+
+    # ---- the guard: every phase's faults end here -----------------------------------------------
+
+    def _fail(self, s: Sequence, exc: BaseException, phase: str) -> None:
+        """`s` ends with an error naming `phase` (its traceback on stderr); its slots and lock go back."""
+        traceback.print_exception(exc)
+        self.report.failed()
+        self._drop(s)
+        s.request.emit(EngineError(phase, exc))
 
     def _contain(self, exc: Exception) -> None:
-        """Fail the requests this cycle was serving, keep the thread."""
+        """A fault outside any one request: fail the requests this step was serving, keep the thread."""
         traceback.print_exception(exc)
         self.metrics.inc("kvblocks_engine_errors_total")
-        for request in list(self._active):
-            self._fail(request, exc, "engine step")
+        for request in list(self.serial.active):
+            self.serial.fail(request, exc, "engine step")
+        for s in list(self._running):
+            self._fail(s, exc, "engine step")
 
     def _shutdown(self) -> None:
-        for request in list(self._active):  # _finish removes from the list
-            self._finish(request)
+        for s in list(self._running):
+            self._drop(s)
+        for request in list(self.serial.active):
+            self.serial.finish(request)
         stopping = RuntimeError("the server is shutting down")
         for request in self.room.items():
             request.emit(EngineError("admission", stopping))
 
-    def _next_waiting(self) -> Request | None:
-        """The request admission offers next: the head of the least served tenant's line."""
-        running = Counter(r.tenant for r in self._running_requests())
-        for tenant in self.room.fair_order(running):
-            heads = self.room.heads(tenant, 1)
-            if heads:
-                return heads[0]
+    def _drop(self, s: Sequence) -> None:
+        """A cancelled or failed sequence: its own slots go back, its lock is released."""
+        self.scheduler.remove(s)
+        self.slots.release(s)
+        trace_ended(s.request, outcome="ended")
+        if s.draft is not None:
+            s.draft.end(s.sequence)
+
+    # ---- the packed path: preparing, planning, postprocessing -----------------------------------
+
+    def _prepare(self, request: Request) -> Sequence | None:
+        """`request`'s packed-path state (made once), or None once it went to the serial runner or
+        failed (a bad prompt or parameter: the client gets the error)."""
+        if request.sequence is None and not request.serial:
+            try:
+                request.sequence = Sequence.of(request, self.generator, self.slots, self.rounds)
+            except Exception as exc:
+                self.room.remove(request.tenant, request)
+                self.report.failed()
+                request.emit(exc)
+                return None
+            request.serial = request.sequence is None
+        if not request.serial:
+            return request.sequence
+        if self.serial.has_room():
+            self.room.remove(request.tenant, request)
+            self.serial.start(request)
+            self.one_at_a_time += 1
         return None
 
-    def _admit(self) -> None:
-        while len(self._active) < self.max_active:
-            request = self._next_waiting()
-            if request is None:
-                return
-            self.room.remove(request.tenant, request)
-            self._start_serial(request)
+    def _plan(self, s: Sequence, take: int, budget: int, batch: Batch) -> int:
+        """Tokens `s` feeds this step with their slots reserved (and its drafts proposed); 0: none."""
+        if s.draft is None or take != s.left:
+            return take if self._reserve(s, s.computed + take, batch) else 0
+        room = min(s.gamma, budget - take)  # a draft/verify round
+        if not self._reserve(s, s.computed + take + room, batch):  # slots first: drafting consumes the rng
+            return 0
+        take += speculative.propose(self.rounds, s, room)
+        self.slots.trim(s, s.computed + take)  # fewer drafts than room
+        return take
 
-    def _start_serial(self, request: Request) -> None:
-        """Run `request` one `CachedGenerator.stream` step per cycle (its errors surface in `_step`)."""
-        trace_admitted(request)
-        request.stream = self.generator.stream(request.prompt, **request.options)
-        self._active.append(request)
+    def _reserve(self, s: Sequence, end: int, batch: Batch) -> bool:
+        """Slots up to position `end` of `s` (the scheduler preempts for them); False when nothing
+        can make room, and `s` fails when it runs alone and pinned prefixes fill the rest."""
+        if self.scheduler.reserve(s, end, batch):
+            return True
+        if not batch and self._running == [s]:
+            self._drop(s)
+            self.report.failed()
+            s.request.emit(PoolFullError("the KV pool is full of pinned prefixes"))
+        return False
 
-    def _step(self, request: Request) -> None:
-        if request.cancelled.is_set():
-            self.metrics.inc("kvblocks_requests_cancelled_total")
-            self._finish(request)
-            return
-        try:
-            with tracing.current(request.spans.get("prefill")):  # the lookup nests under the prefill
-                piece = next(request.stream)
-        except StopIteration:
-            self._finish(request)
-            return
-        except Exception as exc:  # a failed request must not take the loop down; the client gets it
-            self.metrics.inc("kvblocks_requests_failed_total")
-            self._finish(request)
-            request.emit(exc)
-            return
-        self._observe(request, len(piece.token_ids))
-        if piece.result is not None:
-            self._record(request, piece)
-            self._finish(request)
-        request.emit(piece)
-
-    def _fail(self, request: Request, exc: BaseException, phase: str) -> None:
-        """`request` ends with an error naming `phase`; whatever it held goes back."""
-        self.metrics.inc("kvblocks_requests_failed_total")
-        self._finish(request)
-        request.emit(EngineError(phase, exc))
-
-    def _observe(self, request: Request, tokens: int) -> float:
-        """Time `tokens` new tokens of `request`: TTFT (queueing included, what the client waits for)
-        or the gap since its last token. Returns the time."""
-        now = time.perf_counter()
-        if request.last_token_at:
-            self.metrics.observe("kvblocks_inter_token_seconds", now - request.last_token_at)
-        else:
-            self.metrics.observe("kvblocks_time_to_first_token_seconds", now - request.submitted)
-            trace_first_token(request)
-        request.last_token_at = now
-        request.tokens += tokens
-        return now
-
-    def _finish(self, request: Request) -> None:
-        """Close its stream (which commits its tokens and releases its locks), then forget it: in this
-        order, so that a request no longer active holds nothing."""
-        if request.stream is not None:
-            stream, request.stream = request.stream, None
+    def _postprocess(self, batch: Batch, outputs: list) -> None:
+        for (s, n), logits in zip(batch, outputs):
+            if logits is None or s not in self._running:
+                continue
             try:
-                stream.close()
-            except Exception:  # the commit failed: the reply stands, the cache does without it
-                traceback.print_exc()
-                self.metrics.inc("kvblocks_engine_errors_total")
-        if request in self._active:
-            self._active.remove(request)
-        trace_ended(request, outcome="ended")  # spans a result did not close: cancelled or failed
-
-    def _record(self, request: Request, piece: Piece) -> None:
-        r = piece.result
-        m = self.metrics
-        m.finished(r.finish_reason, time.perf_counter() - request.submitted)
-        m.inc("kvblocks_prompt_tokens_total", r.prompt_tokens)
-        m.inc("kvblocks_cached_prompt_tokens_total", r.cached_tokens)
-        m.inc("kvblocks_generation_tokens_total", len(r.token_ids))
-        if r.spec is not None:
-            m.inc("kvblocks_spec_drafted_tokens_total", r.spec.drafted)
-            m.inc("kvblocks_spec_accepted_tokens_total", r.spec.accepted)
-            m.inc("kvblocks_spec_rounds_total", r.spec.rounds)
-        trace_ended(
-            request,
-            outcome="finished",
-            finish_reason=r.finish_reason,
-            prompt_tokens=r.prompt_tokens,
-            cached_tokens=r.cached_tokens,
-            completion_tokens=len(r.token_ids),
-        )
+                self.output.advance(s, n, logits)
+            except Exception as exc:
+                self._fail(s, exc, "sampling")
 
 
-# ---- traces (kvblocks.telemetry.tracing; each a no-op while tracing is off) ------------------------------
-
-
-def trace_submitted(request: Request) -> None:
-    if tracing.enabled():
-        root = tracing.start("kvblocks.request", request_id=request.id, prompt_tokens=request.tokens or None)
-        request.spans = {"request": root, "queue": tracing.start("queue", root)}
-
-
-def trace_admitted(request: Request) -> None:
-    """Out of the queue; the prefill starts (again, after a preemption before its first token)."""
-    if request.spans:
-        tracing.end(request.spans.pop("queue", None))
-        if "decode" not in request.spans and "prefill" not in request.spans:
-            request.spans["prefill"] = tracing.start("prefill", request.spans["request"])
-
-
-def trace_first_token(request: Request) -> None:
-    if request.spans and "decode" not in request.spans:
-        tracing.end(request.spans.pop("prefill", None))
-        root = request.spans["request"]
-        request.spans["decode"] = tracing.start("decode", root)
-        params = request.options.get("params")
-        if params is not None and params.constraint is not None:
-            request.spans["constrained"] = tracing.start("constrained_decoding", root)
-
-
-def trace_ended(request: Request, **attributes) -> None:
-    if request.spans:
-        for phase in ("queue", "prefill", "constrained", "decode"):
-            tracing.end(request.spans.pop(phase, None))
-        tracing.end(request.spans.pop("request"), **attributes)
-
-
-def _guarded(emit: Callable[[Piece | BaseException], None], request: Request):
+def _guarded(emit: Emit, request: Request) -> Emit:
     """`emit` as the engine thread calls it: a consumer whose callback raises loses its request
     (cancelled, the traceback on stderr), never the engine thread or the other requests."""
 
-    def call(item: Piece | BaseException) -> None:
+    def call(item) -> None:
         try:
             emit(item)
         except Exception:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,42 +19,17 @@ import torch
 from kvblocks.adapters import hf
 from kvblocks.adapters.hf_trie import KVCacheTrie
 from kvblocks.cache.snapshots import SnapshotPlan
-from kvblocks.cache.trie import Salt
-from kvblocks.generate.params import GenerationParams, ParamError
-from kvblocks.generate.sampling import (
-    LogitsProcessor,
-    SamplingParams,
-    TokenLogprob,
-    choose,
-    seeded_rng,
-    token_logprobs,
-)
+from kvblocks.cache.trie import Hit, Salt
+from kvblocks.generate.decoding import Decoding, GenerationResult, Piece, context_room
+from kvblocks.generate.params import GenerationParams, ParamError, params_of
+from kvblocks.generate.sampling import LogitsProcessor, TokenLogprob, seeded_rng, token_logprobs
 from kvblocks.generate.text import Prompt, PromptError, StopTextAssembler, encode_prompt
+
+__all__ = ["CachedGenerator", "DecodeState", "GenerationResult", "ModelRunner", "Piece", "PromptTooLongError"]
 
 
 class PromptTooLongError(PromptError):
     """The prompt does not fit in the model's context window."""
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    prompt_tokens: int
-    cached_tokens: int
-    ttft_s: float
-    total_s: float
-    finish_reason: str
-    prompt_ids: list[int] = field(repr=False, default_factory=list)
-    logits: list[torch.Tensor] | None = field(repr=False, default=None)
-    spec: Any = None
-    logprobs: list[TokenLogprob] | None = field(repr=False, default=None)
-    prompt_logprobs: list[TokenLogprob | None] | None = field(repr=False, default=None)
-    cache_bypass: str | None = None  # why the prefix cache was not matched ("prompt_logprobs")
-    # recurrent and hybrid models: where the prefill stopped (each forward's end) and the positions
-    # whose recurrent state was snapshotted for the cache
-    prefill_splits: list[int] = field(repr=False, default_factory=list)
-    snapshot_positions: list[int] = field(repr=False, default_factory=list)
 
 
 @dataclass(slots=True)
@@ -71,23 +46,12 @@ class DecodeState:
     salt: Salt
     past: Any = None
     spec: Any = None
-    processor: LogitsProcessor | None = None
     # recurrent models: where the prefill stops to snapshot the state, and the snapshots taken
     plan: SnapshotPlan = field(default_factory=SnapshotPlan)
     splits: list[int] = field(default_factory=list)
     # positions past this one were computed along a path a prefill of them would not take (one-token
     # forwards, prefill or decode, where the cache's min_prefill is 2): not reused
     reusable: int | None = None
-
-
-@dataclass(slots=True)
-class Piece:
-    """One step of a stream: new text and tokens; the last piece also carries the result."""
-
-    text: str
-    token_ids: list[int]
-    result: GenerationResult | None = None
-    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids` when asked for
 
 
 def context_length(config) -> int | None:
@@ -160,7 +124,7 @@ class CachedGenerator:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if self.max_context is not None and len(ids) >= self.max_context:
+        if context_room(self.max_context, len(ids)) <= 0:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but the model's context is {self.max_context} tokens"
             )
@@ -185,23 +149,27 @@ class CachedGenerator:
                 "logit_bias", f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
 
-    def prepare(
-        self, prompt: Prompt, params: GenerationParams
-    ) -> tuple[list[int], int, torch.Generator | None, StopTextAssembler, LogitsProcessor | None]:
-        """A request's checked ids and the state its decoding starts from: the token budget (capped by
-        the context), the sampling generator (None when greedy), the stop-text assembler and the logits
-        processor (None when nothing rewrites logits). `stream` and the batched engine both start here."""
+    def prepare(self, prompt: Prompt, params: GenerationParams, started: float | None = None) -> Decoding:
+        """A request's checked ids and the output state its decoding starts from (`Decoding`: the
+        token budget capped by the context, the sampling generator, the stop-text assembler and the
+        logits processor). `stream` and the batched engine both start here."""
         self.check_params(params)
         ids = self.encode(prompt)
-        max_new_tokens = params.max_new_tokens
-        if self.max_context is not None:
-            max_new_tokens = min(max_new_tokens, self.max_context - len(ids))
         rng = None if params.sampling.greedy else seeded_rng(self.runner.device, params.seed)
         processor = None
         if params.processes_logits:
             eos = () if params.ignore_eos else self.eos_ids
             processor = LogitsProcessor(params, ids, eos, self.vocab_size, self.runner.device)
-        return ids, max_new_tokens, rng, StopTextAssembler(self.tokenizer, params.stop), processor
+        return Decoding(
+            ids,
+            params,
+            min(params.max_new_tokens, context_room(self.max_context, len(ids))),
+            StopTextAssembler(self.tokenizer, params.stop),
+            rng,
+            processor,
+            self.eos_ids,
+            time.perf_counter() if started is None else started,
+        )
 
     def stream(
         self,
@@ -219,69 +187,34 @@ class CachedGenerator:
         the cache by id when the request ends, also when the consumer stops early, so the next turn
         hits the whole history.
         """
-        params = _params_of(params, options)
-        sampling = params.sampling
-        t0 = time.perf_counter()
-        ids, max_new_tokens, rng, text, processor = self.prepare(prompt, params)
+        params = params_of(params, options)
+        out = self.prepare(prompt, params, started=time.perf_counter())
+        ids = out.prompt_ids
         # Prompt log-probabilities need logits at every prompt position: no prefix reuse.
         bypass = "prompt_logprobs" if params.prompt_logprobs is not None and self.cache is not None else None
         hit = self.cache.match_or_miss(ids, salt=salt) if self.cache is not None and bypass is None else None
         rows: list[torch.Tensor] | None = [] if output_logits or params.logprobs is not None else None
-        run = DecodeState(list(ids), hit.length if hit is not None else 0, rows, salt, processor=processor)
-        if self.cache is not None:
-            run.plan = self.cache.snapshot_plan(run.computed, len(ids), hit.matched if hit else 0)
-            if self.runner.stepwise and run.computed == 0:  # every forward after the first is one token
-                run.plan.skip_before((hit.matched if hit else 0) or len(ids) - 1)
+        run = self._start(ids, hit, rows, salt)
         tokens = None
         try:
             run.past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
             prompt_logprobs = None
             if params.prompt_logprobs is not None:
                 prompt_logprobs = self._prompt_logprobs(ids, run, params.prompt_logprobs)
-            tokens = self._decode(ids, run, sampling, rng)
-            ttft, finish, pending = 0.0, "length", ""
-            generated: list[int] = []
-            logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
-            for token in tokens:
-                if not generated:
-                    ttft = time.perf_counter() - t0
-                    self._commit_prompt(run)
-                generated.append(token)
-                run.sequence.append(token)
-                if logprobs is not None:
-                    row = run.logits[-1] if output_logits else run.logits.pop()
-                    logprobs.extend(token_logprobs(row[None], [token], params.logprobs))
-                if token in self.eos_ids and not params.ignore_eos:
-                    finish = "stop"
-                    break
-                pending = text.push(token, may_stop=len(generated) > params.min_tokens)  # as vLLM
-                if text.stopped or (processor is not None and processor.done):
-                    finish = "stop"
-                    break
-                if len(generated) >= max_new_tokens:
-                    break
-                yield Piece(pending, [token], logprobs=None if logprobs is None else logprobs[-1:])
-                pending = ""
+            tokens = self._decode(ids, run, out)
+            piece = yield from self._pieces(tokens, run, out, output_logits)
             tokens.close()
-            result = GenerationResult(
-                token_ids=generated,
-                text=text.text,
-                prompt_tokens=len(ids),
+            final = out.conclude(
+                piece,
+                time.perf_counter(),
                 cached_tokens=hit.length if hit is not None else 0,
-                ttft_s=ttft,
-                total_s=time.perf_counter() - t0,
-                finish_reason=finish,
-                prompt_ids=ids,
                 logits=run.logits if output_logits else None,
                 spec=run.spec,
-                logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 cache_bypass=bypass,
                 prefill_splits=run.splits,
                 snapshot_positions=run.plan.positions,
             )
-            last = None if logprobs is None else logprobs[-1:]
-            final = Piece(pending + text.flush(), [generated[-1]], result, logprobs=last)
         finally:
             try:
                 if tokens is not None:
@@ -294,6 +227,35 @@ class CachedGenerator:
         # Committed before the result is handed over: a consumer that stops at the result piece
         # (without exhausting the stream) holds no lock, and its next turn hits this one.
         yield final
+
+    def _pieces(
+        self, tokens: Iterator[int], run: DecodeState, out: Decoding, output_logits: bool
+    ) -> Generator[Piece, None, Piece]:
+        """Each decoded token through the per-token rule: yield its piece, return the last one."""
+        for token in tokens:
+            now = time.perf_counter()
+            if not out.generated:
+                self._commit_prompt(run)
+            row = None
+            if run.logits is not None:
+                row = run.logits[-1] if output_logits else run.logits.pop()
+            piece = out.push(token, row, now)
+            run.sequence.append(token)
+            if out.finish is not None:
+                return piece
+            yield piece
+        raise AssertionError("a decode strategy yields tokens until the rule finishes the sequence")
+
+    def _start(
+        self, ids: list[int], hit: Hit | None, rows: list[torch.Tensor] | None, salt: Salt
+    ) -> DecodeState:
+        """The decoding state after `hit`, with the positions where a recurrent state is snapshotted."""
+        run = DecodeState(list(ids), hit.length if hit is not None else 0, rows, salt)
+        if self.cache is not None:
+            run.plan = self.cache.snapshot_plan(run.computed, len(ids), hit.matched if hit else 0)
+            if self.runner.stepwise and run.computed == 0:  # every forward after the first is one token
+                run.plan.skip_before((hit.matched if hit else 0) or len(ids) - 1)
+        return run
 
     def _prompt_logprobs(self, ids: list[int], run: DecodeState, k: int) -> list[TokenLogprob | None]:
         """Score each prompt token after the first by the positions before it.
@@ -354,32 +316,15 @@ class CachedGenerator:
             run.reusable = run.computed
         return torch.cat(out) if keep == 0 and len(out) > 1 else out[-1]
 
-    def _decode(
-        self, ids: list[int], run: DecodeState, params: SamplingParams, rng: torch.Generator | None
-    ) -> Iterator[int]:
-        """Yield next tokens one at a time; keep `run.computed` = positions of `run.past` that hold
-        the KV of `run.sequence` (the caller appends each yielded token to it)."""
+    def _decode(self, ids: list[int], run: DecodeState, out: Decoding) -> Iterator[int]:
+        """Yield next tokens one at a time, chosen by the per-token rule (`out`); keep `run.computed`
+        = positions of `run.past` that hold the KV of `run.sequence` (the caller appends each yielded
+        token to it)."""
         logits = self._prefill(ids, run, len(ids))[-1]
         while True:
             if run.logits is not None:
                 run.logits.append(logits.detach().clone())
-            if run.processor is None:
-                token = choose(logits, params, rng)
-            else:
-                token = choose(run.processor(logits), params, rng)
-                run.processor.accept(token)
-            yield token
+            yield out.choose(logits)
             logits = self.runner.forward(run.sequence[-1:], run.past)[-1]
             run.computed += 1
             self._snapshot(run)
-
-
-def _params_of(params: GenerationParams | None, options: dict[str, Any]) -> GenerationParams:
-    """`params`, or one built from `GenerationParams` fields given as keywords (the older call shape)."""
-    if params is None:
-        return GenerationParams(**options)
-    if not isinstance(params, GenerationParams):
-        raise TypeError(f"params must be a GenerationParams, got {type(params).__name__}")
-    if options:
-        raise TypeError(f"give either params or keyword options ({', '.join(sorted(options))}), not both")
-    return params

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -132,3 +132,15 @@ def _checked_bias(bias: Mapping[int, float] | None) -> dict[int, float]:
             )
         checked[token] = float(value)
     return checked
+
+
+def params_of(params: GenerationParams | None, fields: Mapping[str, Any]) -> GenerationParams:
+    """`params`, or one built from `GenerationParams` fields given as keywords (the older call shape);
+    an unknown keyword is a TypeError here."""
+    if params is None:
+        return GenerationParams(**fields)
+    if not isinstance(params, GenerationParams):
+        raise TypeError(f"params must be a GenerationParams, got {type(params).__name__}")
+    if fields:
+        raise TypeError(f"give either params or keyword options ({', '.join(sorted(fields))}), not both")
+    return params

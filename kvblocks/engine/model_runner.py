@@ -1,0 +1,71 @@
+"""The packed model runner: one forward over every scheduled sequence (`kvblocks.engine.paged`).
+
+It turns each sequence's tokens of this step into segments that read and write the sequence's own
+slots, runs them as one forward and hands back each sequence's logits. It knows nothing of the
+scheduling or caching policy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvblocks.engine import paged
+from kvblocks.engine.sequence import Sequence
+
+Batch = list[tuple[Sequence, int]]
+
+
+class PackedRunner:
+    def __init__(self, model, pool, invariant: bool, chunk: int, scratch: np.ndarray | None) -> None:
+        self.paged = paged.PagedRunner(model, pool, invariant, chunk, scratch)
+        self.invariant = invariant
+        self.chunk = chunk
+
+    @property
+    def scratch(self) -> np.ndarray:
+        """The slots of batch-invariant padding rows (held for the runner's life)."""
+        return self.paged.scratch
+
+    def forward(self, segments: list[paged.Segment]) -> list[torch.Tensor]:
+        return self.paged.forward(segments)
+
+    def run(self, batch: Batch, fail: Callable[[Sequence, BaseException, str], None]) -> list:
+        """Each sequence's output logits (every row of a speculative round, the last one otherwise).
+        When the packed forward fails, each sequence runs alone so that the fault fails only the one
+        it belongs to (`fail`, None in its place); the others go on."""
+        if not batch:
+            return []
+        segments = [self.segments(s, n) for s, n in batch]
+        try:
+            outputs = self.forward([seg for group in segments for seg in group])
+        except Exception as exc:
+            if len(batch) == 1:
+                fail(batch[0][0], exc, "forward")
+                return [None]
+            return [self._alone(s, group, fail) for (s, _), group in zip(batch, segments)]
+        ends = itertools.accumulate(len(group) for group in segments)
+        return [outputs[end - 1] for end in ends]
+
+    def _alone(self, s: Sequence, segments: list[paged.Segment], fail) -> torch.Tensor | None:
+        try:
+            return self.forward(segments)[-1]
+        except Exception as exc:
+            fail(s, exc, "forward")
+            return None
+
+    def segments(self, s: Sequence, n: int) -> list[paged.Segment]:
+        """The segments of `n` tokens of `s`; the last one's logits are its output."""
+        if s.proposal:  # the last token and the drafts, every row's logits kept for verification
+            tokens = s.sequence + s.proposal[0]
+            return [paged.Segment(tokens[s.computed :], s.slots[: s.computed + n], keep=n)]
+        end = s.computed + n
+        ends = paged.chunk_ends(s.computed, end, self.chunk) if self.invariant else [end]
+        segments, begin = [], s.computed
+        for cut in ends:  # a sequence's later pieces read the K/V its earlier ones write
+            segments.append(paged.Segment(s.sequence[begin:cut], s.slots[:cut]))
+            begin = cut
+        return segments

@@ -1,0 +1,58 @@
+"""Postprocessing of a packed step: the logits each sequence got become tokens and pieces.
+
+Tokens are chosen and finished by the per-token rule (`kvblocks.generate.decoding`), the same one
+the one-request path uses; here only what the engine adds around it: the prompt's KV passes to the
+trie at the first token, a finished sequence's KV when it ends, then its result is recorded and sent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvblocks.engine import speculative
+from kvblocks.engine.report import Reporter
+from kvblocks.engine.scheduler import Scheduler
+from kvblocks.engine.sequence import Sequence
+from kvblocks.engine.slots import SlotManager
+
+
+class Postprocessor:
+    def __init__(
+        self, report: Reporter, scheduler: Scheduler, slots: SlotManager, rounds: speculative.Rounds | None
+    ) -> None:
+        self.report = report
+        self.scheduler = scheduler
+        self.slots = slots
+        self.rounds = rounds
+
+    def advance(self, s: Sequence, n: int, logits: torch.Tensor) -> None:
+        """The `n` tokens `s` fed hold KV now; the tokens they yield go through the per-token rule."""
+        if s.proposal:
+            tokens = speculative.settle(self.rounds, s, logits, self.slots)
+        else:
+            s.computed += n
+            if s.computed < len(s.sequence):  # a prefill chunk: no token yet
+                return
+            tokens = [(s.out.choose(logits[-1]), logits[-1])]
+        for token, row in tokens:
+            if self._accept(s, token, row):
+                return
+
+    def _accept(self, s: Sequence, token: int, logits: torch.Tensor) -> bool:
+        """Append `token` (chosen from `logits`), emit its piece; True when it ends the request."""
+        now = self.report.observe(s.request, 1)
+        if not s.generated:
+            self.slots.commit_prompt(s)
+        piece = s.out.push(token, logits, now)
+        s.sequence.append(token)
+        if s.out.finish is None:
+            s.request.emit(piece)
+            return False
+        self.scheduler.remove(s)
+        self.slots.complete(s)
+        if s.draft is not None:
+            s.draft.end(s.sequence)
+        piece = s.out.conclude(piece, now, cached_tokens=s.cached_tokens, spec=s.spec)
+        self.report.record(s.request, piece.result)
+        s.request.emit(piece)
+        return True

@@ -1,0 +1,254 @@
+"""The scheduler: which waiting requests start running, and which tokens each running one feeds.
+
+It knows no tensors. Waiting requests are admitted from the `WaitingRoom` in weighted fair order
+across tenants; within a tenant's first `LOOK`, one passed over `max_wait_steps` times goes first,
+then the longest cached prefix, and only while the pool has room for the uncached prompt plus a
+watermark (`can_admit` before `admit`). Each step feeds decode tokens first, then chunks of
+prefill, fewest tokens left first, under `max_batch_tokens`; a step in which some request can get
+its first token leaves long prefills out (head-of-line blocking is then the step in flight plus
+one short step). When the pool runs out of slots, the youngest other running request is the
+preemption victim: it waits again, first in its tenant's line, and resumes later.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvblocks.cache.radix import common_prefix_len
+from kvblocks.cache.trie import PoolFullError
+from kvblocks.engine import paged
+from kvblocks.engine.admission import WaitingRoom
+from kvblocks.engine.report import trace_admitted
+from kvblocks.engine.request import Request
+from kvblocks.engine.sequence import Sequence
+from kvblocks.engine.slots import SlotManager
+from kvblocks.telemetry import tracing
+
+CHUNK = 64  # batch-invariant mode cuts prompts at every multiple of this many positions
+LOOK = 32  # waiting requests per tenant that admission considers each step (never the whole line)
+
+Fail = Callable[[Sequence, BaseException, str], None]
+Plan = Callable[[Sequence, int, int, list[tuple[Sequence, int]]], int]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    max_batch_size: int = 16
+    max_batch_tokens: int = 80
+    max_active: int = 64
+    max_wait_steps: int = 64
+    join_min_tokens: int = 32
+    invariant: bool = False
+    chunk: int = CHUNK
+    watermark: int = 1  # free slots admission keeps beyond a prompt's uncached tokens
+
+
+@dataclass(slots=True)
+class _AdmissionPass:
+    """What one admission pass has learnt: free slots left, cached lengths, requests looked at."""
+
+    available: int
+    counted_evictable: bool = False
+    cached: dict[int, int] = field(default_factory=dict)
+    seen: dict[int, Sequence] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, room: WaitingRoom, slots: SlotManager, limits: BatchLimits, fail: Fail) -> None:
+        self.room = room
+        self.slots = slots
+        self.limits = limits
+        self.fail = fail  # the engine's guard: fails one sequence with the phase named
+        self.running: list[Sequence] = []
+        self.step_no = 0
+        self.deferred = 0  # admissions put off because the pool lacked room for the prompt
+        self.preemptions = 0
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def admit(self, prepare: Callable[[Request], Sequence | None], running: Counter) -> None:
+        """Tenants in fair order (`WaitingRoom.fair_order`, `running` counting each tenant's running
+        requests); `prepare` gives a waiting request's packed-path state, None for one that took
+        another path or failed."""
+        admission = _AdmissionPass(self.slots.free)
+        done: set[str] = set()
+        while len(self.running) < min(self.limits.max_batch_size, self.limits.max_active):
+            order = self.room.fair_order(running, done)
+            if not order:
+                break
+            tenant = order[0]
+            admitted = self._admit_from(tenant, prepare, admission)
+            if admitted is None:
+                done.add(tenant)
+            elif admitted is False:  # deferred: nobody else jumps ahead of it
+                break
+            else:
+                running[tenant] += 1
+        for s in admission.seen.values():
+            if s not in self.running:
+                s.waited += 1
+
+    def _admit_from(self, tenant: str, prepare, admission: _AdmissionPass) -> Sequence | bool | None:
+        """Admit one waiting request of `tenant`: its Sequence, None when none of its first ones can
+        start this step, or False when the pool lacks room for the next in order."""
+        candidates = self._candidates(tenant, prepare, admission)
+        starved = [s for s in candidates if s.waited >= self.limits.max_wait_steps]
+        rest = sorted(
+            (s for s in candidates if s.waited < self.limits.max_wait_steps),
+            key=lambda s: -admission.cached[id(s)],
+        )
+        for s in starved + rest:
+            cached = admission.cached[id(s)]
+            if s.waited < self.limits.max_wait_steps and self._joins(s, cached):
+                continue
+            need = len(s.sequence) - cached + self.limits.watermark
+            if not self.can_admit(need, admission):
+                self.deferred += 1
+                return False
+            if self.admit_one(s):
+                admission.available -= need - self.limits.watermark
+                return s
+        return None
+
+    def _candidates(self, tenant: str, prepare, admission: _AdmissionPass) -> list[Sequence]:
+        """The packed-path heads of `tenant`'s line, with their cached lengths known."""
+        candidates = []
+        for request in self.room.heads(tenant, LOOK):
+            s = prepare(request)
+            if s is None:
+                continue
+            admission.seen[id(s)] = s
+            if id(s) not in admission.cached:
+                try:
+                    admission.cached[id(s)] = self.slots.cached_length(s)
+                except Exception as exc:  # e.g. a namespace that cannot be keyed: this request only
+                    self.room.remove(tenant, s.request)
+                    self.fail(s, exc, "admission")
+                    continue
+            candidates.append(s)
+        return candidates
+
+    def can_admit(self, need: int, admission: _AdmissionPass) -> bool:
+        """Whether `need` slots (an uncached prompt plus the watermark) are free or evictable; with
+        nothing running a request is admitted anyway (preemption and eviction make its room)."""
+        if need > admission.available and not admission.counted_evictable:
+            admission.available += self.slots.evictable()
+            admission.counted_evictable = True
+        return need <= admission.available or not self.running
+
+    def admit_one(self, s: Sequence) -> bool:
+        """Out of the waiting room into `running`, its cached prefix locked; False when that failed."""
+        self.room.remove(s.request.tenant, s.request)
+        trace_admitted(s.request)
+        try:
+            with tracing.current(s.request.spans.get("prefill")):  # the lookup's span nests here
+                self.slots.lock_prefix(s)
+        except Exception as exc:
+            self.fail(s, exc, "admission")
+            return False
+        s.admitted_at = self.step_no
+        self.running.append(s)
+        return True
+
+    def _joins(self, s: Sequence, cached: int) -> bool:
+        """Whether `s` waits for a running request that is computing a prompt `s` shares beyond what
+        is cached (at least `join_min_tokens` more): once that prompt is committed, `s` hits it
+        instead of computing it a second time."""
+        ids = np.asarray(s.sequence)
+        return any(
+            common_prefix_len(np.asarray(r.ids), ids) - cached >= self.limits.join_min_tokens
+            for r in self.running
+            if not r.committed_prompt and r.salt == s.salt
+        )
+
+    # ---- one step's tokens ----------------------------------------------------------------------
+
+    def schedule(self, plan: Plan) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens it feeds) for this step, under the token budget. `plan(s, take, budget,
+        batch)` reserves the slots of `take` tokens (plus drafts) and says how many `s` feeds."""
+        self.step_no += 1
+        budget = self.limits.max_batch_tokens
+        batch: list[tuple[Sequence, int]] = []
+        # decodes first (one token each), then prefills, fewest tokens left first: a short prompt is not
+        # held behind a long one, which takes what budget is left every step
+        order = sorted(self.running, key=lambda s: (s.left, s.admitted_at))
+        urgent = any(not s.generated and 0 < s.left <= self.limits.chunk for s in order)
+        for s in order:
+            if urgent and self._held_back(s):
+                continue
+            if s not in self.running:  # preempted for an earlier one's slots
+                continue
+            try:
+                take = self._planned(s, budget, batch, plan)
+            except Exception as exc:
+                self.fail(s, exc, "scheduling")
+                continue
+            if take > 0:
+                batch.append((s, take))
+                budget -= take
+        return batch
+
+    def _planned(self, s: Sequence, budget: int, batch: list[tuple[Sequence, int]], plan: Plan) -> int:
+        take = self.take_tokens(s, budget)
+        if take <= 0:
+            return 0
+        s.held_back = 0
+        return plan(s, take, budget, batch)
+
+    def _held_back(self, s: Sequence) -> bool:
+        """The head-of-line rule: with a first token one short step away, a long prefill sits the
+        step out (at most `max_wait_steps` steps in a row)."""
+        if s.left > self.limits.chunk and s.held_back < self.limits.max_wait_steps:
+            s.held_back += 1
+            return True
+        return False
+
+    def take_tokens(self, s: Sequence, budget: int) -> int:
+        """How many of `s`'s uncomputed tokens this step takes: as many as the budget allows, or in
+        batch-invariant mode up to the last of its prompt's fixed cuts the budget reaches."""
+        left = s.left
+        if s.draft is not None and left > 1:  # prefill stops before the last token: rounds feed it
+            left -= 1
+        if not self.limits.invariant or left <= budget:
+            return min(left, budget)
+        cuts = paged.chunk_ends(s.computed, len(s.sequence), self.limits.chunk)
+        reachable = [end for end in cuts if end - s.computed <= budget]
+        return reachable[-1] - s.computed if reachable else 0
+
+    # ---- preemption -----------------------------------------------------------------------------
+
+    def reserve(self, s: Sequence, end: int, batch: list[tuple[Sequence, int]]) -> bool:
+        """Slots up to position `end` of `s`, preempting a `victim` while the pool is full; False
+        when no victim is left."""
+        while True:
+            try:
+                self.slots.reserve(s, end)
+                return True
+            except PoolFullError:
+                victim = self.victim(s, batch)
+                if victim is None:
+                    return False
+                self.preempt(victim)
+
+    def victim(self, s: Sequence, batch: list[tuple[Sequence, int]]) -> Sequence | None:
+        """Whom to preempt for `s`'s slots: the youngest other running request not in this batch."""
+        taken = {id(t) for t, _ in batch}
+        victims = [t for t in self.running if t is not s and id(t) not in taken]
+        return max(victims, key=lambda t: t.admitted_at) if victims else None
+
+    def preempt(self, s: Sequence) -> None:
+        """Free `s`'s own slots and lock; it waits again, first in its tenant's line, with its output
+        state, and resumes later by prefilling what it had (mostly a hit of its own prompt)."""
+        self.preemptions += 1
+        self.slots.release(s)
+        self.running.remove(s)
+        s.computed = 0
+        self.room.put_front(s.request.tenant, s.request)
+
+    def remove(self, s: Sequence) -> None:
+        if s in self.running:
+            self.running.remove(s)

@@ -1,0 +1,100 @@
+"""The serial runner: one `CachedGenerator.stream` step per request per loop step.
+
+It serves every request of an engine without a packed path, and the requests the packed path does
+not serve (prompt log-probabilities, raw logits, prompts too large for the pool). Each stream
+holds its own transformers cache and commits to the trie itself when it closes.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+
+from kvblocks.engine.admission import WaitingRoom
+from kvblocks.engine.report import Reporter, trace_admitted, trace_ended
+from kvblocks.engine.request import EngineError, Request
+from kvblocks.generate.generator import CachedGenerator
+from kvblocks.telemetry import tracing
+
+
+class SerialRunner:
+    def __init__(self, generator: CachedGenerator, report: Reporter, max_active: int) -> None:
+        self.generator = generator
+        self.report = report
+        self.max_active = max_active
+        self.active: list[Request] = []
+
+    def has_room(self) -> bool:
+        return len(self.active) < self.max_active
+
+    def admit(self, room: WaitingRoom) -> None:
+        """Start waiting requests while there is room, each the head of the least served tenant's line."""
+        while self.has_room():
+            request = self._next_waiting(room)
+            if request is None:
+                return
+            room.remove(request.tenant, request)
+            self.start(request)
+
+    def _next_waiting(self, room: WaitingRoom) -> Request | None:
+        running = Counter(r.tenant for r in self.active)
+        for tenant in room.fair_order(running):
+            heads = room.heads(tenant, 1)
+            if heads:
+                return heads[0]
+        return None
+
+    def start(self, request: Request) -> None:
+        """Its stream starts on the next `step` (its errors surface there)."""
+        trace_admitted(request)
+        o = request.options
+        request.stream = self.generator.stream(
+            request.prompt, o.params, salt=o.salt, output_logits=o.output_logits
+        )
+        self.active.append(request)
+
+    def step(self) -> None:
+        for request in list(self.active):
+            self._advance(request)
+
+    def _advance(self, request: Request) -> None:
+        if request.cancelled.is_set():
+            self.report.cancelled()
+            self.finish(request)
+            return
+        try:
+            with tracing.current(request.spans.get("prefill")):  # the lookup nests under the prefill
+                piece = next(request.stream)
+        except StopIteration:
+            self.finish(request)
+            return
+        except Exception as exc:  # a failed request must not take the loop down; the client gets it
+            self.report.failed()
+            self.finish(request)
+            request.emit(exc)
+            return
+        self.report.observe(request, len(piece.token_ids))
+        if piece.result is not None:
+            self.report.record(request, piece.result)
+            self.finish(request)
+        request.emit(piece)
+
+    def fail(self, request: Request, exc: BaseException, phase: str) -> None:
+        """`request` ends with an error naming `phase`; whatever it held goes back."""
+        self.report.failed()
+        self.finish(request)
+        request.emit(EngineError(phase, exc))
+
+    def finish(self, request: Request) -> None:
+        """Close its stream (which commits its tokens and releases its locks), then forget it: in this
+        order, so that a request no longer active holds nothing."""
+        if request.stream is not None:
+            stream, request.stream = request.stream, None
+            try:
+                stream.close()
+            except Exception:  # the commit failed: the reply stands, the cache does without it
+                traceback.print_exc()
+                self.report.metrics.inc("kvblocks_engine_errors_total")
+        if request in self.active:
+            self.active.remove(request)
+        trace_ended(request, outcome="ended")  # spans a result did not close: cancelled or failed
