@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import re
 import shlex
 from concurrent.futures import ThreadPoolExecutor
@@ -272,3 +273,46 @@ def test_readme_is_a_front_door_with_the_two_commands_ci_runs():
     assert "./scripts/setup && .venv/bin/kvblocks serve" in readme
     assert "./scripts/test" in readme and "./scripts/test" in (ROOT / ".ci" / "run").read_text()
     assert "kvblocks.specdec" in readme and "kvblocks.adapters" in readme
+
+
+# ---------------------------------------------------------------- names and paths
+
+PATH_NAME = re.compile(
+    r"(?<![\w./-])((?:kvblocks|specdec|adapters|tests|scripts|examples|docs|dashboards)/[\w.*/-]*\w/?)"
+)
+DOTTED_NAME = re.compile(r"`(kvblocks(?:\.[A-Za-z_]\w*)+)")
+NOT_PYTHON_NAMES = {"kvblocks.request"}  # the trace span of a request (OBSERVABILITY.md)
+
+
+def resolves(dotted: str) -> bool:
+    """Whether `kvblocks.a.b.C` names an importable module or an attribute of one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("path", COMMAND_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_and_module_a_doc_names_exists(path):
+    text = path.read_text()
+    missing = [p for p in PATH_NAME.findall(text) if not any(ROOT.glob(p.rstrip("/")))]
+    assert not missing, f"{path.name} names files that do not exist: {missing}"
+    unresolved = [n for n in DOTTED_NAME.findall(text) if n not in NOT_PYTHON_NAMES and not resolves(n)]
+    assert not unresolved, f"{path.name} names modules or attributes that do not exist: {unresolved}"
+
+
+def test_a_name_that_does_not_exist_fails_the_check():
+    assert resolves("kvblocks.cache.eviction") and resolves("kvblocks.KVCacheTrie.for_model")
+    assert not resolves("kvblocks.cache.no_such_module") and not resolves("kvblocks.KVCacheTrie.no_such")
+    assert PATH_NAME.findall("see `kvblocks/cache/radix.py` and tests/test_docs.py.") == [
+        "kvblocks/cache/radix.py",
+        "tests/test_docs.py",
+    ]
