@@ -36,10 +36,8 @@ from server_proc import start_server, stop_cleanly, tiny_model_dir
 from kvblocks.cli.commands import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
-SNIPPET_DOCS = [
-    *sorted((ROOT / "docs").glob("*.md")),
-    ROOT / "README.md",
-]  # README last: its server starts meanwhile
+# README last: the server its snippet needs starts while the other documents' snippets run
+SNIPPET_DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 COMMAND_DOCS = [*SNIPPET_DOCS, ROOT / "BENCHMARKS.md", ROOT / "examples" / "README.md"]
 DOC_REDIS_URL = "redis://127.0.0.1:6379/0"
 DOC_SERVER_URL = "http://127.0.0.1:8000"
@@ -125,15 +123,13 @@ def services(tmp_path_factory):
 
 def runnable(block: Block, services) -> str:
     """The block's code with the docs' Redis and server addresses pointed at the test's own."""
-    code = block.code
     needs = block.attrs.get("needs", "")
-    if needs == "redis":
-        code = code.replace(DOC_REDIS_URL, services("redis"))
-    elif needs == "server":
-        code = code.replace(DOC_SERVER_URL, services("server"))
-    else:
-        assert not needs, f"{block.where}: unknown needs={needs!r} (redis or server)"
-    return code
+    addresses = {"redis": DOC_REDIS_URL, "server": DOC_SERVER_URL}
+    if not needs:
+        return block.code
+    assert needs in addresses, f"{block.where}: unknown needs={needs!r} (redis or server)"
+    assert addresses[needs] in block.code, f"{block.where}: needs={needs} but never names {addresses[needs]}"
+    return block.code.replace(addresses[needs], services(needs))
 
 
 @pytest.mark.parametrize("path", SNIPPET_DOCS, ids=lambda p: p.name)
@@ -182,7 +178,8 @@ def kvblocks_commands(line: str) -> list[list[str]]:
     lexer.whitespace_split = True
     try:
         words = list(lexer)
-    except ValueError:
+    except ValueError:  # unbalanced quotes: prose or output in a text block, never a command line
+        assert not re.match(r"(\S*/)?kvblocks\s", line), f"cannot split {line!r}"
         return []
     commands, current = [], []
     for word in [*words, ";"]:
@@ -262,6 +259,9 @@ def test_a_flag_that_does_not_exist_fails_the_check():
     assert kvblocks_commands("./scripts/setup && .venv/bin/kvblocks serve --port 1 # note") == [
         ["serve", "--port", "1"]
     ]
+    assert kvblocks_commands("PASS  A: kvblocks matched 512 tokens from LMCache's chunks") == []
+    with pytest.raises(AssertionError, match="cannot split"):
+        kvblocks_commands("kvblocks explain 'an unclosed quote")
 
 
 # ---------------------------------------------------------------- the front door
