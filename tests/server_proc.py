@@ -73,18 +73,21 @@ def start_server(
     env: dict[str, str] | None = None,
     timeout: float = 180.0,
     command: list[str] | None = None,
+    stdout_to_log: bool = False,
 ) -> ServerProcess:
     """`kvblocks serve ARGS --port P`, returned once GET /health answers 200.
 
     `api_key` is only what the tests send; pass `--api-key` in `args` or KVBLOCKS_API_KEY in `env`
     to make the server require it. `command` is the `kvblocks` to run (this environment's by default).
+    `stdout_to_log`: stdout goes to the log `stderr()` reads too (uvicorn's access log, with
+    `--log-level info`).
     """
     port = free_port()
     fd, name = tempfile.mkstemp(prefix="kvblocks-serve-", suffix=".stderr")
     with os.fdopen(fd, "wb") as stderr:
         proc = subprocess.Popen(
             [*(command or kvblocks_command()), "serve", "--port", str(port), *args],
-            stdout=subprocess.DEVNULL,
+            stdout=stderr if stdout_to_log else subprocess.DEVNULL,
             stderr=stderr,
             env=cli_env(**(env or {})),
         )

@@ -327,7 +327,7 @@ def test_bad_settings_and_unsupported_models_are_refused():
     with pytest.raises(ValueError, match="needs a prefix cache"):
         BatchEngine(CachedGenerator(model, IdTokenizer(), None))
     bloom = tiny_model("bloom")
-    with pytest.raises(ValueError, match=r"kvblocks\.paged supports"):
+    with pytest.raises(ValueError, match=r"kvblocks\.engine\.paged supports"):
         BatchEngine(CachedGenerator(bloom, IdTokenizer(), KVCacheTrie.for_model(bloom, 64)))
 
 

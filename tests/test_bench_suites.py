@@ -150,6 +150,17 @@ def test_packed_suite_decodes_the_same_tokens_both_ways_on_a_tiny_model(tmp_path
     assert found["decode throughput, packed / one at a time"] > 0
 
 
+def test_packed_decode_over_a_shared_prefix_reports_where_a_step_goes(tmp_path, capsys):
+    """--shared stores the common prefix once (cascade attention reads it for every request);
+    --profile adds the attention share and the FLOP/s against the matmul peak."""
+    args = ["packed", "--model", str(tiny_model_dir()), "--requests", "3", "--context", "40", "--steps", "2"]
+    args += ["--shared", "32", "--profile", "--only", "decode"]
+    found = checks(run_suite(tmp_path, capsys, *args), "packed-decode")
+    assert found["requests whose greedy tokens differ"] == 0
+    assert 0 < found["attention (gather + attend) share of a packed step"] < 1
+    assert found["achieved FLOP/s / matmul peak at 64 rows"] > 0
+
+
 def test_packed_engine_suites_run_on_a_tiny_model(tmp_path, capsys):
     sizes = {"long-prompt": 150, "short-requests": 2, "document": 100, "readers": 2, "cached": 60, "new": 10}
     sizes |= {"runs": 2, "agents": 3, "reply": 4, "system-tokens": 60}

@@ -47,13 +47,22 @@ def solo(model, ids: list[int]) -> tuple[list[torch.Tensor], list[int]]:
     return rows, tokens
 
 
+# attention modes: one call per segment; short segments in one call (the CUDA default); cascade (the
+# CPU default) cutting runs of 4 slots or more, so the shared 6-token prefix is read as a shared run
+MODES = {
+    "per-segment": {"cascade": False},
+    "grouped": {"grouped": True},
+    "cascade": {"cascade": True, "cascade_min": 4},
+}
+
+
 def packed(
-    model, ps: list[list[int]], grouped: bool = False
+    model, ps: list[list[int]], mode: str = "per-segment"
 ) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
-    """The same requests through packed forwards, mixing chunks, shared slots and decodes; `grouped`:
-    short segments share one attention call per layer (the CUDA default)."""
+    """The same requests through packed forwards, mixing chunks, shared slots and decodes, with the
+    attention of `MODES[mode]`."""
     pool = KVPool(KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))), 256, "cpu")
-    runner = PagedRunner(model, pool, grouped=grouped)
+    runner = PagedRunner(model, pool, **MODES[mode])
     first, second, third = ps
     slots = [pool.alloc(len(first)), None, pool.alloc(len(third))]
     slots[1] = np.concatenate([slots[0][:6], pool.alloc(len(second) - 6)])  # the shared prefix's slots
@@ -88,13 +97,13 @@ def packed(
     return rows, [t[:DECODE] for t in tokens]
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["per-segment", "grouped"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_forwards_equal_one_request_at_a_time_in_float64(arch, grouped):
+def test_packed_forwards_equal_one_request_at_a_time_in_float64(arch, mode):
     model = tiny_model(arch, torch.float64)
     ps = prompts()
     reference = [solo(model, p) for p in ps]
-    rows, tokens = packed(model, ps, grouped)
+    rows, tokens = packed(model, ps, mode)
     for i, (ref_rows, ref_tokens) in enumerate(reference):
         assert tokens[i] == ref_tokens, (arch, i)
         assert len(rows[i]) == len(ref_rows) == DECODE + 1
@@ -102,12 +111,45 @@ def test_packed_forwards_equal_one_request_at_a_time_in_float64(arch, grouped):
         assert worst < 1e-10, (arch, i, worst)
 
 
+@pytest.mark.parametrize("mode", ["per-segment", "cascade"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_forwards_give_the_same_greedy_tokens_in_float32(arch):
+def test_packed_forwards_give_the_same_greedy_tokens_in_float32(arch, mode):
     model = tiny_model(arch, torch.float32)
     ps = prompts(seed=1)
-    _, tokens = packed(model, ps)
+    _, tokens = packed(model, ps, mode)
     assert tokens == [solo(model, p)[1] for p in ps], arch
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_requests_sharing_a_prefix_attend_it_in_one_run_and_get_their_solo_logits(arch):
+    """Cascade attention: four requests whose keys start with the same stored prefix slots (as the
+    trie hands them out) read those slots as one shared run, merged with each request's own keys by
+    log-sum-exp; every logit row equals the request alone within 1e-10 (float64)."""
+    model = tiny_model(arch, torch.float64)
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, VOCAB, 12).tolist()
+    ps = [prefix + rng.integers(0, VOCAB, n).tolist() for n in (3, 5, 1, 8)]
+    pool = KVPool(KVLayout(torch.float64, tuple(hf.describe_layers(model))), 128, "cpu")
+    runner = PagedRunner(model, pool, cascade=True, cascade_min=4)
+    shared = pool.alloc(len(prefix))
+    runner.forward([Segment(prefix, shared)])
+    pool.alloc(1)  # no request's own slots continue the prefix's run (the trie's own tokens would)
+    slots = [np.concatenate([shared, pool.alloc(len(p) - len(prefix))]) for p in ps]
+    outs = runner.forward([Segment(p[len(prefix) :], s) for p, s in zip(ps, slots)])
+    rows = [[o[-1]] for o in outs]
+    tokens = [[int(o[-1].argmax())] for o in outs]
+    for _ in range(DECODE - 1):
+        slots = [np.concatenate([s, pool.alloc(1)]) for s in slots]
+        segments = [Segment(t[-1:], s) for t, s in zip(tokens, slots)]
+        batch = paged.PagedBatch(pool, segments, cascade_min=4)
+        assert [r.rows for r in batch.cascade.runs] == [slice(0, len(ps))]  # one run: every request's row
+        for i, o in enumerate(runner.forward(segments)):
+            rows[i].append(o[-1])
+            tokens[i].append(int(o[-1].argmax()))
+    for p, r, t in zip(ps, rows, tokens):
+        ref_rows, ref_tokens = solo(model, p)
+        assert t == ref_tokens[: len(t)]
+        assert max(float((a - b).abs().max()) for a, b in zip(r, ref_rows)) < 1e-10
 
 
 def test_ordinary_forwards_are_unchanged_after_install():

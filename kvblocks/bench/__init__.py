@@ -1,6 +1,6 @@
 """Benchmarks behind `kvblocks bench`: a shared harness (`harness`), what the suites run against
 (`fixtures`: the model, Redis, `kvblocks serve`), and one module per suite, named after it
-(`workloads` holds the three workload suites)."""
+(`workloads` holds the three workload suites; `prefix_listing` is `kvblocks bench inspection`)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ def bench_parser() -> argparse.ArgumentParser:
         constrained,
         gpu,
         hybrid,
-        inspection,
         micro,
         packed,
+        prefix_listing,
         redis,
         server,
         soak,
@@ -40,7 +40,7 @@ def bench_parser() -> argparse.ArgumentParser:
         fleet,
         packed,
         hybrid,
-        inspection,
+        prefix_listing,
         constrained,
         soak,
         gpu,

@@ -15,6 +15,7 @@ import numpy as np
 from kvblocks.bench.harness import (
     BenchOptions,
     Check,
+    Option,
     Report,
     Variant,
     add_suite,
@@ -54,15 +55,15 @@ PROMPT = [{"role": "user", "content": "Give me the forecast for Paris in celsius
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
+    add_suite(
         suites,
         "constrained",
         run,
         help="constrained decoding: per-token overhead of a JSON-schema grammar, grammar compile time",
         description="Constrained decoding (llguidance) on the --model, against unconstrained decoding.",
         model=True,
+        options=[Option("--repeats", positive_int, 7, "timed runs per variant (default 7)")],
     )
-    p.add_argument("--repeats", type=positive_int, default=7, help="timed runs per variant (default 7)")
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:

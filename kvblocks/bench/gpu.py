@@ -30,7 +30,7 @@ import traceback
 import numpy as np
 import torch
 
-from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, int_options
+from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, ints
 from kvblocks.bench.packed import EngineCall, random_ids
 
 BENCHMARKS = ("gather", "ttft", "agents", "invariance")
@@ -51,20 +51,11 @@ SHAPES = {
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
-        suites,
-        "gpu",
-        run,
-        help="kvblocks on one GPU: pool gather, TTFT, agent traffic vs transformers' batching, invariance",
-        description="kvblocks on one GPU with a random-weight Llama of a real shape (no download).",
-        only=BENCHMARKS,
-    )
-    p.add_argument("--device", default=None, help="torch device (default: cuda when present, else cpu)")
-    p.add_argument("--shape", choices=list(SHAPES), default="llama-1b", help="model shape (default llama-1b)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="model dtype (default bfloat16)")
-    int_options(
-        p,
+OPTIONS = (
+    Option("--device", None, None, "torch device (default: cuda when present, else cpu)"),
+    Option("--shape", None, "llama-1b", "model shape (default llama-1b)", choices=tuple(SHAPES)),
+    Option("--dtype", None, "bfloat16", "model dtype (default bfloat16)", choices=tuple(DTYPES)),
+    *ints(
         "",
         [
             ("runs", 20, "gather, ttft: timed runs per variant"),
@@ -78,6 +69,19 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
             ("alone", 8, "invariance: requests compared alone and in a busy batch"),
             ("busy", 24, "invariance: other requests in the busy batch"),
         ],
+    ),
+)
+
+
+def add_parser(suites: argparse._SubParsersAction) -> None:
+    add_suite(
+        suites,
+        "gpu",
+        run,
+        help="kvblocks on one GPU: pool gather, TTFT, agent traffic vs transformers' batching, invariance",
+        description="kvblocks on one GPU with a random-weight Llama of a real shape (no download).",
+        only=BENCHMARKS,
+        options=OPTIONS,
     )
 
 
@@ -315,45 +319,14 @@ def agents(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
             runs[name] = waves(lambda prompts, e=engine: _kvblocks_wave(e, prompts, args.reply))
         finally:
             engine.stop()
-    baseline = "transformers continuous batching"
     with _transformers_batching(model):
-        runs[baseline] = waves(_transformers_waves(model, args.reply))
-    requests = 2 * args.agents
-    report = Report(
-        "gpu-agents",
-        f"{args.agents} agents x 2 turns sharing a {args.system_tokens}-token system prompt (TTFT per request)",
-        {
-            "agents": args.agents,
-            "system_tokens": args.system_tokens,
-            "user_tokens": args.user_tokens,
-            "reply": args.reply,
-            "kvblocks_pool_tokens": capacity,
-        },
-        {name: run[1] for name, run in runs.items()},
-        baseline=baseline,
-    )
-    rps = {name: requests / run[0] for name, run in runs.items()}
-    p50 = {name: float(np.median(run[1])) for name, run in runs.items()}
-    report.checks = [Check(f"{name} requests/s", rps[name], "req/s") for name in runs]
-    for name in runs:
-        if name != baseline:
-            short = name.removeprefix("kvblocks BatchEngine").strip() or "default"
-            report.checks += [
-                Check(
-                    f"requests/s kvblocks ({short}) / transformers CB",
-                    rps[name] / rps[baseline],
-                    "",
-                    2.0,
-                    True,
-                ),
-                Check(f"TTFT p50 kvblocks ({short}) / transformers CB", p50[name] / p50[baseline], "", 0.5),
-            ]
-    report.checks += [
-        Check(f"{name} TTFT p99", float(np.percentile(run[1], 99)), "s") for name, run in runs.items()
-    ]
-    report.checks += [
-        Check(f"{name} peak memory above weights", run[2] / 2**30, "GiB") for name, run in runs.items()
-    ]
+        runs[AGENTS_BASELINE] = waves(_transformers_waves(model, args.reply))
+    title = f"{args.agents} agents x 2 turns sharing a {args.system_tokens}-token system prompt (TTFT per request)"
+    params = {"agents": args.agents, "system_tokens": args.system_tokens, "user_tokens": args.user_tokens}
+    params |= {"reply": args.reply, "kvblocks_pool_tokens": capacity}
+    samples = {name: run[1] for name, run in runs.items()}
+    report = Report("gpu-agents", title, params, samples, baseline=AGENTS_BASELINE)
+    report.checks = agents_checks(runs, 2 * args.agents)
     report.notes = [
         "each turn's requests are sent as one wave (turn 2 = turn 1 + its greedy reply + new user tokens); "
         "TTFT from the wave's submission to the request's first token; requests/s = all requests over both "
@@ -363,6 +336,38 @@ def agents(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
         "on), one warm-up call on unrelated prompts first",
     ]
     return report
+
+
+AGENTS_BASELINE = "transformers continuous batching"
+
+
+def agents_checks(runs: dict[str, tuple[float, list[float], int]], requests: int) -> list[Check]:
+    """Requests/s and TTFT of each kvblocks engine against transformers' batching, then p99 and memory."""
+    rps = {name: requests / run[0] for name, run in runs.items()}
+    p50 = {name: float(np.median(run[1])) for name, run in runs.items()}
+    checks = [Check(f"{name} requests/s", rps[name], "req/s") for name in runs]
+    for name in runs:
+        if name != AGENTS_BASELINE:
+            short = name.removeprefix("kvblocks BatchEngine").strip() or "default"
+            checks += [
+                Check(
+                    f"requests/s kvblocks ({short}) / transformers CB",
+                    rps[name] / rps[AGENTS_BASELINE],
+                    "",
+                    2.0,
+                    True,
+                ),
+                Check(
+                    f"TTFT p50 kvblocks ({short}) / transformers CB",
+                    p50[name] / p50[AGENTS_BASELINE],
+                    "",
+                    0.5,
+                ),
+            ]
+    checks += [Check(f"{name} TTFT p99", float(np.percentile(run[1], 99)), "s") for name, run in runs.items()]
+    return checks + [
+        Check(f"{name} peak memory above weights", run[2] / 2**30, "GiB") for name, run in runs.items()
+    ]
 
 
 def _kvblocks_wave(engine, prompts: list[list[int]], reply: int) -> tuple[list[float], list[list[int]]]:

@@ -73,34 +73,62 @@ def _int_at_least(text: str, low: int, what: str) -> int:
     return value
 
 
-def add_harness_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument(
-        "--warmup", type=count, default=2, help="untimed runs of every variant before measuring (default 2)"
-    )
-    p.add_argument("--out", default="bench-results", help="folder for JSON, Markdown and PNG results")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument(
-        "--clock",
-        choices=["wall", "cpu"],
-        default="wall",
-        help="time runs by wall clock (default) or by this process's CPU time, which leaves out the time "
-        "other processes on a busy machine take the core away (use with --threads 1)",
-    )
-    p.add_argument(
-        "--no-fail",
-        action="store_true",
-        help="only report missed targets; by default a missed target makes the exit status 1",
-    )
-    p.add_argument(
-        "--target",
-        action="append",
-        type=target_override,
-        default=[],
-        metavar="METRIC=VALUE",
-        help="hold METRIC (a name from the report's metric column) to VALUE instead of its built-in "
-        "target, in the same direction (repeatable)",
+@dataclass(slots=True, frozen=True)
+class Option:
+    """One row of a suite's option table: a flag, its type, default and help (which states the default).
+    `bool` is a switch; `repeat` collects every use in a list."""
+
+    flag: str
+    type: Callable[[str], object] | None
+    default: object
+    help: str
+    choices: Sequence[str] | None = None
+    repeat: bool = False
+    metavar: str | None = None
+
+    def add_to(self, p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        if self.type is bool:
+            p.add_argument(self.flag, action="store_true", help=self.help)
+            return
+        extra: dict[str, object] = {"action": "append"} if self.repeat else {}
+        if self.type is not None:
+            extra["type"] = self.type
+        if self.choices is not None:
+            extra["choices"] = list(self.choices)
+        if self.metavar is not None:
+            extra["metavar"] = self.metavar
+        p.add_argument(self.flag, default=self.default, help=self.help, **extra)
+
+
+@dataclass(slots=True, frozen=True)
+class Group:
+    """Options shown under their own heading in `--help`."""
+
+    title: str
+    options: Sequence[Option]
+
+
+def add_options(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, table: Sequence[Option | Group]
+) -> None:
+    """Register a suite's option table: every suite's flags come from data through this one function."""
+    for row in table:
+        if isinstance(row, Group):
+            add_options(p.add_argument_group(row.title), row.options)
+        else:
+            row.add_to(p)
+
+
+def ints(prefix: str, rows: Sequence[tuple[str, int, str]]) -> tuple[Option, ...]:
+    """`--PREFIX-NAME N` (`--NAME N` without a prefix), a positive integer, for each (name, default, help)."""
+    return tuple(
+        Option(
+            f"--{prefix}-{name}" if prefix else f"--{name}",
+            positive_int,
+            default,
+            f"{text} (default {default:,})",
+        )
+        for name, default, text in rows
     )
 
 
@@ -116,12 +144,14 @@ def can_plot() -> bool:
     return True
 
 
+def repeats_row(default: int, text: str = "timed runs per variant") -> tuple[str, int, str]:
+    """The `ints` row nearly every benchmark's table has."""
+    return ("repeats", default, text)
+
+
 def int_options(group, prefix: str, options: Sequence[tuple[str, int, str]]) -> None:
-    """`--PREFIX-NAME N` (`--NAME N` without a prefix), a positive integer, for each (name, default,
-    help) in `options`."""
-    for name, default, text in options:
-        flag = f"--{prefix}-{name}" if prefix else f"--{name}"
-        group.add_argument(flag, type=positive_int, default=default, help=f"{text} (default {default:,})")
+    """Register `ints(prefix, options)` (the fleet suite's form)."""
+    add_options(group, ints(prefix, options))
 
 
 # a layer layout like SmolLM2-135M's, for benchmarks of the pool and the Redis tier without a model
@@ -138,6 +168,39 @@ def target_override(text: str) -> tuple[str, float]:
     raise argparse.ArgumentTypeError(f"expected METRIC=VALUE, got '{text}'")
 
 
+HARNESS_OPTIONS = (
+    Option("--threads", positive_int, 1, "torch CPU threads (default 1)"),
+    Option("--warmup", count, 2, "untimed runs of every variant before measuring (default 2)"),
+    Option("--out", None, "bench-results", "folder for JSON, Markdown and PNG results"),
+    Option("--no-plots", bool, False, "skip the PNG plots"),
+    Option("--no-progress", bool, False, "no progress bar on stderr"),
+    Option(
+        "--clock",
+        None,
+        "wall",
+        "time runs by wall clock (default) or by this process's CPU time, which leaves out the time "
+        "other processes on a busy machine take the core away (use with --threads 1)",
+        choices=("wall", "cpu"),
+    ),
+    Option(
+        "--no-fail",
+        bool,
+        False,
+        "only report missed targets; by default a missed target makes the exit status 1",
+    ),
+    Option(
+        "--target",
+        target_override,
+        [],
+        "hold METRIC (a name from the report's metric column) to VALUE instead of its built-in "
+        "target, in the same direction (repeatable)",
+        repeat=True,
+        metavar="METRIC=VALUE",
+    ),
+)
+MODEL_OPTION = Option("--model", None, None, "model path (default: SmolLM2-135M-Instruct)")
+
+
 def add_suite(
     suites: argparse._SubParsersAction,
     name: str,
@@ -147,18 +210,20 @@ def add_suite(
     description: str,
     model: bool = False,
     only: Sequence[str] = (),
+    options: Sequence[Option | Group] = (),
 ) -> argparse.ArgumentParser:
-    """Register `kvblocks bench NAME`: the harness options, `--model` and `--only CHOICE` if asked for.
-    `run(args, opts)` returns the reports; they are published under NAME and checked (exit status 1
-    when a target is missed, unless --no-fail)."""
+    """Register `kvblocks bench NAME`: the harness options, `--model` and `--only CHOICE` if asked for,
+    then the suite's own option table. `run(args, opts)` returns the reports; they are published under
+    NAME and checked (exit status 1 when a target is missed, unless --no-fail)."""
     p = suites.add_parser(name, help=help, description=description)
-    add_harness_args(p)
+    add_options(p, HARNESS_OPTIONS)
     if model:
-        p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
+        MODEL_OPTION.add_to(p)
     if only:
-        p.add_argument(
-            "--only", action="append", choices=list(only), help="run only this benchmark (repeatable)"
-        )
+        Option(
+            "--only", None, None, "run only this benchmark (repeatable)", choices=only, repeat=True
+        ).add_to(p)
+    add_options(p, options)
     p.set_defaults(func=functools.partial(run_suite, name, run))
     return p
 
@@ -395,6 +460,29 @@ class Report:
             paths.append(opts.out / f"{self.name}.png")
             plot_samples(self, paths[-1])
         return paths
+
+
+@dataclass(slots=True, frozen=True)
+class Ratio:
+    """A row of a suite's target table: median(a) / median(b) of two variants of one report, or with
+    `paired` the median of their per-round ratios."""
+
+    metric: str
+    a: str
+    b: str
+    target: float | None = None
+    higher_is_better: bool = False
+    paired: bool = False
+
+    def check(self, report: Report) -> Check:
+        value = report.paired_ratio(self.a, self.b) if self.paired else report.ratio(self.a, self.b)
+        return Check(self.metric, value, target=self.target, higher_is_better=self.higher_is_better)
+
+
+def prefixed(args: argparse.Namespace, prefix: str) -> dict[str, object]:
+    """The values of the `--PREFIX-*` flags (an `ints(prefix, ...)` table), keyed by the rest of the name."""
+    head = prefix.replace("-", "_") + "_"
+    return {k.removeprefix(head): v for k, v in vars(args).items() if k.startswith(head)}
 
 
 def plot_samples(report: Report, path: Path) -> None:

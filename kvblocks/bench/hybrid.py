@@ -14,25 +14,15 @@ from __future__ import annotations
 
 import argparse
 
-from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, int_options, progress
+from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, ints, progress
 from kvblocks.bench.workloads import make_workload, unbounded_ideal
 
 SHAPES = ("lfm2", "qwen3_next")
 
 
-def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
-        suites,
-        "hybrid",
-        run,
-        help="hit rate and TTFT on a recurrent/attention hybrid (state snapshots) vs an attention-only model",
-        description="Shared-prompt and multi-turn traffic on a random-weight LFM2- or Qwen3-Next-shaped hybrid: "
-        "kvblocks vs no cache, and its hit rate against an attention-only model of the same size.",
-        only=("shared-prompt", "multi-turn"),
-    )
-    p.add_argument("--shape", choices=SHAPES, default="lfm2", help="the hybrid's family (default lfm2)")
-    int_options(
-        p,
+OPTIONS = (
+    Option("--shape", None, "lfm2", "the hybrid's family (default lfm2)", choices=SHAPES),
+    *ints(
         "",
         [
             ("hidden", 512, "hidden size of both models"),
@@ -48,8 +38,22 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
             ("user", 32, "multi-turn: user tokens per turn"),
             ("output", 16, "reply tokens"),
         ],
+    ),
+    Option("--seed", int, 0, "seed of the weights and token ids (default 0)"),
+)
+
+
+def add_parser(suites: argparse._SubParsersAction) -> None:
+    add_suite(
+        suites,
+        "hybrid",
+        run,
+        help="hit rate and TTFT on a recurrent/attention hybrid (state snapshots) vs an attention-only model",
+        description="Shared-prompt and multi-turn traffic on a random-weight LFM2- or Qwen3-Next-shaped hybrid: "
+        "kvblocks vs no cache, and its hit rate against an attention-only model of the same size.",
+        only=("shared-prompt", "multi-turn"),
+        options=OPTIONS,
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and token ids (default 0)")
 
 
 def build_models(shape: str, hidden: int, layers: int, vocab: int, seed: int):
@@ -134,30 +138,34 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     return [workload(kind, hybrid, attention, args, opts) for kind in chosen]
 
 
-def workload(kind: str, hybrid, attention, args: argparse.Namespace, opts: BenchOptions) -> Report:
+def make_lanes(hybrid, attention, w, every: int) -> list[_Lane]:
+    """kvblocks on the hybrid, the hybrid uncached, kvblocks on the attention-only model; each served
+    one untimed request first (allocator, kernels), which the caches then forget."""
     from kvblocks import KVCacheTrie
 
-    sizes = vars(args) | {"order": "arrival", "systems": 1}
-    w = make_workload(kind, sizes, args.vocab)
     # room for everything: this measures reuse, not eviction (up to 8 snapshots a request)
     capacity = 4 * (sum(w.prompt_lengths()) + len(w.turns) * w.max_new_tokens)
-    every = args.snapshot_every
     probe = KVCacheTrie.for_model(hybrid, 1, snapshot_every=every)
     per_snapshot = probe.pool.slots_for(probe.state.nbytes)
+    hybrid_cache = KVCacheTrie.for_model(
+        hybrid, capacity + 8 * len(w.turns) * per_snapshot, snapshot_every=every
+    )
     lanes = [
-        _Lane(
-            "kvblocks, hybrid",
-            hybrid,
-            KVCacheTrie.for_model(hybrid, capacity + 8 * len(w.turns) * per_snapshot, snapshot_every=every),
-        ),
+        _Lane("kvblocks, hybrid", hybrid, hybrid_cache),
         _Lane("no cache, hybrid", hybrid, None),
         _Lane("kvblocks, attention-only", attention, KVCacheTrie.for_model(attention, capacity)),
     ]
-    warm = [1, 2, 3]  # one untimed request per lane first (allocator, kernels)
     for lane in lanes:
-        lane.generator.generate(warm, max_new_tokens=2, ignore_eos=True)
+        lane.generator.generate([1, 2, 3], max_new_tokens=2, ignore_eos=True)
         if lane.cache is not None:
             lane.cache.clear()
+    return lanes
+
+
+def workload(kind: str, hybrid, attention, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    sizes = vars(args) | {"order": "arrival", "systems": 1}
+    w = make_workload(kind, sizes, args.vocab)
+    lanes = make_lanes(hybrid, attention, w, args.snapshot_every)
     before = lanes[0].cache.stats()  # the warm-up's counts, left out of the report
     with progress(len(w.turns) * len(lanes), f"hybrid {kind}", opts.progress) as bar:
         for i, turn in enumerate(w.turns):
@@ -167,36 +175,33 @@ def workload(kind: str, hybrid, attention, args: argparse.Namespace, opts: Bench
                     turn.conversation, w.systems[w.system_of[turn.conversation]], turn.user, w.max_new_tokens
                 )
                 bar.update()
+    params = {"workload": kind, "shape": args.shape, "hidden": args.hidden, "layers": args.layers}
+    params |= {"vocab": args.vocab, "snapshot_every": args.snapshot_every, "requests": len(w.turns)}
+    params |= {"system": args.system, "output": args.output}
+    extra = (
+        ("groups", "prompts_per_group", "question")
+        if kind == "shared-prompt"
+        else ("conversations", "turns", "user")
+    )
+    params |= {k: sizes[k] for k in extra}
+    title = f"{args.shape}-shaped hybrid, {kind}: state snapshots vs no cache and vs an attention-only model"
+    samples = {lane.name: lane.ttft for lane in lanes}
+    report = Report(f"hybrid-{kind}", title, params, samples, baseline="no cache, hybrid")
+    ideal = sum(unbounded_ideal(w)) / sum(w.prompt_lengths())
+    report.checks, report.notes = hybrid_results(report, lanes, before, ideal, len(w.turns))
+    for lane in lanes:
+        if lane.cache is not None:
+            lane.cache.close()
+    return report
+
+
+def hybrid_results(
+    report: Report, lanes: list[_Lane], before: dict, ideal: float, requests: int
+) -> tuple[list[Check], list[str]]:
     kv, none, attn = lanes
     stats = kv.cache.stats()
-    ideal = sum(unbounded_ideal(w)) / sum(w.prompt_lengths())
     same = sum(a == b for a, b in zip(kv.replies, none.replies))
-    snapshot_bytes = stats["snapshot_bytes"]
-    per_token = snapshot_bytes / max(stats["resident_tokens"], 1)
-    kv_per_token = kv.cache.token_bytes
-    params = {
-        "workload": kind,
-        "shape": args.shape,
-        "hidden": args.hidden,
-        "layers": args.layers,
-        "vocab": args.vocab,
-        "snapshot_every": every,
-        "requests": len(w.turns),
-        "system": args.system,
-        "output": args.output,
-    } | (
-        {"groups": args.groups, "prompts_per_group": args.prompts_per_group, "question": args.question}
-        if kind == "shared-prompt"
-        else {"conversations": args.conversations, "turns": args.turns, "user": args.user}
-    )
-    report = Report(
-        f"hybrid-{kind}",
-        f"{args.shape}-shaped hybrid, {kind}: state snapshots vs no cache and vs an attention-only model",
-        params,
-        {lane.name: lane.ttft for lane in lanes},
-        baseline="no cache, hybrid",
-    )
-    report.checks = [
+    checks = [
         Check("hit rate, hybrid", kv.hit_rate),
         Check("hit rate, attention-only", attn.hit_rate),
         Check(
@@ -205,15 +210,17 @@ def workload(kind: str, hybrid, attention, args: argparse.Namespace, opts: Bench
         Check(
             "TTFT speed-up vs no cache (median)", report.ratio("no cache, hybrid", "kvblocks, hybrid"), "x"
         ),
-        Check("snapshot bytes per cached token", per_token, "B"),
-        Check("replies equal to no cache", same, f"of {len(w.turns)}", len(w.turns), higher_is_better=True),
+        Check(
+            "snapshot bytes per cached token", stats["snapshot_bytes"] / max(stats["resident_tokens"], 1), "B"
+        ),
+        Check("replies equal to no cache", same, f"of {requests}", requests, higher_is_better=True),
     ]
-    report.notes = [
+    notes = [
         f"ideal hit rate (every computed token reusable) {ideal:.4f}; the attention-only model reaches "
         f"{attn.hit_rate / ideal:.3f} of it, the hybrid {kv.hit_rate / ideal:.3f}",
         f"snapshots: {stats['snapshots']} resident of {stats['snapshots_stored'] - before['snapshots_stored']} stored, "
         f"{stats['snapshot_bytes'] / stats['snapshots'] / 1024:,.1f} KiB each; the hybrid's attention KV takes "
-        f"{kv_per_token:,} B per token (the attention-only model's {attn.cache.token_bytes:,} B)",
+        f"{kv.cache.token_bytes:,} B per token (the attention-only model's {attn.cache.token_bytes:,} B)",
         f"lookups cut short for want of a snapshot where the match ended: {stats['snapshot_misses']} of "
         f"{stats['queries'] - before['queries']} (each took a snapshot at its branch point for the next request); "
         f"evicted: {stats['evicted_tokens'] - before['evicted_tokens']} tokens, "
@@ -221,7 +228,4 @@ def workload(kind: str, hybrid, attention, args: argparse.Namespace, opts: Bench
         "requests run one at a time, the three lanes in a rotated order per request; TTFT is the generator's "
         "(prompt ids given, no tokenizer); float32, random weights",
     ]
-    for lane in lanes:
-        if lane.cache is not None:
-            lane.cache.close()
-    return report
+    return checks, notes

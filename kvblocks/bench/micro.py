@@ -16,7 +16,8 @@ import argparse
 import gc
 import itertools
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,24 +28,81 @@ from kvblocks.bench.harness import (
     SMOLLM2_KV_SHAPE,
     BenchOptions,
     Check,
+    Group,
+    Option,
+    Ratio,
     Report,
     Variant,
     add_suite,
-    int_options,
+    ints,
     measure,
+    prefixed,
     progress,
+    repeats_row,
 )
-from kvblocks.cache.layout import KVLayout, LayerSpec
+from kvblocks.cache.layout import KVLayout
 from kvblocks.cache.pool import KVPool
 from kvblocks.cache.radix import SLOT_DTYPE, TOKEN_DTYPE
+from kvblocks.cache.trie import KVCacheTrie
 from kvblocks.errors import UserError
 
 BENCHMARKS = ("gather", "trie", "ttft", "fingerprint")
 GB = 1e9
 
 
+OPTIONS = (
+    Group(
+        "gather (re-attach bandwidth; the layout defaults to SmolLM2's)",
+        ints(
+            "gather",
+            [
+                ("tokens", 1024, "tokens gathered per run"),
+                ("capacity", 8192, "pool capacity in tokens"),
+                *SMOLLM2_KV_SHAPE,
+                repeats_row(60),
+            ],
+        ),
+    ),
+    Group(
+        "trie (match/insert latency and metadata bytes)",
+        (
+            *ints(
+                "trie",
+                [
+                    ("resident", 1_000_000, "resident tokens"),
+                    ("prompt", 4096, "prompt tokens per op"),
+                    ("new", 128, "uncached tail of the mostly-hit prompt"),
+                    ("layers", 1, "layers of the tiny KV layout"),
+                    ("head-dim", 4, "head dim of the tiny layout"),
+                    repeats_row(40),
+                ],
+            ),
+            Option(
+                "--trie-fill",
+                float,
+                3.0,
+                "tokens inserted before measuring, as a multiple of --trie-resident (default 3: steady state)",
+            ),
+        ),
+    ),
+    Group(
+        "ttft (time to first token on the --model)",
+        ints(
+            "ttft",
+            [
+                ("cached", 1000, "cached system prompt tokens"),
+                ("question", 30, "uncached question tokens"),
+                repeats_row(15, "timed runs of kvblocks and ideal"),
+                ("nocache-repeats", 5, "timed runs of kvblocks and no cache, the slow full prefill"),
+            ],
+        ),
+    ),
+    Group("fingerprint (model_fingerprint of the --model above)", ints("fingerprint", [repeats_row(7)])),
+)
+
+
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
+    add_suite(
         suites,
         "micro",
         run,
@@ -54,93 +112,23 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         "includes memory).",
         model=True,
         only=BENCHMARKS,
+        options=OPTIONS,
     )
-    g = p.add_argument_group("gather (re-attach bandwidth; the layout defaults to SmolLM2's)")
-    int_options(
-        g,
-        "gather",
-        [
-            ("tokens", 1024, "tokens gathered per run"),
-            ("capacity", 8192, "pool capacity in tokens"),
-            *SMOLLM2_KV_SHAPE,
-            ("repeats", 60, "timed runs per variant"),
-        ],
-    )
-    t = p.add_argument_group("trie (match/insert latency and metadata bytes)")
-    int_options(
-        t,
-        "trie",
-        [
-            ("resident", 1_000_000, "resident tokens"),
-            ("prompt", 4096, "prompt tokens per op"),
-            ("new", 128, "uncached tail of the mostly-hit prompt"),
-            ("layers", 1, "layers of the tiny KV layout"),
-            ("head-dim", 4, "head dim of the tiny layout"),
-            ("repeats", 40, "timed runs per variant"),
-        ],
-    )
-    t.add_argument(
-        "--trie-fill",
-        type=float,
-        default=3.0,
-        help="tokens inserted before measuring, as a multiple of --trie-resident (default 3: steady state)",
-    )
-    m = p.add_argument_group("ttft (time to first token on the --model)")
-    int_options(
-        m,
-        "ttft",
-        [
-            ("cached", 1000, "cached system prompt tokens"),
-            ("question", 30, "uncached question tokens"),
-            ("repeats", 15, "timed runs of kvblocks and ideal"),
-            ("nocache-repeats", 5, "timed runs of kvblocks and no cache, the slow full prefill"),
-        ],
-    )
-    f = p.add_argument_group("fingerprint (model_fingerprint of the --model above)")
-    int_options(f, "fingerprint", [("repeats", 7, "timed runs per variant")])
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     selected = args.only or list(BENCHMARKS)
     reports: list[Report] = []
     if "gather" in selected:
-        shape = (args.gather_heads, args.gather_head_dim)
-        reports.append(
-            bench_gather(
-                opts,
-                args.gather_tokens,
-                args.gather_capacity,
-                [shape] * args.gather_layers,
-                args.gather_repeats,
-            )
-        )
+        reports.append(bench_gather(opts, **prefixed(args, "gather")))
     if "trie" in selected:
-        reports += bench_trie(
-            opts,
-            args.trie_resident,
-            args.trie_prompt,
-            args.trie_new,
-            args.trie_layers,
-            args.trie_head_dim,
-            args.trie_repeats,
-            args.trie_fill,
-        )
+        reports += bench_trie(opts, **prefixed(args, "trie"))
     if "ttft" in selected or "fingerprint" in selected:
         model, tokenizer = fixtures.load_model(args.model)
     if "ttft" in selected:
-        reports.append(
-            bench_ttft(
-                opts,
-                model,
-                tokenizer,
-                args.ttft_cached,
-                args.ttft_question,
-                args.ttft_repeats,
-                args.ttft_nocache_repeats,
-            )
-        )
+        reports.append(bench_ttft(opts, model, tokenizer, **prefixed(args, "ttft")))
     if "fingerprint" in selected:
-        reports.append(bench_fingerprint(opts, model, args.model, args.fingerprint_repeats))
+        reports.append(bench_fingerprint(opts, model, args.model, **prefixed(args, "fingerprint")))
     return reports
 
 
@@ -171,65 +159,57 @@ def slot_runs(slots: np.ndarray) -> int:
     return int(np.count_nonzero(np.diff(slots) != 1)) + 1 if len(slots) else 0
 
 
+CLONE, GATHER, GATHER_CONTIGUOUS = (
+    "clone (contiguous)",
+    "gather (fragmented slots)",
+    "gather (contiguous slots)",
+)
+
+
 def bench_gather(
-    opts: BenchOptions, tokens: int, capacity: int, shapes: list[tuple[int, int]], repeats: int
+    opts: BenchOptions, tokens: int, capacity: int, layers: int, heads: int, head_dim: int, repeats: int
 ) -> Report:
     if tokens > capacity:
         raise UserError(f"--gather-tokens ({tokens}) must not exceed --gather-capacity ({capacity})")
-    rng = np.random.default_rng(0)
+    shapes = [(heads, head_dim)] * layers
     pool = KVPool(KVLayout.from_shapes(torch.float32, shapes), capacity, "cpu")
     everything = pool.index(np.arange(capacity))
-    for layer, (heads, dim) in enumerate(shapes):
-        pool.scatter(layer, everything, torch.randn(capacity, heads, dim), torch.randn(capacity, heads, dim))
-    fragment(pool, rng, rounds=4 * capacity // 264)
+    for layer in range(layers):
+        pool.scatter(
+            layer, everything, torch.randn(capacity, heads, head_dim), torch.randn(capacity, heads, head_dim)
+        )
+    fragment(pool, np.random.default_rng(0), rounds=4 * capacity // 264)
     slots = pool.alloc(tokens)
-    contiguous = np.arange(tokens, dtype=slots.dtype)
-    sources = [torch.randn(tokens, 2, heads, dim) for heads, dim in shapes]
-    nbytes = tokens * pool.token_bytes
+    sources = [torch.randn(tokens, 2, heads, head_dim) for _ in range(layers)]
     sink: list[torch.Tensor] = []
 
     def gather(slot_ids: np.ndarray):
         def go() -> None:
             index = pool.index(slot_ids)
-            sink[:] = [pool.gather(layer, index) for layer in range(len(shapes))]
+            sink[:] = [pool.gather(layer, index) for layer in range(layers)]
 
         return go
 
     def clone() -> None:
         sink[:] = [s.clone() for s in sources]
 
+    contiguous = np.arange(tokens, dtype=slots.dtype)
     variants = [
-        Variant("clone (contiguous)", clone),
-        Variant("gather (fragmented slots)", gather(slots)),
-        Variant("gather (contiguous slots)", gather(contiguous)),
+        Variant(CLONE, clone),
+        Variant(GATHER, gather(slots)),
+        Variant(GATHER_CONTIGUOUS, gather(contiguous)),
     ]
     samples = measure(variants, repeats, opts, "gather")
-    report = Report(
-        "micro-gather",
-        "Re-attach gather bandwidth",
-        {
-            "tokens": tokens,
-            "capacity": capacity,
-            "layers": len(shapes),
-            "heads": shapes[0][0],
-            "head_dim": shapes[0][1],
-            "dtype": "float32",
-            "MB_per_run": round(nbytes / 1e6, 1),
-        },
-        samples,
-        baseline="clone (contiguous)",
-    )
+    nbytes = tokens * pool.token_bytes
+    params = {"tokens": tokens, "capacity": capacity, "layers": layers, "heads": heads, "head_dim": head_dim}
+    params |= {"dtype": "float32", "MB_per_run": round(nbytes / 1e6, 1)}
+    report = Report("micro-gather", "Re-attach gather bandwidth", params, samples, baseline=CLONE)
     bw = {name: nbytes / report.median(name) / GB for name in samples}
     report.checks = [
-        Check("clone bandwidth", bw["clone (contiguous)"], "GB/s"),
-        Check("gather bandwidth, fragmented slots", bw["gather (fragmented slots)"], "GB/s"),
-        Check("gather bandwidth, contiguous slots", bw["gather (contiguous slots)"], "GB/s"),
-        Check(
-            "gather / clone bandwidth (fragmented)",
-            report.ratio("clone (contiguous)", "gather (fragmented slots)"),
-            target=0.7,
-            higher_is_better=True,
-        ),
+        Check("clone bandwidth", bw[CLONE], "GB/s"),
+        Check("gather bandwidth, fragmented slots", bw[GATHER], "GB/s"),
+        Check("gather bandwidth, contiguous slots", bw[GATHER_CONTIGUOUS], "GB/s"),
+        Ratio("gather / clone bandwidth (fragmented)", CLONE, GATHER, 0.7, True).check(report),
     ]
     runs = slot_runs(slots)
     report.notes = [
@@ -273,41 +253,6 @@ def chat_histories(
         finished = [*finished[-63:], history]
 
 
-class KVSource:
-    """Random KV for up to `max_len` positions, handed out as transformers caches for `insert`."""
-
-    def __init__(self, layers: int, heads: int, head_dim: int, max_len: int) -> None:
-        self.kv = [
-            (torch.randn(1, heads, max_len, head_dim), torch.randn(1, heads, max_len, head_dim))
-            for _ in range(layers)
-        ]
-
-    def cache(self, length: int):
-        from transformers import DynamicCache
-
-        return DynamicCache(ddp_cache_data=[(k[:, :, :length], v[:, :, :length]) for k, v in self.kv])
-
-
-def tiny_trie(capacity: int, layers: int, head_dim: int):
-    """A KVCacheTrie over a tiny 1-head layout (no model), so a million tokens fit in a few MB of KV."""
-    from transformers import LlamaConfig
-
-    from kvblocks.cache.namespace import Namespace
-    from kvblocks.cache.trie import KVCacheTrie
-
-    config = LlamaConfig(
-        hidden_size=head_dim,
-        head_dim=head_dim,
-        num_hidden_layers=layers,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        intermediate_size=4 * head_dim,
-    )
-    specs = [LayerSpec("full", 1, head_dim)] * layers
-    ns = Namespace("bench-tiny", "float32")
-    return KVCacheTrie(config, specs, ns, capacity_tokens=capacity, dtype=torch.float32, device="cpu")
-
-
 def metadata_bytes(snapshot: tracemalloc.Snapshot) -> dict[str, int]:
     """Live bytes allocated from kvblocks' own modules (the benchmark excluded), per file."""
     package = Path(__file__).resolve().parents[1]
@@ -321,110 +266,104 @@ def metadata_bytes(snapshot: tracemalloc.Snapshot) -> dict[str, int]:
     return out
 
 
+@dataclass(slots=True)
+class TrieBench:
+    """A full, evicting trie of chat traffic, and the random ids and KV the timed operations feed it."""
+
+    trie: KVCacheTrie
+    source: fixtures.KVSource
+    rng: np.random.Generator
+    vocab: int
+    probe: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # a resident history
+    branch: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    def fill(self, traffic: Iterator[np.ndarray], target: int, prompt: int, show: bool) -> int:
+        """Insert chat histories until `target` tokens went in, then a probe of at least `prompt` tokens."""
+        inserted = 0
+        with progress(target, "fill trie", show) as bar:
+            while inserted < target:
+                ids = next(traffic)
+                stored = self.trie.insert(ids, self.source.cache(len(ids)))
+                inserted += stored
+                bar.update(stored)
+        probe = next(traffic)
+        while len(probe) < prompt:
+            self.trie.insert(probe, self.source.cache(len(probe)))
+            probe = np.concatenate([probe, self.rng.integers(0, self.vocab, 400, dtype=np.int32)])
+        self.trie.insert(probe, self.source.cache(len(probe)))
+        self.probe = probe
+        return inserted
+
+    def fresh(self, n: int, after: int | None = None) -> np.ndarray:
+        """Random ids; with `after`, the first differs from `after` and from every earlier branch."""
+        ids = self.rng.integers(0, self.vocab, n, dtype=np.int32)
+        if after is not None:
+            ids[0] = (after + next(self.branch)) % self.vocab
+        return ids
+
+    def branch_off(self, cut: int, new: int) -> np.ndarray:
+        """The probe's first `cut` tokens, then `new` tokens never seen after them."""
+        return np.concatenate([self.probe[:cut], self.fresh(new, int(self.probe[cut]))])
+
+    def insert(self, name: str, make_ids: Callable[[], np.ndarray], stores: int, room: bool) -> Variant:
+        """Untimed: fresh ids and their cache (and room in the pool when `room`); timed: the insert."""
+        pending: list[tuple[np.ndarray, object]] = []
+
+        def setup() -> None:
+            ids = make_ids()
+            if room:
+                self.trie.evict(stores)
+            pending.append((ids, self.source.cache(len(ids))))
+
+        def go() -> None:
+            ids, past = pending.pop()
+            stored = self.trie.insert(ids, past)
+            assert stored == stores, (name, stored, stores)
+
+        return Variant(name, go, setup)
+
+
 def bench_trie(
-    opts: BenchOptions,
-    resident: int,
-    prompt: int,
-    new: int,
-    layers: int,
-    head_dim: int,
-    repeats: int,
+    opts: BenchOptions, resident: int, prompt: int, new: int, layers: int, head_dim: int, repeats: int,
     fill: float = 3.0,
-) -> list[Report]:
+) -> list[Report]:  # fmt: skip
     if new >= prompt:
         raise UserError(f"--trie-new ({new}) must be smaller than --trie-prompt ({prompt})")
     if fill < 1.0:
         raise UserError(f"--trie-fill must be >= 1 so the pool is full and evicting, got {fill}")
     rng = np.random.default_rng(1)
     vocab, max_len = 32_000, max(8192, 2 * prompt)
-    source = KVSource(layers, 1, head_dim, max_len)
-
+    source = fixtures.KVSource(layers, 1, head_dim, max_len)
     gc.collect()
     tracemalloc.start()
-    trie = tiny_trie(resident, layers, head_dim)
-    traffic = chat_histories(rng, vocab, max_len)
-    inserted, target = 0, int(resident * fill)
-    with progress(target, "fill trie", opts.progress) as bar:
-        while inserted < target:
-            ids = next(traffic)
-            stored = trie.insert(ids, source.cache(len(ids)))
-            inserted += stored
-            bar.update(stored)
-    probe = next(traffic)
-    while len(probe) < prompt:
-        trie.insert(probe, source.cache(len(probe)))
-        probe = np.concatenate([probe, rng.integers(0, vocab, 400, dtype=np.int32)])
-    trie.insert(probe, source.cache(len(probe)))
+    bench = TrieBench(fixtures.layout_trie(layers, 1, head_dim, resident), source, rng, vocab)
+    trie = bench.trie
+    inserted = bench.fill(chat_histories(rng, vocab, max_len), int(resident * fill), prompt, opts.progress)
     gc.collect()
     snapshot = tracemalloc.take_snapshot()
     tracemalloc.stop()
     before = trie.stats()
     memory = memory_report(metadata_bytes(snapshot), before, layers, head_dim)
-
     cut = prompt - new
-
-    branch = itertools.count(1)
-
-    def fresh(n: int, after: int | None = None) -> np.ndarray:
-        """Random ids; with `after`, the first differs from `after` and from every earlier branch."""
-        ids = rng.integers(0, vocab, n, dtype=np.int32)
-        if after is not None:
-            ids[0] = (after + next(branch)) % vocab
-        return ids
-
-    hit_prompt = np.concatenate([probe[:cut], fresh(new, int(probe[cut]))])
-    pending: dict[str, tuple[np.ndarray, object]] = {}
-
+    hit_prompt = bench.branch_off(cut, new)
     with trie.match(hit_prompt) as hit:
         assert hit.length == cut, (hit.length, cut)
-
-    def do_match() -> None:
-        trie.match(hit_prompt).release()
-
-    def prepare(name: str, make_ids, stores: int, room: bool):
-        """Untimed: fresh ids and their cache (and room in the pool when `room`); timed: the insert."""
-
-        def setup() -> None:
-            ids = make_ids()
-            if room:
-                trie.evict(stores)
-            pending[name] = (ids, source.cache(len(ids)))
-
-        def go() -> None:
-            ids, past = pending.pop(name)
-            stored = trie.insert(ids, past)
-            assert stored == stores, (name, stored, stores)
-
-        return setup, go
-
-    new_setup, new_run = prepare("new", lambda: fresh(prompt), prompt, room=True)
-    shared_setup, shared_run = prepare(
-        "shared", lambda: np.concatenate([probe[:cut], fresh(new, int(probe[cut]))]), new, room=True
-    )
-    evict_setup, evict_run = prepare("evict", lambda: fresh(prompt), prompt, room=False)
     variants = [
-        Variant(f"match+release ({cut} of {prompt} hit)", do_match),
-        Variant(f"insert fully new ({prompt})", new_run, new_setup),
-        Variant(f"insert mostly shared ({new} new of {prompt})", shared_run, shared_setup),
-        Variant(f"insert fully new, evicting {prompt}", evict_run, evict_setup),
+        Variant(f"match+release ({cut} of {prompt} hit)", lambda: trie.match(hit_prompt).release()),
+        bench.insert(f"insert fully new ({prompt})", lambda: bench.fresh(prompt), prompt, room=True),
+        bench.insert(
+            f"insert mostly shared ({new} new of {prompt})", lambda: bench.branch_off(cut, new), new, True
+        ),
+        bench.insert(f"insert fully new, evicting {prompt}", lambda: bench.fresh(prompt), prompt, room=False),
     ]
     samples = measure(variants, repeats, opts, "trie ops")
     after = trie.stats()
-    latency = Report(
-        "micro-trie",
-        "Trie match/insert latency",
-        {
-            "resident_tokens": before["resident_tokens"],
-            "capacity_tokens": before["capacity_tokens"],
-            "prompt_tokens": prompt,
-            "layout": f"{layers} layer x 1 head x head_dim {head_dim} fp32",
-        },
-        samples,
-    )
-    ms = 1e3
-    latency.checks = [Check(f"{name}, median", latency.median(name) * ms, "ms", 1.0) for name in samples]
+    params = {"resident_tokens": before["resident_tokens"], "capacity_tokens": before["capacity_tokens"]}
+    params |= {"prompt_tokens": prompt, "layout": f"{layers} layer x 1 head x head_dim {head_dim} fp32"}
+    latency = Report("micro-trie", "Trie match/insert latency", params, samples)
+    latency.checks = [Check(f"{name}, median", latency.median(name) * 1e3, "ms", 1.0) for name in samples]
     latency.checks += [
-        Check(f"{name}, p99", float(np.percentile(samples[name], 99)) * ms, "ms") for name in samples
+        Check(f"{name}, p99", float(np.percentile(runs, 99)) * 1e3, "ms") for name, runs in samples.items()
     ]
     latency.notes = [
         f"tiny KV layout ({layers} layer, 1 KV head, head_dim {head_dim}: {trie.token_bytes} B of KV per token) so "
@@ -483,11 +422,19 @@ def memory_report(by_file: dict[str, int], stats: dict[str, int], layers: int, h
 # ---- d. time to first token ----------------------------------------------------------------
 
 
+TTFT_IDEAL, TTFT_KV = "ideal (bare model, prebuilt cache)", "kvblocks (match, to_hf_cache, prefill)"
+TTFT_NONE, TTFT_KV_BESIDE = "no cache (full prefill)", "kvblocks, measured beside no cache"
+TTFT_TARGETS = (
+    Ratio("kvblocks / ideal", TTFT_KV, TTFT_IDEAL, 1.10),
+    Ratio("kvblocks / ideal, median of per-round ratios", TTFT_KV, TTFT_IDEAL, paired=True),
+    Ratio("no cache / kvblocks (speed-up)", TTFT_NONE, TTFT_KV_BESIDE),
+)
+
+
 def bench_ttft(
     opts: BenchOptions, model, tokenizer, cached: int, question: int, repeats: int, nocache_repeats: int
 ) -> Report:
     from kvblocks.adapters import hf
-    from kvblocks.cache.trie import KVCacheTrie
     from kvblocks.generate.generator import CachedGenerator
     from kvblocks.generate.sampling import SamplingParams, choose
 
@@ -516,42 +463,14 @@ def bench_ttft(
     def no_cache() -> None:
         choose(runner.forward(prompt, hf.empty_cache(model.config))[-1], greedy, None)
 
-    ideal_name, kv_name = "ideal (bare model, prebuilt cache)", "kvblocks (match, to_hf_cache, prefill)"
-    none_name, kv_beside = "no cache (full prefill)", "kvblocks, measured beside no cache"
-    samples = measure(
-        [
-            Variant(ideal_name, ideal, teardown=lambda: hf.crop(ideal_past, cached)),
-            Variant(kv_name, with_kvblocks),
-        ],
-        repeats,
-        opts,
-        "ttft vs ideal",
-    )
-    samples |= measure(
-        [Variant(kv_beside, with_kvblocks), Variant(none_name, no_cache)],
-        nocache_repeats,
-        opts,
-        "ttft vs no cache",
-    )
-    name = getattr(model.config, "name_or_path", "") or model.config.model_type
-    report = Report(
-        "micro-ttft",
-        "Time to first token with a cached system prompt",
-        {
-            "model": name,
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "cached_tokens": cached,
-            "question_tokens": question,
-            "clock": opts.clock,
-        },
-        samples,
-        baseline=ideal_name,
-    )
-    report.checks = [
-        Check("kvblocks / ideal", report.ratio(kv_name, ideal_name), "", 1.10),
-        Check("kvblocks / ideal, median of per-round ratios", report.paired_ratio(kv_name, ideal_name)),
-        Check("no cache / kvblocks (speed-up)", report.ratio(none_name, kv_beside)),
-    ]
+    ideal_variant = Variant(TTFT_IDEAL, ideal, teardown=lambda: hf.crop(ideal_past, cached))
+    samples = measure([ideal_variant, Variant(TTFT_KV, with_kvblocks)], repeats, opts, "ttft vs ideal")
+    beside = [Variant(TTFT_KV_BESIDE, with_kvblocks), Variant(TTFT_NONE, no_cache)]
+    samples |= measure(beside, nocache_repeats, opts, "ttft vs no cache")
+    params = {**fixtures.model_params(model), "cached_tokens": cached, "question_tokens": question}
+    title = "Time to first token with a cached system prompt"
+    report = Report("micro-ttft", title, params | {"clock": opts.clock}, samples, baseline=TTFT_IDEAL)
+    report.checks = [r.check(report) for r in TTFT_TARGETS]
     report.notes = [
         f"random fixed-seed token ids; an earlier request (through `CachedGenerator`) cached the {cached}-token "
         "system prompt with another question, so every kvblocks run hits exactly the system prompt",
@@ -567,6 +486,10 @@ def bench_ttft(
 
 
 # ---- e. model fingerprint ------------------------------------------------------------------
+
+
+FP_COLD, FP_WARM = "model_fingerprint right after a load", "model_fingerprint, weights warm"
+FP_BARE = "bare xxh3-128 of the same tensors' bytes"
 
 
 def bench_fingerprint(opts: BenchOptions, model, model_name: str | None, repeats: int) -> Report:
@@ -596,40 +519,22 @@ def bench_fingerprint(opts: BenchOptions, model, model_name: str | None, repeats
         for t in tensors:
             h.update(t.reshape(-1).view(torch.uint8).numpy())
 
-    cold_name = "model_fingerprint right after a load"
-    warm_name = "model_fingerprint, weights warm"
-    bare_name = "bare xxh3-128 of the same tensors' bytes"
-    samples = measure(
-        [
-            Variant(cold_name, after_load, setup=load, teardown=fresh.clear),
-            Variant(warm_name, warm),
-            Variant(bare_name, bare),
-        ],
-        repeats,
-        opts,
-        "fingerprint",
-    )
+    variants = [
+        Variant(FP_COLD, after_load, setup=load, teardown=fresh.clear),
+        Variant(FP_WARM, warm),
+        Variant(FP_BARE, bare),
+    ]
+    samples = measure(variants, repeats, opts, "fingerprint")
     assert len(seen) == 1, f"model_fingerprint is not deterministic: {sorted(seen)}"
-    name = getattr(model.config, "name_or_path", "") or model.config.model_type
-    report = Report(
-        "micro-fingerprint",
-        "Model fingerprint (namespace) time",
-        {
-            "model": name,
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "tensors": len(tensors),
-            "MB_hashed": round(nbytes / 1e6, 1),
-            "clock": opts.clock,
-        },
-        samples,
-        baseline=bare_name,
-    )
+    params = {**fixtures.model_params(model), "tensors": len(tensors), "MB_hashed": round(nbytes / 1e6, 1)}
+    title = "Model fingerprint (namespace) time"
+    report = Report("micro-fingerprint", title, params | {"clock": opts.clock}, samples, baseline=FP_BARE)
     report.checks = [
-        Check(f"{cold_name}, median", report.median(cold_name), "s", 0.5),
-        Check(f"{warm_name}, median", report.median(warm_name), "s", 0.5),
-        Check(f"{warm_name}, p99", float(np.percentile(samples[warm_name], 99)), "s"),
-        Check("fingerprint hash throughput, weights warm", nbytes / report.median(warm_name) / GB, "GB/s"),
-        Check("model_fingerprint / bare xxh3-128, weights warm", report.ratio(warm_name, bare_name)),
+        Check(f"{FP_COLD}, median", report.median(FP_COLD), "s", 0.5),
+        Check(f"{FP_WARM}, median", report.median(FP_WARM), "s", 0.5),
+        Check(f"{FP_WARM}, p99", float(np.percentile(samples[FP_WARM], 99)), "s"),
+        Check("fingerprint hash throughput, weights warm", nbytes / report.median(FP_WARM) / GB, "GB/s"),
+        Ratio("model_fingerprint / bare xxh3-128, weights warm", FP_WARM, FP_BARE).check(report),
     ]
     report.notes = [
         f"`kvblocks.cache.namespace.model_fingerprint`: the config (JSON) and every parameter and buffer ({len(tensors)} "

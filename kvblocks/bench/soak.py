@@ -32,15 +32,29 @@ import httpx
 import numpy as np
 
 from kvblocks.bench.fixtures import RedisServer, Service, spawn_serve, wait_serve
-from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, int_options
+from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, ints
 
 TENANTS = ("victim", "alpha", "beta", "flood")
 MODEL = "unknown"  # what a request that names no model sends (sglang-router's placeholder): the served one
 TOPICS = ("refunds", "shipping", "invoices", "passwords", "warranty", "upgrades", "outages", "billing")
 
 
+OPTIONS = ints(
+    "",
+    [
+        ("duration", 120, "seconds of traffic under faults"),
+        ("agents", 3, "concurrent agents per agent tenant"),
+        ("max-tokens", 8, "max_tokens per agent request"),
+        ("system-tokens", 300, "words in each tenant's system prompt"),
+        ("fault-every", 6, "seconds between injected faults"),
+        ("oversized-mb", 64, "size of the oversized values written under cache keys"),
+        ("capacity", 3000, "device pool in tokens (small: prefixes spill to Redis and return)"),
+    ],
+)
+
+
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
+    add_suite(
         suites,
         "soak",
         run,
@@ -48,19 +62,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         description="Agent traffic of several tenants against kvblocks serve with a Redis tier while faults "
         "are injected; every reply is checked against a no-cache server.",
         model=True,
-    )
-    int_options(
-        p,
-        "",
-        [
-            ("duration", 120, "seconds of traffic under faults"),
-            ("agents", 3, "concurrent agents per agent tenant"),
-            ("max-tokens", 8, "max_tokens per agent request"),
-            ("system-tokens", 300, "words in each tenant's system prompt"),
-            ("fault-every", 6, "seconds between injected faults"),
-            ("oversized-mb", 64, "size of the oversized values written under cache keys"),
-            ("capacity", 3000, "device pool in tokens (small: prefixes spill to Redis and return)"),
-        ],
+        options=OPTIONS,
     )
 
 

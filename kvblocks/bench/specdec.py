@@ -30,11 +30,14 @@ from kvblocks.bench import fixtures
 from kvblocks.bench.harness import (
     BenchOptions,
     Check,
+    Option,
+    Ratio,
     Report,
     Variant,
     add_suite,
-    int_options,
+    ints,
     measure,
+    repeats_row,
 )
 from kvblocks.errors import UserError
 
@@ -67,21 +70,11 @@ GROUNDED_PROMPTS = [
 ]
 
 
-def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
-        suites,
-        "specdec",
-        run,
-        help="speculative decoding: measured vs predicted speed-up, vs transformers' assisted generation",
-        description="Speculative decoding on the target --model with three drafters, checked against targets.",
-        model=True,
-        only=BENCHMARKS,
-    )
-    int_options(
-        p,
+OPTIONS = (
+    *ints(
         "",
         [
-            ("repeats", 3, "timed runs of each generation variant"),
+            repeats_row(3, "timed runs of each generation variant"),
             (
                 "cost-repeats",
                 15,
@@ -97,11 +90,26 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
             ("prompts", 2, "prompts per run, self workload"),
             ("sweep-tokens", 32, "new tokens per prompt, sweep"),
         ],
-    )
-    p.add_argument(
+    ),
+    Option(
         "--sweep-layers",
-        default="2,4,8,16,24,29",
-        help="self-drafter layer counts the sweep measures (default 2,4,8,16,24,29)",
+        None,
+        "2,4,8,16,24,29",
+        "self-drafter layer counts the sweep measures (default 2,4,8,16,24,29)",
+    ),
+)
+
+
+def add_parser(suites: argparse._SubParsersAction) -> None:
+    add_suite(
+        suites,
+        "specdec",
+        run,
+        help="speculative decoding: measured vs predicted speed-up, vs transformers' assisted generation",
+        description="Speculative decoding on the target --model with three drafters, checked against targets.",
+        model=True,
+        only=BENCHMARKS,
+        options=OPTIONS,
     )
 
 
@@ -240,165 +248,196 @@ class EmissionStreamer:
 # ---- one workload ----------------------------------------------------------------------------
 
 
-def bench_workload(
-    opts: BenchOptions, model, tokenizer, w: Workload, repeats: int, cost_repeats: int
-) -> list[Report]:
-    import torch
+CAPACITY = 16_384  # tokens of the workload's prefix cache (and the self-drafter's)
 
+
+def variant_names(w: Workload) -> dict[str, str | None]:
+    """The variants of one workload by role; transformers has no trie drafter (`hf_spec` is None)."""
+    hf_spec = {
+        "self": f"transformers assisted (self:{w.layers}, γ={w.gamma})",
+        "lookup": f"transformers prompt lookup (γ={w.gamma})",
+    }.get(w.kind)
+    return {
+        "base": "kvblocks CachedGenerator",
+        "spec": f"kvblocks speculative ({w.drafter_name}, γ={w.gamma})",
+        "hf": "transformers greedy generate",
+        "hf_spec": hf_spec,
+    }
+
+
+def make_drafter(model, cache, w: Workload):
+    """kvblocks' drafter for the workload, and the draft model when it is one."""
     from kvblocks.cache.trie import KVCacheTrie
-    from kvblocks.generate.generator import CachedGenerator
-    from kvblocks.specdec import (
-        ModelDrafter,
-        PromptLookupDrafter,
-        SpecStats,
-        SpeculativeGenerator,
-        TrieDrafter,
-        truncated_model,
-    )
+    from kvblocks.specdec import ModelDrafter, PromptLookupDrafter, TrieDrafter, truncated_model
 
-    capacity = 16_384
-    cache = KVCacheTrie.for_model(model, capacity_tokens=capacity)
-    base = CachedGenerator(model, tokenizer, cache)
-    draft_model = None
     if w.kind == "self":
         draft_model = truncated_model(model, w.layers)
-        drafter = ModelDrafter(draft_model, KVCacheTrie.for_model(draft_model, capacity_tokens=capacity))
-    elif w.kind == "lookup":
-        drafter = PromptLookupDrafter(max_ngram=3)
-    else:
-        drafter = TrieDrafter(cache)
-    rounds = RoundLog()
-    spec = SpeculativeGenerator(model, tokenizer, cache, drafter, gamma=w.gamma, on_round=rounds)
-    prompt_ids = [base.encode(p) for p in w.prompts]
-    # An earlier request per prompt: the prompt is cached (and, for the trie drafter, its answer).
-    reference = [base.generate(ids, max_new_tokens=w.max_new_tokens).token_ids for ids in prompt_ids]
+        return ModelDrafter(
+            draft_model, KVCacheTrie.for_model(draft_model, capacity_tokens=CAPACITY)
+        ), draft_model
+    if w.kind == "lookup":
+        return PromptLookupDrafter(max_ngram=3), None
+    return TrieDrafter(cache), None
 
-    base_times, spec_times = ForwardTimes(base.runner), ForwardTimes(spec.runner)
-    draft_times = ForwardTimes(drafter.runner) if draft_model is not None else None
-    logs: dict[str, DecodeLog] = {}
-    stats = SpecStats(w.gamma)
-    observed: list[list[tuple[int, int]]] = []
-    hf_same: list[bool] = []
 
-    def kv_baseline(log: DecodeLog) -> Callable[[], None]:
+def hf_assisted_kwargs(model, w: Workload) -> dict:
+    """transformers' `generate` keywords for the same drafter, as far as it has one."""
+    from kvblocks.specdec import truncated_model
+
+    if w.kind == "lookup":
+        return {"prompt_lookup_num_tokens": w.gamma, "max_matching_ngram_size": 3}
+    if w.kind != "self":
+        return {}
+    assistant = truncated_model(model, w.layers)
+    # the assistant reads its settings from its own generation config: give it one of its own
+    assistant.generation_config = copy.deepcopy(model.generation_config)
+    assistant.generation_config.num_assistant_tokens = w.gamma
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    return {"assistant_model": assistant}
+
+
+@dataclass(slots=True)
+class Lanes:
+    """One workload's generators and reference outputs, and what their timed runs record."""
+
+    opts: BenchOptions
+    model: object
+    w: Workload
+    base: object  # CachedGenerator
+    spec: object  # SpeculativeGenerator, reporting its rounds to `rounds`
+    rounds: RoundLog
+    prompt_ids: list[list[int]]
+    reference: list[list[int]]  # CachedGenerator's output for each prompt, from an untimed earlier run
+    base_times: ForwardTimes
+    spec_times: ForwardTimes
+    draft_times: ForwardTimes | None  # a model drafter's forwards
+    stats: object  # SpecStats over the timed runs
+    observed: list[list[tuple[int, int]]] = field(default_factory=list)
+    hf_same: list[bool] = field(default_factory=list)
+
+    def kv_baseline(self, log: DecodeLog) -> Callable[[], None]:
         def go() -> None:
             log.begin()
-            base_times.on = len(log.runs) > opts.warmup
-            for ids, ref in zip(prompt_ids, reference):
-                r = base.generate(ids, max_new_tokens=w.max_new_tokens)
+            self.base_times.on = len(log.runs) > self.opts.warmup
+            for ids, ref in zip(self.prompt_ids, self.reference):
+                r = self.base.generate(ids, max_new_tokens=self.w.max_new_tokens)
                 assert r.token_ids == ref, "CachedGenerator output changed between runs"
                 log.add(len(r.token_ids) - 1, r.total_s - r.ttft_s)
 
         return go
 
-    def kv_spec(log: DecodeLog) -> Callable[[], None]:
+    def kv_spec(self, log: DecodeLog) -> Callable[[], None]:
         def go() -> None:
             log.begin()
-            spec_times.on = len(log.runs) > opts.warmup
-            if draft_times is not None:
-                draft_times.on = spec_times.on
-            for ids, ref in zip(prompt_ids, reference):
-                rounds.current = []
-                r = spec.generate(ids, max_new_tokens=w.max_new_tokens)
+            timed = self.spec_times.on = len(log.runs) > self.opts.warmup
+            if self.draft_times is not None:
+                self.draft_times.on = timed
+            for ids, ref in zip(self.prompt_ids, self.reference):
+                self.rounds.current = []
+                r = self.spec.generate(ids, max_new_tokens=self.w.max_new_tokens)
                 assert r.token_ids == ref, "speculative output differs from CachedGenerator's"
-                first = rounds.current[0][1] + 1
+                first = self.rounds.current[0][1] + 1
                 log.add(len(r.token_ids) - first, r.total_s - r.ttft_s)
-                if len(log.runs) > opts.warmup:
-                    _merge(stats, r.spec)
-                    observed.append(rounds.current[1:])
+                if timed:
+                    _merge(self.stats, r.spec)
+                    self.observed.append(self.rounds.current[1:])
 
         return go
 
-    hf_kwargs: dict = {}
-    if w.kind == "self":
-        assistant = truncated_model(model, w.layers)
-        # the assistant reads its settings from its own generation config: give it one of its own
-        assistant.generation_config = copy.deepcopy(model.generation_config)
-        assistant.generation_config.num_assistant_tokens = w.gamma
-        assistant.generation_config.num_assistant_tokens_schedule = "constant"
-        assistant.generation_config.assistant_confidence_threshold = 0.0
-        hf_kwargs = {"assistant_model": assistant}
-    elif w.kind == "lookup":
-        hf_kwargs = {"prompt_lookup_num_tokens": w.gamma, "max_matching_ngram_size": 3}
+    def hf_generate(self, log: DecodeLog, kwargs: dict, check: bool) -> Callable[[], None]:
+        import torch
 
-    def hf_generate(log: DecodeLog, kwargs: dict, check: bool) -> Callable[[], None]:
         def go() -> None:
             log.begin()
-            for ids, ref in zip(prompt_ids, reference):
+            for ids, ref in zip(self.prompt_ids, self.reference):
                 streamer = EmissionStreamer()
                 input_ids = torch.tensor([ids])
                 with torch.inference_mode():
-                    out = model.generate(
+                    out = self.model.generate(
                         input_ids,
                         attention_mask=torch.ones_like(input_ids),
                         do_sample=False,
-                        max_new_tokens=w.max_new_tokens,
+                        max_new_tokens=self.w.max_new_tokens,
                         streamer=streamer,
                         **kwargs,
                     )
                 log.add(*streamer.tokens_and_seconds())
                 if check:
-                    hf_same.append(out[0, len(ids) :].tolist() == ref)
+                    self.hf_same.append(out[0, len(ids) :].tolist() == ref)
 
         return go
 
-    names = {
-        "base": "kvblocks CachedGenerator",
-        "spec": f"kvblocks speculative ({w.drafter_name}, γ={w.gamma})",
-        "hf": "transformers greedy generate",
-        "hf_spec": {
-            "self": f"transformers assisted (self:{w.layers}, γ={w.gamma})",
-            "lookup": f"transformers prompt lookup (γ={w.gamma})",
-        }.get(w.kind),
-    }
+    def stop_timing(self) -> None:
+        self.base_times.on = self.spec_times.on = False
+        if self.draft_times is not None:
+            self.draft_times.on = False
+
+
+def bench_workload(
+    opts: BenchOptions, model, tokenizer, w: Workload, repeats: int, cost_repeats: int
+) -> list[Report]:
+    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.generate.generator import CachedGenerator
+    from kvblocks.specdec import SpecStats, SpeculativeGenerator
+
+    cache = KVCacheTrie.for_model(model, capacity_tokens=CAPACITY)
+    base = CachedGenerator(model, tokenizer, cache)
+    drafter, draft_model = make_drafter(model, cache, w)
+    rounds = RoundLog()
+    spec = SpeculativeGenerator(model, tokenizer, cache, drafter, gamma=w.gamma, on_round=rounds)
+    prompt_ids = [base.encode(p) for p in w.prompts]
+    # An earlier request per prompt: the prompt is cached (and, for the trie drafter, its answer).
+    reference = [base.generate(ids, max_new_tokens=w.max_new_tokens).token_ids for ids in prompt_ids]
+    draft_times = ForwardTimes(drafter.runner) if draft_model is not None else None
+    lanes = Lanes(opts, model, w, base, spec, rounds, prompt_ids, reference, ForwardTimes(base.runner),
+                  ForwardTimes(spec.runner), draft_times, SpecStats(w.gamma))  # fmt: skip
+    assisted = hf_assisted_kwargs(model, w)
     makers = {
-        "base": kv_baseline,
-        "spec": kv_spec,
-        "hf": lambda log: hf_generate(log, {}, check=True),
-        "hf_spec": lambda log: hf_generate(log, hf_kwargs, check=False),
+        "base": lanes.kv_baseline,
+        "spec": lanes.kv_spec,
+        "hf": lambda log: lanes.hf_generate(log, {}, check=True),
+        "hf_spec": lambda log: lanes.hf_generate(log, assisted, check=False),
     }
-    variants = []
-    for key, name in names.items():
-        if name is not None:
-            logs[key] = DecodeLog()
-            variants.append(Variant(name, makers[key](logs[key])))
+    names = variant_names(w)
+    logs = {key: DecodeLog() for key, name in names.items() if name is not None}
+    variants = [Variant(names[key], makers[key](log)) for key, log in logs.items()]
     measure(variants, repeats, opts, f"specdec {w.kind}")
     samples = {names[k]: log.seconds_per_token(opts.warmup) for k, log in logs.items()}
-
-    base_times.on = spec_times.on = False
+    lanes.stop_timing()
     if draft_times is not None:
-        draft_times.on = False
-        draft_cost = float(np.median(draft_times.by_width[1]))
         draft_samples = {f"drafter forward ({w.drafter_name}), 1 token": draft_times.by_width[1]}
     else:
         draft_samples = propose_times(opts, w, drafter, prompt_ids[0] + reference[0], cost_repeats)
-        draft_cost = float(np.median(next(iter(draft_samples.values()))))
-    target = {1: base_times.by_width[1]} | {k: t for k, t in spec_times.by_width.items() if k > 1}
+    draft_cost = float(np.median(next(iter(draft_samples.values()))))
+    target = {1: lanes.base_times.by_width[1]} | {k: t for k, t in lanes.spec_times.by_width.items() if k > 1}
     costs = StepCosts(
         {k: float(np.median(t)) for k, t in target.items()}, draft_cost, w.gamma, draft_model is None
     )
-    speed = Report(
-        f"specdec-{w.kind}",
-        f"Speculative decoding, {w.drafter_name} drafter",
-        {
-            "model": getattr(model.config, "name_or_path", "") or model.config.model_type,
-            "drafter": w.drafter_name,
-            "gamma": w.gamma,
-            "prompts": len(prompt_ids),
-            "max_new_tokens": w.max_new_tokens,
-            "decoded_tokens_per_run": logs["base"].tokens(opts.warmup) // repeats,
-        },
-        samples,
-        baseline=names["base"],
-    )
-    a, c, v = stats.alpha, costs.c, costs.v(w.gamma)
+    params = {
+        "model": fixtures.model_name(model),
+        "drafter": w.drafter_name,
+        "gamma": w.gamma,
+        "prompts": len(prompt_ids),
+        "max_new_tokens": w.max_new_tokens,
+        "decoded_tokens_per_run": logs["base"].tokens(opts.warmup) // repeats,
+    }
+    title = f"Speculative decoding, {w.drafter_name} drafter"
+    speed = Report(f"specdec-{w.kind}", title, params, samples, baseline=names["base"])
+    speed.checks = speed_checks(speed, w, names, lanes, costs)
+    speed.notes = speed_notes(w, lanes)
+    return [speed, cost_report(w, costs, target, draft_samples)]
+
+
+def speed_checks(speed: Report, w: Workload, names: dict, lanes: Lanes, costs: StepCosts) -> list[Check]:
+    a, c, v = lanes.stats.alpha, costs.c, costs.v(w.gamma)
     predicted = predicted_speedup(a, w.gamma, c, v)
     measured = speed.ratio(names["base"], names["spec"])
-    modelled = costs.observed_speedup(observed)
-    speed.checks = [
+    modelled = costs.observed_speedup(lanes.observed)
+    checks = [
         Check("alpha (MLE)", a),
-        Check("tokens per target call", stats.tokens_per_call),
-        Check("draft efficiency", stats.draft_efficiency),
+        Check("tokens per target call", lanes.stats.tokens_per_call),
+        Check("draft efficiency", lanes.stats.draft_efficiency),
         Check("c = drafter cost / target step", c),
         Check(f"v = {w.gamma + 1}-token verify / 1-token step", v),
         Check("predicted speed-up S", predicted),
@@ -408,29 +447,23 @@ def bench_workload(
         Check("measured / observed-rounds model", measured / modelled),
     ]
     if names["hf_spec"] is not None:
-        speed.checks.append(
-            Check(
-                f"kvblocks / {names['hf_spec'].split(' (')[0]} decode speed",
-                speed.ratio(names["hf_spec"], names["spec"]),
-                target=1.0,
-                higher_is_better=True,
-            )
-        )
-    speed.checks.append(
-        Check(
-            "transformers greedy / kvblocks CachedGenerator decode speed",
-            speed.ratio(names["base"], names["hf"]),
-        )
-    )
+        metric = f"kvblocks / {names['hf_spec'].split(' (')[0]} decode speed"
+        checks.append(Ratio(metric, names["hf_spec"], names["spec"], 1.0, True).check(speed))
+    metric = "transformers greedy / kvblocks CachedGenerator decode speed"
+    return [*checks, Ratio(metric, names["base"], names["hf"]).check(speed)]
+
+
+def speed_notes(w: Workload, lanes: Lanes) -> list[str]:
+    stats, observed = lanes.stats, lanes.observed
     empty = sum(1 for run in observed for d, _ in run if d == 0)
     total = sum(len(run) for run in observed)
-    speed.notes = [
+    return [
         "samples are seconds per decoded token of one run over all prompts: tokens emitted after each request's "
         "first emission / time from the first emission to the last (kvblocks: `total_s - ttft_s` of the result, "
         "the first round's tokens left out; transformers: a streamer's timestamps), so prefill and the first "
         "round are out of every variant; rates are compared as ratios of medians",
         f"greedy; kvblocks' speculative output was asserted identical to CachedGenerator's on every run; "
-        f"transformers' greedy output equal to kvblocks': {_yes_share(hf_same)}",
+        f"transformers' greedy output equal to kvblocks': {_yes_share(lanes.hf_same)}",
         f"alpha = sum(accepted) / (sum(accepted) + rounds with a rejection) over the timed runs "
         f"({stats.rounds} rounds, {stats.drafted} drafted, {stats.accepted} accepted); "
         f"{empty} of {total} rounds after the first had no draft",
@@ -444,7 +477,6 @@ def bench_workload(
         "on a prefilled cache is silently wrong: docs/ARCHITECTURE.md, 'transformers facts')",
         *_hf_notes(w),
     ]
-    return [speed, cost_report(w, costs, target, draft_samples)]
 
 
 def _merge(total, one) -> None:
@@ -558,6 +590,34 @@ def cost_report(w: Workload, costs: StepCosts, target: dict[int, list[float]], d
 # ---- choosing K: the self-drafter sweep ------------------------------------------------------
 
 
+def sweep_alpha(
+    generator, k: int, prompts: list[list[int]], reference: list[list[int]], tokens: int
+) -> float:
+    """The acceptance rate of the K-layer self-drafter `generator` drafts with (gamma = 1, greedy)."""
+    accepted = rejected = 0
+    for ids, ref in zip(prompts, reference):
+        r = generator.generate(ids, max_new_tokens=tokens)
+        assert r.token_ids == ref, f"self:{k} output differs from CachedGenerator's"
+        accepted += r.spec.accepted
+        rejected += r.spec.rejected_rounds
+    return accepted / (accepted + rejected) if accepted + rejected else 0.0
+
+
+def add_sweep_row(report: Report, k: int, alpha: float, c: float, v: dict[int, float]) -> None:
+    """A K-layer self-drafter's alpha, c and the speed-up they predict at its best gamma."""
+    predicted = {g: predicted_speedup(alpha, g, c, v[g]) for g in v}
+    best = max(predicted, key=predicted.get)
+    report.checks += [
+        Check(f"self:{k} alpha", alpha),
+        Check(f"self:{k} c", c),
+        Check(f"self:{k} predicted S at its best γ ({best})", predicted[best]),
+    ]
+    report.notes.append(
+        f"self:{k}: alpha {alpha:.3f}, c {c:.3f}, S(γ=1) {predicted[1]:.3f}, S(γ=2) {predicted[2]:.3f}, "
+        f"S(γ=4) {predicted[4]:.3f}"
+    )
+
+
 def bench_sweep(
     opts: BenchOptions, model, tokenizer, layer_counts: list[int], tokens: int, repeats: int
 ) -> Report:
@@ -571,18 +631,11 @@ def bench_sweep(
     base = CachedGenerator(model, tokenizer, cache)
     prompts = [base.encode(p) for p in OPEN_PROMPTS[:2]]
     reference = [base.generate(ids, max_new_tokens=tokens).token_ids for ids in prompts]
-    alphas: dict[int, float] = {}
     drafts = {k: truncated_model(model, k) for k in layer_counts}
+    alphas: dict[int, float] = {}
     for k, draft in drafts.items():
         gen = SpeculativeGenerator(model, tokenizer, cache, ModelDrafter(draft), gamma=1)
-        accepted = rejected = 0
-        for ids, ref in zip(prompts, reference):
-            r = gen.generate(ids, max_new_tokens=tokens)
-            assert r.token_ids == ref, f"self:{k} output differs from CachedGenerator's"
-            accepted += r.spec.accepted
-            rejected += r.spec.rejected_rounds
-        alphas[k] = accepted / (accepted + rejected) if accepted + rejected else 0.0
-
+        alphas[k] = sweep_alpha(gen, k, prompts, reference, tokens)
     context = prompts[0] + reference[0]
     n = len(context) - 1
     runners = {0: ModelRunner(model)} | {k: ModelRunner(d) for k, d in drafts.items()}
@@ -611,18 +664,7 @@ def bench_sweep(
     t1 = report.median(variants[0].name)
     v = {g: report.median(variants[i].name) / t1 for i, g in ((1, 1), (2, 2), (3, 4))}
     for i, k in enumerate(layer_counts):
-        c = report.median(variants[4 + i].name) / t1
-        predicted = {g: predicted_speedup(alphas[k], g, c, v[g]) for g in v}
-        best = max(predicted, key=predicted.get)
-        report.checks += [
-            Check(f"self:{k} alpha", alphas[k]),
-            Check(f"self:{k} c", c),
-            Check(f"self:{k} predicted S at its best γ ({best})", predicted[best]),
-        ]
-        report.notes.append(
-            f"self:{k}: alpha {alphas[k]:.3f}, c {c:.3f}, S(γ=1) {predicted[1]:.3f}, S(γ=2) {predicted[2]:.3f}, "
-            f"S(γ=4) {predicted[4]:.3f}"
-        )
+        add_sweep_row(report, k, alphas[k], report.median(variants[4 + i].name) / t1, v)
     report.notes += [
         f"v(1) {v[1]:.3f}, v(2) {v[2]:.3f}, v(4) {v[4]:.3f} (target forwards of 2, 3, 5 tokens over 1 token)",
         f"alpha from greedy speculative runs with gamma = 1 ({len(prompts)} open-ended prompts x {tokens} tokens, "

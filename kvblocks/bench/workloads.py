@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import math
 import textwrap
 from collections import OrderedDict
@@ -48,6 +49,8 @@ from kvblocks.bench.harness import (
     CLOCKS,
     BenchOptions,
     Check,
+    Group,
+    Option,
     Report,
     Stats,
     Variant,
@@ -391,19 +394,12 @@ class Row:
 
 
 def row_for(
-    name: str,
-    ttft: list[float],
-    latency: list[float] | float,
-    hits: list[int],
-    prompt_tokens: list[int],
-    outputs: list[list[int]],
-    peak_bytes: int,
-    ideal_rate: float,
+    name: str, run: Lane | AllAtOnce, latency: list[float] | float, peak: int, ideal_rate: float,
     reference: list[list[int]],
-) -> Row:
-    st = Stats.of(ttft)
+) -> Row:  # fmt: skip
+    st = Stats.of(run.ttft)
     total = float(sum(latency)) if isinstance(latency, list) else float(latency)
-    rate = sum(hits) / sum(prompt_tokens)
+    rate = sum(run.hits) / sum(run.prompt_tokens)
     return Row(
         name,
         rate,
@@ -412,13 +408,13 @@ def row_for(
         st.median,
         st.p99,
         total,
-        sum(len(o) for o in outputs) / total,
-        peak_bytes,
-        sum(o == r for o, r in zip(outputs, reference)),
-        len(outputs),
-        list(ttft),
+        sum(len(o) for o in run.outputs) / total,
+        peak,
+        sum(o == r for o, r in zip(run.outputs, reference)),
+        len(run.outputs),
+        list(run.ttft),
         list(latency) if isinstance(latency, list) else [],
-        list(hits),
+        list(run.hits),
     )
 
 
@@ -449,7 +445,7 @@ class AllAtOnce:
 
     outputs: list[list[int]]
     hits: list[int]
-    ttft_s: list[float]
+    ttft: list[float]
     prompt_tokens: list[int]
     elapsed_s: float
     cache_bytes: int
@@ -598,7 +594,6 @@ def plot_overview(report: WorkloadReport, path: Path) -> None:
 
 
 def build_report(
-    w: Workload,
     lanes: dict[str, Lane],
     batch: AllAtOnce | None,
     ideals: dict[str, float],
@@ -609,39 +604,13 @@ def build_report(
     ideal_rate = next(iter(ideals.values()))
     reference = lanes["ideal"].outputs
     rows = [
-        row_for(
-            name,
-            lane.ttft,
-            lane.latency,
-            lane.hits,
-            lane.prompt_tokens,
-            lane.outputs,
-            peak_bytes(lane, token_bytes),
-            ideal_rate,
-            reference,
-        )
+        row_for(name, lane, lane.latency, peak_bytes(lane, token_bytes), ideal_rate, reference)
         for name, lane in lanes.items()
     ]
     rows = [rows[1], rows[0], *rows[2:]]  # kvblocks first, then the ideal, then the baselines
     if batch is not None:
-        rows.append(
-            row_for(
-                CB_BATCH,
-                batch.ttft_s,
-                batch.elapsed_s,
-                batch.hits,
-                batch.prompt_tokens,
-                batch.outputs,
-                batch.cache_bytes,
-                ideal_rate,
-                reference,
-            )
-        )
-    title = {
-        "shared-prompt": "Shared system prompts",
-        "multi-turn": "Multi-turn conversations",
-        "pressure": "Shared system prompts under cache pressure",
-    }[params["workload"]]
+        rows.append(row_for(CB_BATCH, batch, batch.elapsed_s, batch.cache_bytes, ideal_rate, reference))
+    title = SUITES[str(params["workload"])].title
     report = WorkloadReport(
         f"workload-{params['workload']}",
         title,
@@ -733,157 +702,196 @@ def common_notes(
 
 # ---- command line ------------------------------------------------------------------------------
 
+COMMON_OPTIONS = (
+    Option("--seed", int, 0, "seed of the token ids and arrival order (default 0)"),
+    Option(
+        "--eviction", None, DEFAULT_POLICY, "the kvblocks lane's eviction policy", choices=tuple(POLICIES)
+    ),
+    Option(
+        "--also-eviction",
+        None,
+        [],
+        "add a kvblocks lane with this eviction policy, named 'kvblocks, POLICY' (repeatable)",
+        choices=tuple(POLICIES),
+        repeat=True,
+    ),
+    Option("--skip", None, [], "leave out a baseline (repeatable)", choices=OPTIONAL, repeat=True),
+    Group(
+        "transformers continuous batching",
+        (
+            Option("--cb-page-size", positive_int, 256, "tokens per page (default 256)"),
+            Option("--cb-max-batch-tokens", positive_int, 2048, "tokens per batch (default 2048)"),
+            Option(
+                "--cb-blocks",
+                positive_int,
+                None,
+                "paged cache blocks (default: as many tokens as kvblocks may cache, plus one request)",
+            ),
+        ),
+    ),
+)
+SHARED_OPTIONS = (
+    Option("--groups", positive_int, 4, "system prompts (default 4)"),
+    Option("--prompts-per-group", positive_int, 8, "requests per group (default 8)"),
+    Option("--system", positive_int, 1024, "system prompt tokens (default 1024)"),
+    Option("--question", positive_int, 32, "question tokens (default 32)"),
+    Option("--output", positive_int, 16, "generated tokens (default 16)"),
+    Option(
+        "--order",
+        None,
+        "arrival",
+        "arrival: shuffled (default); sorted: equal system prompts back to back, the order "
+        "transformers' generate_batch runs them in",
+        choices=("arrival", "sorted"),
+    ),
+)
+MULTI_TURN_OPTIONS = (
+    Option("--conversations", positive_int, 8, "conversations (default 8)"),
+    Option("--turns", positive_int, 4, "turns per conversation (default 4)"),
+    Option("--systems", positive_int, 1, "distinct system prompts (default 1)"),
+    Option("--system", positive_int, 1024, "system prompt tokens (default 1024)"),
+    Option("--user", positive_int, 32, "user tokens per turn (default 32)"),
+    Option("--output", positive_int, 16, "reply tokens per turn (default 16)"),
+)
+PRESSURE_OPTIONS = (
+    Option(
+        "--capacity-fraction",
+        float,
+        0.5,
+        "cache capacity as a fraction of all system prompt tokens (default 0.5: half of them)",
+    ),
+    Option(
+        "--zipf",
+        float,
+        0.0,
+        "skewed popularity: each request picks system prompt k with probability ~ 1/k**S "
+        "(default 0: every prompt equally often)",
+        metavar="S",
+    ),
+)
+SHARED_PARAMS = ("groups", "prompts_per_group", "system", "question", "output", "order")
+
+
+@dataclass(slots=True, frozen=True)
+class Suite:
+    """One workload suite: its command line, its report's title and the flags its params record."""
+
+    help: str
+    description: str
+    title: str
+    options: tuple[Option | Group, ...]
+    params: tuple[str, ...]
+
+
+SUITES = {
+    "shared-prompt": Suite(
+        "G groups x P prompts sharing a system prompt, against the alternatives",
+        "Shared system prompts: kvblocks against no reuse, the deepcopy recipe, transformers "
+        "continuous batching and the ideal.",
+        "Shared system prompts",
+        (*COMMON_OPTIONS, *SHARED_OPTIONS),
+        (*SHARED_PARAMS, "eviction"),
+    ),
+    "multi-turn": Suite(
+        "conversations whose turns carry the whole history, against the alternatives",
+        "Multi-turn chat: every turn resends the history, the model's replies included.",
+        "Multi-turn conversations",
+        (*COMMON_OPTIONS, *MULTI_TURN_OPTIONS),
+        ("conversations", "turns", "systems", "system", "user", "output", "eviction"),
+    ),
+    "pressure": Suite(
+        "shared-prompt with a cache too small for the system prompts: eviction vs the offline optimum",
+        "Shared system prompts with a cache that holds only a fraction of them.",
+        "Shared system prompts under cache pressure",
+        (*COMMON_OPTIONS, *SHARED_OPTIONS, *PRESSURE_OPTIONS),
+        (*SHARED_PARAMS, "capacity_fraction", "zipf", "eviction"),
+    ),
+}
+
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
-        suites,
-        "shared-prompt",
-        run_shared_prompt,
-        help="G groups x P prompts sharing a system prompt, against the alternatives",
-        description="Shared system prompts: kvblocks against no reuse, the deepcopy recipe, transformers "
-        "continuous batching and the ideal.",
-        model=True,
-    )
-    _common_args(p)
-    _shared_args(p)
-
-    p = add_suite(
-        suites,
-        "multi-turn",
-        run_multi_turn,
-        help="conversations whose turns carry the whole history, against the alternatives",
-        description="Multi-turn chat: every turn resends the history, the model's replies included.",
-        model=True,
-    )
-    _common_args(p)
-    p.add_argument("--conversations", type=positive_int, default=8, help="conversations (default 8)")
-    p.add_argument("--turns", type=positive_int, default=4, help="turns per conversation (default 4)")
-    p.add_argument("--systems", type=positive_int, default=1, help="distinct system prompts (default 1)")
-    p.add_argument("--system", type=positive_int, default=1024, help="system prompt tokens (default 1024)")
-    p.add_argument("--user", type=positive_int, default=32, help="user tokens per turn (default 32)")
-    p.add_argument("--output", type=positive_int, default=16, help="reply tokens per turn (default 16)")
-
-    p = add_suite(
-        suites,
-        "pressure",
-        run_pressure,
-        help="shared-prompt with a cache too small for the system prompts: eviction vs the offline optimum",
-        description="Shared system prompts with a cache that holds only a fraction of them.",
-        model=True,
-    )
-    _common_args(p)
-    _shared_args(p)
-    p.add_argument(
-        "--capacity-fraction",
-        type=float,
-        default=0.5,
-        help="cache capacity as a fraction of all system prompt tokens (default 0.5: half of them)",
-    )
-    p.add_argument(
-        "--zipf",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="skewed popularity: each request picks system prompt k with probability ~ 1/k**S "
-        "(default 0: every prompt equally often)",
-    )
+    for kind, suite in SUITES.items():
+        run = functools.partial(run_kind, kind)
+        add_suite(
+            suites,
+            kind,
+            run,
+            help=suite.help,
+            description=suite.description,
+            model=True,
+            options=suite.options,
+        )
 
 
-def _common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0, help="seed of the token ids and arrival order (default 0)")
-    p.add_argument(
-        "--eviction",
-        choices=list(POLICIES),
-        default=DEFAULT_POLICY,
-        help="the kvblocks lane's eviction policy",
-    )
-    p.add_argument(
-        "--also-eviction",
-        action="append",
-        default=[],
-        choices=list(POLICIES),
-        help="add a kvblocks lane with this eviction policy, named 'kvblocks, POLICY' (repeatable)",
-    )
-    p.add_argument(
-        "--skip",
-        action="append",
-        default=[],
-        choices=OPTIONAL,
-        help="leave out a baseline (repeatable)",
-    )
-    g = p.add_argument_group("transformers continuous batching")
-    g.add_argument("--cb-page-size", type=positive_int, default=256, help="tokens per page (default 256)")
-    g.add_argument(
-        "--cb-max-batch-tokens", type=positive_int, default=2048, help="tokens per batch (default 2048)"
-    )
-    g.add_argument(
-        "--cb-blocks",
-        type=positive_int,
-        default=None,
-        help="paged cache blocks (default: as many tokens as kvblocks may cache, plus one request)",
-    )
-
-
-def _shared_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--groups", type=positive_int, default=4, help="system prompts (default 4)")
-    p.add_argument("--prompts-per-group", type=positive_int, default=8, help="requests per group (default 8)")
-    p.add_argument("--system", type=positive_int, default=1024, help="system prompt tokens (default 1024)")
-    p.add_argument("--question", type=positive_int, default=32, help="question tokens (default 32)")
-    p.add_argument("--output", type=positive_int, default=16, help="generated tokens (default 16)")
-    p.add_argument(
-        "--order",
-        choices=("arrival", "sorted"),
-        default="arrival",
-        help="arrival: shuffled (default); sorted: equal system prompts back to back, the order "
-        "transformers' generate_batch runs them in",
-    )
-
-
-def run_shared_prompt(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
-    return _run(args, opts, "shared-prompt")
-
-
-def run_multi_turn(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
-    return _run(args, opts, "multi-turn")
-
-
-def run_pressure(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
-    if not 0.0 < args.capacity_fraction < 1.0:
+def run_kind(kind: str, args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
+    if kind == "pressure" and not 0.0 < args.capacity_fraction < 1.0:
         raise UserError(f"--capacity-fraction must be in (0, 1), got {args.capacity_fraction}")
-    return _run(args, opts, "pressure")
-
-
-def _run(args: argparse.Namespace, opts: BenchOptions, kind: str) -> list[Report]:
     model, tokenizer = fixtures.load_model(args.model)
     return [bench_workload(model, tokenizer, kind, vars(args), opts)]
 
 
 def make_workload(kind: str, sizes: dict, vocab: int) -> Workload:
     if kind == "multi-turn":
-        return multi_turn(
-            sizes["conversations"],
-            sizes["turns"],
-            sizes["system"],
-            sizes["user"],
-            sizes["output"],
-            vocab,
-            sizes["systems"],
-            sizes["seed"],
-        )
-    w = shared_prompt(
-        sizes["groups"],
-        sizes["prompts_per_group"],
-        sizes["system"],
-        sizes["question"],
-        sizes["output"],
-        vocab,
-        sizes["seed"],
-        sizes.get("order", "arrival"),
-        sizes.get("zipf", 0.0),
-    )
+        shape = [sizes[k] for k in ("conversations", "turns", "system", "user", "output")]
+        return multi_turn(*shape, vocab, sizes["systems"], sizes["seed"])
+    shape = [sizes[k] for k in ("groups", "prompts_per_group", "system", "question", "output")]
+    w = shared_prompt(*shape, vocab, sizes["seed"], sizes.get("order", "arrival"), sizes.get("zipf", 0.0))
     if kind == "pressure":
         w.name = "pressure"
     return w
+
+
+@dataclass(slots=True)
+class Plan:
+    """The ideal a workload is held to and the cache sizes every server gets for it."""
+
+    hits: list[int]  # the ideal's hits, request by request
+    ideals: dict[str, float]  # hit-rate lines, the one the checks divide by first
+    capacity: int  # kvblocks' pool, in tokens
+    prefixes: int | None  # system prompt caches the deepcopy recipe keeps (None: all)
+    notes: list[str]  # what the ideal is, first in the report's notes
+
+
+def plan_unbounded(kind: str, w: Workload, sizes: dict) -> Plan:
+    """An unbounded cache: the ideal hits everything computed before; every cache holds it all."""
+    lengths, hits = w.prompt_lengths(), unbounded_ideal(w)
+    rate = sum(hits) / sum(lengths)
+    capacity = math.ceil(1.25 * computed_tokens(w, hits)) + max(lengths) + w.max_new_tokens
+    if kind == "shared-prompt":
+        s, q, p = sizes["system"], sizes["question"], sizes["prompts_per_group"]
+        formula = s * (p - 1) / (p * (s + q))
+        assert abs(formula - rate) < 1e-12, (formula, rate)
+        note = f"ideal hit rate S(P-1)/(P(S+Q)) = {formula:.4f} (unbounded cache)"
+    else:
+        note = (
+            f"ideal hit rate = history already computed / prompt tokens = {rate:.4f}: a turn hits the previous "
+            "prompt and all but the last token of the reply (that one is sampled, never fed back); a "
+            "conversation's first turn hits the system prompt once any conversation has computed it"
+        )
+    return Plan(hits, {"ideal": rate}, capacity, None, [note])
+
+
+def plan_pressure(w: Workload, sizes: dict) -> Plan:
+    """A cache for a fraction of the system prompts: the ideal is the offline optimum at that size."""
+    lengths = w.prompt_lengths()
+    rate = sum(unbounded_ideal(w)) / sum(lengths)
+    system_tokens = sum(len(s) for s in w.systems)
+    capacity = max(1, int(sizes["capacity_fraction"] * system_tokens))
+    hits = offline_optimal(w, capacity)
+    optimum = sum(hits) / sum(lengths)
+    lru = sum(lru_whole_prefixes(w, capacity)) / sum(lengths)
+    prefixes = max(1, capacity // max(len(s) for s in w.systems))
+    notes = [
+        f"capacity {capacity:,} tokens = {sizes['capacity_fraction']} x {system_tokens:,} system prompt tokens "
+        f"({len(w.systems)} prompts of {len(w.systems[0])}); kvblocks' pool has exactly that; the deepcopy "
+        f"recipe keeps the {prefixes} most recently used system caches; CB gets that many tokens of pages "
+        "plus one request's pages (its running request lives in the same cache)",
+        f"ideal = offline optimum for this capacity (Belady's MIN with bypass over system prompt tokens: keep "
+        f"the prompts needed soonest), hit rate {optimum:.4f}; unbounded ideal "
+        f"{rate:.4f}; an LRU cache of whole system prompts would get {lru:.4f}",
+    ]
+    ideals = {"offline optimal, same capacity": optimum, "unbounded ideal": rate}
+    return Plan(hits, ideals, capacity, prefixes, notes)
 
 
 def bench_workload(model, tokenizer, kind: str, sizes: dict, opts: BenchOptions) -> WorkloadReport:
@@ -891,86 +899,30 @@ def bench_workload(model, tokenizer, kind: str, sizes: dict, opts: BenchOptions)
     from kvblocks.generate.generator import context_length
 
     w = make_workload(kind, sizes, model.config.vocab_size)
-    lengths = w.prompt_lengths()
-    longest = max(lengths) + w.max_new_tokens
+    longest = max(w.prompt_lengths()) + w.max_new_tokens
     limit = context_length(model.config)
     if limit is not None and longest > limit:
         raise UserError(f"the longest request needs {longest} tokens; the model's context is {limit}")
-    unbounded = unbounded_ideal(w)
-    rate = sum(unbounded) / sum(lengths)
+    plan = plan_pressure(w, sizes) if kind == "pressure" else plan_unbounded(kind, w, sizes)
     page = sizes["cb_page_size"]
-    request_pages = math.ceil(longest / page) + 1
-    bounded = kind == "pressure"
-    if bounded:
-        system_tokens = sum(len(s) for s in w.systems)
-        capacity = max(1, int(sizes["capacity_fraction"] * system_tokens))
-        plan = offline_optimal(w, capacity)
-        ideals = {
-            "offline optimal, same capacity": sum(plan) / sum(lengths),
-            "unbounded ideal": rate,
-        }
-        lru = lru_whole_prefixes(w, capacity)
-        prefixes = max(1, capacity // max(len(s) for s in w.systems))
-        blocks = math.ceil(capacity / page) + request_pages
-    else:
-        plan, ideals = unbounded, {"ideal": rate}
-        capacity = math.ceil(1.25 * computed_tokens(w, unbounded)) + longest
-        prefixes = None
-        blocks = math.ceil(capacity / page) + request_pages
+    blocks = math.ceil(plan.capacity / page) + math.ceil(longest / page) + 1
     cb = BatchingConfig(page, sizes.get("cb_blocks") or blocks, sizes["cb_max_batch_tokens"])
     policy = sizes.get("eviction", "gdsf")
     others = tuple(p for p in sizes.get("also_eviction") or () if p != policy)
-    setup = Setup(plan, capacity, prefixes, cb, frozenset(sizes.get("skip") or ()), policy, others)
+    skip = frozenset(sizes.get("skip") or ())
+    setup = Setup(plan.hits, plan.capacity, plan.prefixes, cb, skip, policy, others)
     lanes, batch = run_workload(model, tokenizer, w, setup, opts)
     kv = lanes["kvblocks"].server
     token_bytes = kv.trie.token_bytes if isinstance(kv, Kvblocks) and kv.trie is not None else 0
-    params = _params(kind, sizes, model, opts, len(w.turns), capacity)
-    report = build_report(w, lanes, batch, ideals, params, bounded, token_bytes)
-    report.notes = common_notes(opts, setup, w, lanes, batch)
-    if kind == "shared-prompt":
-        s, q, p = sizes["system"], sizes["question"], sizes["prompts_per_group"]
-        formula = s * (p - 1) / (p * (s + q))
-        assert abs(formula - rate) < 1e-12, (formula, rate)
-        report.notes.insert(0, f"ideal hit rate S(P-1)/(P(S+Q)) = {formula:.4f} (unbounded cache)")
-    elif kind == "multi-turn":
-        report.notes.insert(
-            0,
-            f"ideal hit rate = history already computed / prompt tokens = {rate:.4f}: a turn hits the previous "
-            "prompt and all but the last token of the reply (that one is sampled, never fed back); a "
-            "conversation's first turn hits the system prompt once any conversation has computed it",
-        )
-    else:
-        report.notes[0:0] = [
-            f"capacity {capacity:,} tokens = {sizes['capacity_fraction']} x {system_tokens:,} system prompt tokens "
-            f"({len(w.systems)} prompts of {len(w.systems[0])}); kvblocks' pool has exactly that; the deepcopy "
-            f"recipe keeps the {prefixes} most recently used system caches; CB gets that many tokens of pages "
-            "plus one request's pages (its running request lives in the same cache)",
-            f"ideal = offline optimum for this capacity (Belady's MIN with bypass over system prompt tokens: keep "
-            f"the prompts needed soonest), hit rate {ideals['offline optimal, same capacity']:.4f}; unbounded ideal "
-            f"{rate:.4f}; an LRU cache of whole system prompts would get {sum(lru) / sum(lengths):.4f}",
-        ]
+    params = _params(kind, sizes, model, opts, len(w.turns), plan.capacity)
+    report = build_report(lanes, batch, plan.ideals, params, kind == "pressure", token_bytes)
+    report.notes = [*plan.notes, *common_notes(opts, setup, w, lanes, batch)]
     return report
 
 
 def _params(kind: str, sizes: dict, model, opts: BenchOptions, requests: int, capacity: int) -> dict:
-    keys = {
-        "shared-prompt": ("groups", "prompts_per_group", "system", "question", "output", "order", "eviction"),
-        "pressure": (
-            "groups",
-            "prompts_per_group",
-            "system",
-            "question",
-            "output",
-            "order",
-            "capacity_fraction",
-            "zipf",
-            "eviction",
-        ),
-        "multi-turn": ("conversations", "turns", "systems", "system", "user", "output", "eviction"),
-    }[kind]
-    name = getattr(model.config, "name_or_path", "") or model.config.model_type
     return (
-        {"workload": kind, "model": name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
-        | {k: sizes[k] for k in keys}
+        {"workload": kind, **fixtures.model_params(model)}
+        | {k: sizes[k] for k in SUITES[kind].params}
         | {"requests": requests, "capacity_tokens": capacity, "seed": sizes["seed"], "clock": opts.clock}
     )

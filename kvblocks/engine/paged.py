@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from kvblocks.cache.pool import KVPool
 
 NAME = "kvblocks_paged"
+ATTENTION_RANGE = "kvblocks.attention"  # the profiler range around every call of `paged_attention`
 # Model types whose packed forward is tested equal to one request at a time (tests/test_paged.py).
 SUPPORTED = frozenset(
     {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "opt"}
@@ -61,6 +62,13 @@ MIN_ROWS = 4  # fewest rows a linear layer runs on in batch-invariant forwards
 # In grouped mode, segments of at most this many new tokens (decodes, draft/verify rounds) share one
 # attention call per layer; longer ones (prefill chunks) have enough work to run alone.
 GROUP_MAX_TOKENS = 16
+# Cascade attention (the CPU default): a segment's keys are cut where its leading run of consecutive
+# slots ends (before its new tokens), when the run has at least `CASCADE_MIN_RUN` slots; segments cut
+# at the same slots (a prefix the trie stored once) attend that run together in one matrix product.
+CASCADE_MIN_RUN = 32
+# Segments' own keys (after their cut) are read side by side in parts of at most this many keys
+# (a part's matrix product computes every row against every key of the part, then masks).
+OWN_PART_KEYS = 512
 
 _install_lock = threading.Lock()
 _wrapped: dict[str, str] = {}  # dispatcher name -> the implementation it falls back to
@@ -86,7 +94,12 @@ class PagedBatch:
     """The layout of one packed forward, built once and read by every layer."""
 
     def __init__(
-        self, pool: KVPool, segments: Sequence[Segment], align: int = 1, grouped: bool = False
+        self,
+        pool: KVPool,
+        segments: Sequence[Segment],
+        align: int = 1,
+        grouped: bool = False,
+        cascade_min: int | None = None,
     ) -> None:
         if not segments:
             raise ValueError("a packed forward needs at least one segment")
@@ -120,6 +133,7 @@ class PagedBatch:
         self.grouped = short if grouped and len(short) > 1 else []  # segments read in one call per layer
         self.alone = sorted(set(range(len(segments))) - set(self.grouped))
         self._groups: dict[int | None, Group] = {}
+        self.cascade = None if cascade_min is None else Cascade.plan(self, cascade_min)
 
     def views(self, window: int | None) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
         """Per segment, the slots its new tokens read and a boolean `[new, read]` mask: causal, and on
@@ -151,29 +165,7 @@ class PagedBatch:
         if window not in self._groups:
             members = [(self.bounds[i], self._slots[i], self._starts[i]) for i in self.grouped]
             firsts = [0 if window is None else max(0, start - window + 1) for _, _, start in members]
-            width = max(b - a for (a, b), _, _ in members)
-            length = max(len(slots) - first for (_, slots, _), first in zip(members, firsts))
-            rows = np.zeros((len(members), width), dtype=np.int64)
-            reads = np.zeros((len(members), length), dtype=np.int64)
-            mask = np.zeros((len(members), 1, width, length), dtype=bool)
-            flat = []
-            for m, (((a, b), slots, start), first) in enumerate(zip(members, firsts)):
-                n, read = b - a, len(slots) - first
-                rows[m, :n], rows[m, n:] = np.arange(a, b), b - 1
-                reads[m, :read], reads[m, read:] = slots[first:], slots[-1]
-                q = np.arange(start, len(slots))[:, None]
-                k = np.arange(first, len(slots))[None, :]
-                mask[m, 0, :n, :read] = (k <= q) & (True if window is None else k > q - window)
-                mask[m, 0, n:, 0] = True  # padding rows attend to one key (no all-masked row: NaN)
-                flat += range(m * width, m * width + n)
-            device = self.pool.device
-            self._groups[window] = Group(
-                torch.from_numpy(rows).to(device),
-                torch.from_numpy(reads).to(device),
-                torch.from_numpy(mask).to(device),
-                torch.from_numpy(rows.reshape(-1)[flat]).to(device),
-                torch.tensor(flat, dtype=torch.long, device=device),
-            )
+            self._groups[window] = Group.pad(members, firsts, window, self.pool.device)
         return self._groups[window]
 
 
@@ -189,6 +181,122 @@ class Group:
     out: torch.Tensor
     flat: torch.Tensor
 
+    @classmethod
+    def pad(
+        cls,
+        members: Sequence[tuple[tuple[int, int], np.ndarray, int]],
+        firsts: Sequence[int],
+        window: int | None,
+        device: torch.device,
+    ) -> Group:
+        """Members are (packed rows, slots, start); each reads its keys from position `first` on."""
+        width = max(b - a for (a, b), _, _ in members)
+        length = max(len(slots) - first for (_, slots, _), first in zip(members, firsts))
+        rows = np.zeros((len(members), width), dtype=np.int64)
+        reads = np.zeros((len(members), length), dtype=np.int64)
+        mask = np.zeros((len(members), 1, width, length), dtype=bool)
+        flat = []
+        for m, (((a, b), slots, start), first) in enumerate(zip(members, firsts)):
+            n, read = b - a, len(slots) - first
+            rows[m, :n], rows[m, n:] = np.arange(a, b), b - 1
+            reads[m, :read], reads[m, read:] = slots[first:], slots[-1]
+            q = np.arange(start, len(slots))[:, None]
+            k = np.arange(first, len(slots))[None, :]
+            mask[m, 0, :n, :read] = (k <= q) & (True if window is None else k > q - window)
+            mask[m, 0, n:, 0] = True  # padding rows attend to one key (no all-masked row: NaN)
+            flat += range(m * width, m * width + n)
+        return cls(
+            torch.from_numpy(rows).to(device),
+            torch.from_numpy(reads).to(device),
+            torch.from_numpy(mask).to(device),
+            torch.from_numpy(rows.reshape(-1)[flat]).to(device),
+            torch.tensor(flat, dtype=torch.long, device=device),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Query `rows` of the packed sequence attending one set of `keys`: a slice of pool slots (a
+    shared run, read in place) or an index (the own keys of several segments, gathered), with an
+    additive `bias` `[rows, keys]` (0 or -inf) where rows may not see every key."""
+
+    keys: slice | torch.Tensor
+    rows: slice | torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cascade:
+    """The plan of a cascade forward on layers without a window. Every segment's keys are cut at a
+    point that depends on its own slot list only (the end of its leading run of consecutive slots, before
+    its first new token, if at least `cascade_min` long), so the cut is the same alone or in any batch,
+    and requests that share a prefix the trie stored in one piece are cut at the same slots. `runs` are the
+    shared parts: every segment cut at the same slots attends them in one matrix product. `own` are
+    the rest of each segment's keys: consecutive segments gathered into one part of at most
+    `OWN_PART_KEYS` keys, each row masked to its own segment's keys (causally). A row's two results
+    are merged exactly by log-sum-exp."""
+
+    runs: list[Part]
+    own: list[Part]
+
+    @classmethod
+    def plan(cls, batch: PagedBatch, cascade_min: int) -> Cascade:
+        device = batch.pool.device
+        cuts = [_leading_run(slots, start, cascade_min) for slots, start in zip(batch._slots, batch._starts)]
+        by_run: dict[tuple[int, int], list[int]] = {}
+        for i, n in enumerate(cuts):
+            if n:
+                by_run.setdefault((int(batch._slots[i][0]), n), []).append(i)
+        runs = [
+            Part(slice(first, first + n), _rows(batch, members, device))
+            for (first, n), members in by_run.items()
+        ]
+        own, members, keys = [], [], 0
+        for i, cut in enumerate(cuts):
+            size = len(batch._slots[i]) - cut
+            if members and keys + size > OWN_PART_KEYS:
+                own.append(_own_part(batch, members, cuts, device))
+                members, keys = [], 0
+            members.append(i)
+            keys += size
+        own.append(_own_part(batch, members, cuts, device))
+        return cls(runs, own)
+
+
+def _rows(batch: PagedBatch, members: Sequence[int], device: torch.device) -> torch.Tensor | slice:
+    """The members' rows of the packed sequence: a slice when they are consecutive (a view)."""
+    rows = [r for i in members for r in range(*batch.bounds[i])]
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, device=device)
+
+
+def _own_part(batch: PagedBatch, members: Sequence[int], cuts: Sequence[int], device: torch.device) -> Part:
+    """The keys of `members` after their cuts, gathered side by side; a row sees its own segment's
+    keys up to its position."""
+    rows = sum(batch.bounds[i][1] - batch.bounds[i][0] for i in members)
+    keys = sum(len(batch._slots[i]) - cuts[i] for i in members)
+    allowed = np.zeros((rows, keys), dtype=bool)
+    row = key = 0
+    for i in members:
+        slots, start = batch._slots[i], batch._starts[i]
+        q = np.arange(start, len(slots))[:, None]
+        k = np.arange(cuts[i], len(slots))[None, :]
+        allowed[row : row + len(q), key : key + k.shape[1]] = k <= q
+        row, key = row + len(q), key + k.shape[1]
+    reads = np.concatenate([batch._slots[i][cuts[i] :] for i in members])
+    bias = torch.zeros(allowed.shape).masked_fill_(torch.from_numpy(~allowed), float("-inf"))
+    return Part(batch.pool.index(reads), _rows(batch, members, device), bias.to(device))
+
+
+def _leading_run(slots: np.ndarray, start: int, minimum: int) -> int:
+    """Where cascade attention cuts a segment's keys: the end of the run of consecutive slots from
+    `slots[0]`, at most `start`; 0 (no shared part) when that is shorter than `minimum`."""
+    head = slots[:start].astype(np.int64)
+    breaks = np.flatnonzero(np.diff(head) != 1)
+    run = int(breaks[0]) + 1 if len(breaks) else len(head)
+    return run if run >= minimum else 0
+
 
 def _reader(pool: KVPool, slots: np.ndarray) -> torch.Tensor | slice:
     """How attention reads `slots` from a pool layer: a slice (a view, nothing copied) when they are
@@ -198,7 +306,15 @@ def _reader(pool: KVPool, slots: np.ndarray) -> torch.Tensor | slice:
     return pool.index(slots)
 
 
-def paged_attention(
+def paged_attention(*args, **kwargs):
+    """The attention interface's signature: `query [1, Hq, T, D]`, `key/value [1, Hkv, T, D]` of the
+    packed new tokens (rotary applied). Returns `([1, T, Hq, D], None)`. Runs inside a profiler range
+    named `ATTENTION_RANGE`, so a profile can tell attention from the rest of a step."""
+    with torch.profiler.record_function(ATTENTION_RANGE):
+        return _paged_attention(*args, **kwargs)
+
+
+def _paged_attention(
     module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -210,8 +326,6 @@ def paged_attention(
     softcap: float | None = None,
     **kwargs,
 ):
-    """The attention interface's signature: `query [1, Hq, T, D]`, `key/value [1, Hkv, T, D]` of the
-    packed new tokens (rotary applied). Returns `([1, T, Hq, D], None)`."""
     batch: PagedBatch | None = kwargs.pop(NAME, None)
     if batch is None:  # an ordinary forward: the model's own implementation, same arguments
         if sliding_window is not None:
@@ -234,6 +348,8 @@ def paged_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     groups = query.shape[1] // key.shape[1]
     out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
+    if batch.cascade is not None and sliding_window is None and softcap is None:
+        return _cascade_attention(pool.layers[layer], query, batch, scale, groups)[None], None
     if batch.grouped and softcap is None:
         group = batch.group(sliding_window)
         out[group.out] = _grouped_attention(pool.layers[layer], query, group, scale, groups)
@@ -280,6 +396,67 @@ def _grouped_attention(
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     o = o.reshape(g, heads, width, dim).transpose(1, 2).reshape(g * width, heads, dim)
     return o[group.flat]
+
+
+def _cascade_attention(
+    pool_layer: torch.Tensor, query: torch.Tensor, batch: PagedBatch, scale: float, groups: int
+) -> torch.Tensor:
+    """`[T, Hq, D]`: each row attends its own keys, then its shared run's, merged by log-sum-exp."""
+    plan = batch.cascade
+    tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
+    out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(tokens, heads, dtype=query.dtype, device=query.device)
+    for part in plan.own:
+        out[part.rows], lse[part.rows] = _part_attention(pool_layer, query, part, scale, groups)
+    for part in plan.runs:
+        o, sums = _part_attention(pool_layer, query, part, scale, groups)
+        out[part.rows], lse[part.rows] = _merge(out[part.rows], lse[part.rows], o, sums)
+    return out
+
+
+def _part_attention(
+    pool_layer: torch.Tensor, query: torch.Tensor, part: Part, scale: float, groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One part's attention with each row's log-sum-exp: `([R, Hq, D], [R, Hq])`. The query heads
+    that share a K/V head are stacked along the rows, so each K/V head is one matrix product and no
+    K/V is repeated; a run's keys are a view of the pool (the transposes are strides, not copies)."""
+    kv = pool_layer[part.keys] if isinstance(part.keys, slice) else pool_layer.index_select(0, part.keys)
+    kv = kv.to(query.dtype)  # [L, 2, Hkv, D]
+    q = query[0][:, part.rows]  # [Hq, R, D]
+    heads, rows, dim = q.shape
+    kv_heads = kv.shape[2]
+    bias = None if part.bias is None else part.bias.to(query.dtype).repeat(groups, 1)
+    o, sums = _attend(
+        q.reshape(kv_heads, groups * rows, dim),
+        kv[:, 0].permute(1, 2, 0),
+        kv[:, 1].transpose(0, 1),
+        scale,
+        bias,
+    )
+    return o.reshape(heads, rows, dim).transpose(0, 1), sums.reshape(heads, rows).transpose(0, 1)
+
+
+def _attend(
+    q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention `q [..., R, D]` over `k_t [..., D, L]` and `v [..., L, D]` (an additive
+    `bias [R, L]` masks with -inf); returns the output and each row's log-sum-exp of the scores."""
+    q = q * scale  # R x D multiplications instead of R x L
+    scores = torch.matmul(q, k_t) if bias is None else torch.baddbmm(bias.expand(q.shape[0], -1, -1), q, k_t)
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = scores.sub_(top).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    return torch.matmul(weights, v).div_(total), (top + total.log()).squeeze(-1)
+
+
+def _merge(
+    o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two disjoint key sets from each set's output and log-sum-exp."""
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
+    total = w1 + w2
+    return (o1 * w1[..., None] + o2 * w2[..., None]) / total[..., None], top + total.log()
 
 
 def _fallback(module):
@@ -359,6 +536,8 @@ class PagedRunner:
         chunk: int = 1,
         scratch: np.ndarray | None = None,
         grouped: bool | None = None,
+        cascade: bool | None = None,
+        cascade_min: int = CASCADE_MIN_RUN,
     ) -> None:
         install(model)
         if invariant and pool.device.type != "cpu":
@@ -380,6 +559,13 @@ class PagedRunner:
         self.grouped = pool.device.type == "cuda" and not invariant if grouped is None else grouped
         if self.grouped and invariant:
             raise ValueError("grouped attention calls are not batch-invariant")
+        # cascade attention: the default on CPU; not in invariant mode (padded calls' key lengths and
+        # a shared run's row count depend on the batch); on CUDA the grouped path stays the default
+        # until cascade is measured there
+        self.cascade = (not self.grouped and not invariant) if cascade is None else cascade
+        if self.cascade and (invariant or self.grouped):
+            raise ValueError("cascade attention is neither batch-invariant nor combined with grouped calls")
+        self.cascade_min = cascade_min
         self.scratch = np.zeros(0, dtype=np.int32)  # slots of the padding rows' K/V
         if invariant:
             self.scratch = pool.alloc(MIN_ROWS - 1) if scratch is None else scratch
@@ -395,7 +581,13 @@ class PagedRunner:
         pad = MIN_ROWS - sum(s.keep for s in segments) if self.invariant else 0
         if pad > 0:  # rows of token 0 in scratch slots: every matrix product gets MIN_ROWS rows or more
             segments = [*segments, Segment([0] * pad, self.scratch[:pad], keep=pad)]
-        batch = PagedBatch(self.pool, segments, self.chunk if self.invariant else 1, self.grouped)
+        batch = PagedBatch(
+            self.pool,
+            segments,
+            self.chunk if self.invariant else 1,
+            self.grouped,
+            self.cascade_min if self.cascade else None,
+        )
         with self.lock:
             out = self.model(
                 input_ids=batch.input_ids,

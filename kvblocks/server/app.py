@@ -15,13 +15,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from kvblocks.engine.loop import Engine
 from kvblocks.generate import grammar, tools
-from kvblocks.server import cache_routes, openai_routes, responses_routes, worker_routes
+from kvblocks.server import cache_routes, openai_routes, openapi, responses_routes, worker_routes
 from kvblocks.server.bounds import char_limit
 from kvblocks.server.errors import APIError, validation_error
-from kvblocks.server.guard import GuardConfig, RequestGuard
+from kvblocks.server.guard import GuardConfig, RequestGuard, error_response
 from kvblocks.server.state import Served, ServerConfig
 from kvblocks.telemetry import tracing
 from kvblocks.telemetry.history import History, sample_of
@@ -53,13 +54,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.served = served
-    app.include_router(openai_routes.router)
-    app.include_router(responses_routes.router)
-    app.include_router(cache_routes.router)
-    app.include_router(worker_routes.router)
+    routers = [openai_routes.router, responses_routes.router, cache_routes.router, worker_routes.router]
+    for router in routers:
+        app.include_router(router)
+    app.state.routes = [route for router in routers for route in router.routes]  # for `Allow` on 405s
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    openapi.install(app, keyed=config.keys is not None, model_name=config.model_name)
     guard = GuardConfig(config.keys, config.max_body_bytes, config.read_timeout_s, served.admission)
     app.add_middleware(RequestGuard, config=guard)
     return app
@@ -87,8 +89,22 @@ async def invalid_request(_: Request, exc: RequestValidationError):
     return validation_error(exc.errors()).response()
 
 
-async def http_error(_: Request, exc: StarletteHTTPException):
-    return APIError(exc.status_code, str(exc.detail)).response()
+async def http_error(request: Request, exc: StarletteHTTPException):
+    headers = exc.headers
+    if exc.status_code == 405:
+        allowed = allowed_methods(request)
+        headers = {**(headers or {}), "Allow": ", ".join(sorted(allowed))}
+    return error_response(exc.status_code, str(exc.detail), headers=headers)
+
+
+def allowed_methods(request: Request) -> set[str]:
+    """Every method some route serves at the request's path: Starlette's own `Allow` names only the
+    first matching route's (GET but not DELETE on /v1/responses/{id})."""
+    methods: set[str] = set()
+    for route in request.app.state.routes:
+        if route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route.methods
+    return methods
 
 
 def warm_up(served: Served) -> None:

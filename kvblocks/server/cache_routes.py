@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from kvblocks.cache.explain import explain
@@ -22,6 +22,7 @@ from kvblocks.generate.params import GenerationParams
 from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.guard import error_response
+from kvblocks.server.openapi import answers, json_body
 from kvblocks.server.schemas import ExplainRequest
 from kvblocks.server.state import Served, caller, require_engine_view, scope_of, served
 from kvblocks.telemetry.history import tenant_view
@@ -34,7 +35,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 HEALTH_PROMPT = "ping"
 
 
-@router.get("/health")
+@router.get("/health", responses=answers(503))
 async def health(request: Request):
     """200 while the server takes work; 503 with the reason while it drains or its engine cannot
     serve, so routers and orchestrators move traffic away."""
@@ -45,7 +46,7 @@ async def health(request: Request):
     return {"status": "ok", "model": s.config.model_name}
 
 
-@router.get("/health_generate")
+@router.get("/health_generate", responses=answers(503))
 async def health_generate(request: Request):
     """SGLang's deep check: one token generated through the engine within a time limit. Public, so
     one probe runs at a time and callers within a second of it share its answer: a flood of
@@ -112,7 +113,7 @@ async def generate_one(s: Served) -> str | None:
     return None
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses=answers(403))
 async def metrics(request: Request):
     require_engine_view(request)
     s = served(request)
@@ -136,7 +137,7 @@ async def cache_stats(request: Request):
     }
 
 
-@router.get("/v1/cache/history")
+@router.get("/v1/cache/history", responses=answers(400))
 async def cache_history(request: Request, since: Annotated[float, Query(gt=0)] = 3600.0):
     """Samples of the last `since` seconds, oldest first; a tenant's key gets its own counters only."""
     s, who = served(request), caller(request)
@@ -146,7 +147,7 @@ async def cache_history(request: Request, since: Annotated[float, Query(gt=0)] =
     return {"model": s.config.model_name, "interval_s": s.history.interval_s, "samples": samples}
 
 
-@router.get("/v1/cache/prefixes")
+@router.get("/v1/cache/prefixes", responses=answers(400))
 async def cache_prefixes(
     request: Request,
     limit: Annotated[int, Query(ge=1, le=1000)] = 10,
@@ -168,7 +169,7 @@ async def cache_prefixes(
     return Response(await run_in_threadpool(listing), media_type="application/json")
 
 
-@router.post("/v1/cache/explain")
+@router.post("/v1/cache/explain", openapi_extra=json_body(ExplainRequest), responses=answers(400))
 async def cache_explain(request: Request):
     s = served(request)
     body = await parse_request(request, ExplainRequest, s.config.lenient)

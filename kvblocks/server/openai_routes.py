@@ -27,6 +27,7 @@ from kvblocks.generate.params import GenerationParams, ParamError
 from kvblocks.generate.sampling import TokenLogprob
 from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
+from kvblocks.server.openapi import answers, json_body
 from kvblocks.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvblocks.server.state import Served, scope_of, served
 
@@ -39,14 +40,18 @@ async def list_models(request: Request):
     return {"object": "list", "data": [model_card(served(request))]}
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", responses=answers(404))
 async def get_model(model_id: str, request: Request):
     s = served(request)
     check_model(s, model_id)
     return model_card(s)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    openapi_extra=json_body(ChatCompletionRequest),
+    responses=answers(400, 404, 429, 500, stream=True),
+)
 async def chat_completions(request: Request):
     s = served(request)
     body = await parse_request(request, ChatCompletionRequest, s.config.lenient)
@@ -67,7 +72,11 @@ async def chat_completions(request: Request):
     return call.response(s, [chat_choice(s, call, b, r) for b, r in zip(branches, results)], results)
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    openapi_extra=json_body(CompletionRequest),
+    responses=answers(400, 404, 429, 500, stream=True),
+)
 async def completions(request: Request):
     s = served(request)
     body = await parse_request(request, CompletionRequest, s.config.lenient)

@@ -44,6 +44,7 @@ from kvblocks.server.openai_routes import (
     submit_all,
     usage,
 )
+from kvblocks.server.openapi import answers, json_body
 from kvblocks.server.schemas import (
     RESPONSES_ACCEPTED_DEFAULTS,
     RESPONSES_REFUSED,
@@ -117,7 +118,11 @@ def store_of(request: Request) -> ResponseStore:
 # ---- routes ----------------------------------------------------------------------------------
 
 
-@router.post("/v1/responses")
+@router.post(
+    "/v1/responses",
+    openapi_extra=json_body(ResponsesRequest),
+    responses=answers(400, 404, 429, 500, stream=True),
+)
 async def create_response(request: Request):
     s = served(request)
     body = await parse_request(
@@ -151,12 +156,12 @@ async def create_response(request: Request):
     return finish(s, call, branch, result, body, conversation)
 
 
-@router.get("/v1/responses/{response_id}")
+@router.get("/v1/responses/{response_id}", responses=answers(404))
 async def get_response(response_id: str, request: Request):
     return store_of(request).get(scope_of(request, None).tenant, response_id).response
 
 
-@router.delete("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}", responses=answers(404))
 async def delete_response(response_id: str, request: Request):
     store_of(request).delete(scope_of(request, None).tenant, response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}

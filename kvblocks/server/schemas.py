@@ -59,7 +59,10 @@ MAX_N = 16
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False)
+    """Strict: a value of the wrong JSON type is a 400, never coerced ("1" is not an integer, 1 is
+    not a boolean), so the published schema is the whole truth about what is accepted."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class CacheControl(_Model):

@@ -29,6 +29,7 @@ from kvblocks.server.openai_routes import (
     encode_prompts,
     sampling,
 )
+from kvblocks.server.openapi import answers, json_body
 from kvblocks.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
 from kvblocks.server.state import Served, caller, require_engine_view, served
 
@@ -36,7 +37,7 @@ router = APIRouter()
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as schemas._Model: no coercion
 
 
 class TokenizeRequest(_Body):
@@ -68,8 +69,8 @@ class DetokenizeRequest(_Body):
 # ---- registration and load --------------------------------------------------------------------
 
 
-@router.get("/server_info")
-@router.get("/get_server_info")
+@router.get("/server_info", responses=answers(403))
+@router.get("/get_server_info", responses=answers(403))
 async def server_info(request: Request):
     """sglang's server info: the model's identity plus the limits a router may schedule by."""
     require_engine_view(request)
@@ -115,7 +116,7 @@ def identity(s: Served) -> dict:
     }
 
 
-@router.get("/get_load")
+@router.get("/get_load", responses=answers(403))
 async def get_load(request: Request):
     """sglang's load report, one entry per data-parallel rank (here one): requests running and
     waiting, and the tokens they hold (prompt plus generated so far)."""
@@ -132,7 +133,7 @@ async def get_load(request: Request):
     ]
 
 
-@router.post("/flush_cache")
+@router.post("/flush_cache", responses=answers(400, 403, 503))
 async def flush_cache(request: Request, spill: bool = False):
     """Admin only. Empties the device cache except what running requests hold and what is pinned;
     with `?spill=true` also deletes every record under the Redis tier's key prefix, which every
@@ -167,7 +168,7 @@ async def flush_cache(request: Request, spill: bool = False):
 # ---- token ids --------------------------------------------------------------------------------
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=answers(400, 404))
 async def tokenize(request: Request):
     """vLLM's `/tokenize`. A prompt is encoded as `/v1/completions` encodes it and messages are
     rendered as `/v1/chat/completions` renders them, tools included, so a prompt those routes
@@ -211,7 +212,7 @@ def refuse_chat_options(body: TokenizeRequest) -> None:
         )
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), responses=answers(400, 404))
 async def detokenize(request: Request):
     s = served(request)
     body = await parse_request(request, DetokenizeRequest, s.config.lenient)
@@ -224,7 +225,9 @@ async def detokenize(request: Request):
     return {"prompt": await run_in_threadpool(s.gen.tokenizer.decode, body.tokens)}
 
 
-@router.post("/v1/chat/completions/render")
+@router.post(
+    "/v1/chat/completions/render", openapi_extra=json_body(ChatCompletionRequest), responses=answers(400, 404)
+)
 async def render_chat(request: Request):
     """vLLM's render: the request as the token ids `/v1/chat/completions` would prefill for it,
     refused with the same 4xx that route would give."""
@@ -237,7 +240,9 @@ async def render_chat(request: Request):
     return generate_request(s, plan.ids, params, body)
 
 
-@router.post("/v1/completions/render")
+@router.post(
+    "/v1/completions/render", openapi_extra=json_body(CompletionRequest), responses=answers(400, 404)
+)
 async def render_completion(request: Request):
     """vLLM's render of a completion request: one entry per prompt."""
     s = served(request)

@@ -18,6 +18,7 @@ import numpy as np
 from kvblocks.bench.harness import (
     BenchOptions,
     Check,
+    Option,
     Report,
     add_suite,
     positive_int,
@@ -26,17 +27,20 @@ from kvblocks.bench.harness import (
 PREFIXES = "/v1/cache/prefixes?limit=1000&tree=true&max_nodes=5000"
 
 
+OPTIONS = (
+    Option("--nodes", positive_int, 100_000, "trie nodes to build (default 100000)"),
+    Option("--probes", positive_int, 400, "/health requests per phase (default 400)"),
+)
+
+
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
+    add_suite(
         suites,
         "inspection",
         run,
         help="/health latency while /v1/cache/prefixes lists a 100k-node trie",
         description="Server responsiveness while the cache inspection endpoints work on a large trie.",
-    )
-    p.add_argument("--nodes", type=positive_int, default=100_000, help="trie nodes to build (default 100000)")
-    p.add_argument(
-        "--probes", type=positive_int, default=400, help="/health requests per phase (default 400)"
+        options=OPTIONS,
     )
 
 

@@ -1,0 +1,138 @@
+"""Where a forward's time goes, and how close it runs to the machine's matrix-product peak.
+
+`profile_step` runs a step once under the PyTorch profiler and splits its CPU time into
+- attention: everything under `kvblocks.engine.paged`'s profiler range (gathers, matrix products,
+  softmax, merges: what "gather + attend" costs),
+- matmul: matrix products outside attention (the linear layers and the output head),
+- copies: copy, index, gather and concatenation kernels outside attention,
+- other kernels: every other operator's own time outside attention (norms, activations, rotary),
+- python/other: what no operator accounts for (the interpreter, module calls; in the profiled run
+  this also holds the profiler's own bookkeeping, so it is an upper bound).
+Shares come from the profiled run (wall clock, as the profiler times operators), applied to the
+median unprofiled step time (CPU clock).
+
+`matmul_peak` measures the FLOP/s of matrix products of the model's own shapes at 64 rows on the
+current thread count: the roofline a step's achieved FLOP/s is compared with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvblocks.engine.paged import ATTENTION_RANGE
+
+MATMUL_OPS = frozenset(
+    {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
+)
+COPY_OPS = frozenset(
+    {
+        "aten::copy_",
+        "aten::index",
+        "aten::index_select",
+        "aten::index_copy_",
+        "aten::index_put_",
+        "aten::_index_put_impl_",
+        "aten::cat",
+        "aten::clone",
+        "aten::contiguous",
+        "aten::_to_copy",
+        "aten::embedding",
+    }
+)
+CATEGORIES = ("attention", "matmul", "copies", "other kernels", "python/other")
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    seconds: float  # median CPU time of one unprofiled step
+    shares: dict[str, float]  # category -> share of the step (sums to 1)
+
+    def seconds_of(self, category: str) -> float:
+        return self.seconds * self.shares[category]
+
+
+def _in_attention(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == ATTENTION_RANGE:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def split_events(events) -> dict[str, float]:
+    """Operator self time (µs) per category, from a profiler's `events()`; the range itself is no
+    operator, and operators nested in other operators count once (their own time)."""
+    spent = dict.fromkeys(CATEGORIES[:-1], 0.0)
+    for e in events:
+        if e.name == ATTENTION_RANGE or not e.name.startswith("aten::"):
+            continue
+        if _in_attention(e):
+            spent["attention"] += e.self_cpu_time_total
+        elif e.name in MATMUL_OPS:
+            spent["matmul"] += e.self_cpu_time_total
+        elif e.name in COPY_OPS:
+            spent["copies"] += e.self_cpu_time_total
+        else:
+            spent["other kernels"] += e.self_cpu_time_total
+    return spent
+
+
+def profile_step(step: Callable[[], None], repeats: int = 5) -> StepProfile:
+    """Time `step` (CPU clock, median of `repeats` after one warm-up), then profile one more run."""
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        step()
+        times.append(time.process_time() - start)
+    seconds = sorted(times)[len(times) // 2]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()  # the profiler times operators by the wall clock too
+        step()
+        profiled = (time.perf_counter() - start) * 1e6
+    spent = split_events(prof.events())
+    total = max(profiled, sum(spent.values()))
+    shares = {name: value / total for name, value in spent.items()}
+    shares["python/other"] = max(0.0, 1.0 - sum(shares.values()))
+    return StepProfile(seconds, shares)
+
+
+def linear_shapes(model) -> list[tuple[int, int]]:
+    """(in, out) of every linear layer of the model, the output head included."""
+    return [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def step_flops(model, tokens: int, keys_read: int) -> float:
+    """FLOPs of a forward of `tokens` rows whose attention reads `keys_read` (query, key) pairs per
+    layer in total: 2 per weight per row in the linear layers, 4 per head dimension per pair."""
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    linear = sum(2 * i * o for i, o in linear_shapes(model)) * tokens
+    attention = 4 * heads * head_dim * keys_read * config.num_hidden_layers
+    return float(linear + attention)
+
+
+def matmul_peak(model, rows: int = 64, seconds: float = 1.0) -> float:
+    """FLOP/s of `rows`-row products with each distinct linear shape of the model (weights laid out
+    as `nn.Linear` keeps them), run one after another for about `seconds`."""
+    dtype = next(model.parameters()).dtype
+    shapes = sorted(set(linear_shapes(model)))
+    weights = [torch.randn(o, i, dtype=dtype) for i, o in shapes]
+    inputs = [torch.randn(rows, i, dtype=dtype) for i, _ in shapes]
+    flops_per_round = sum(2 * rows * i * o for i, o in shapes)
+    with torch.inference_mode():
+        for x, w in zip(inputs, weights):
+            torch.nn.functional.linear(x, w)
+        rounds, start = 0, time.process_time()
+        while time.process_time() - start < seconds:
+            for x, w in zip(inputs, weights):
+                torch.nn.functional.linear(x, w)
+            rounds += 1
+        elapsed = time.process_time() - start
+    return flops_per_round * rounds / elapsed
