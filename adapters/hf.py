@@ -16,6 +16,8 @@ one byte string laid out by a `StateLayout`) and writes it back into a fresh cac
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -356,3 +358,33 @@ def crop(cache: DynamicCache, length: int, *, state_restored: bool = False) -> N
             keep = length
         layer.keys = layer.keys[..., :keep, :]
         layer.values = layer.values[..., :keep, :]
+
+
+@dataclass(slots=True, frozen=True)
+class HFBridge:
+    """The cache core's view of transformers caches (`kvblocks.cache.bridge.PastBridge`) for one model:
+    its config, layer specs and, on a recurrent model, the layout of its state snapshots."""
+
+    config: Any
+    specs: tuple[LayerSpec, ...]
+    state: StateLayout | None = None
+
+    @property
+    def min_prefill(self) -> int:
+        return min_prefill_tokens(self.config)
+
+    def build(self, kv: list[torch.Tensor | None], length: int, state: torch.Tensor | None) -> DynamicCache:
+        snapshot = None if state is None else (self.state, state)
+        return build_cache(self.config, list(self.specs), kv, length, snapshot)
+
+    def extract(self, past: DynamicCache, start: int, end: int) -> list[torch.Tensor | None]:
+        return [
+            None if kv is None else torch.stack(kv, dim=1)
+            for kv in extract(past, list(self.specs), start, end)
+        ]
+
+    def length(self, past: DynamicCache) -> int | None:
+        return seq_length(past)
+
+    def capture(self, past: DynamicCache) -> torch.Tensor:
+        return capture_state(past, self.state)

@@ -17,7 +17,7 @@ _EXPORTS = {
     "Piece": "kvblocks.generate.generator",
     "PromptTooLongError": "kvblocks.generate.generator",
     "Hit": "kvblocks.cache.trie",
-    "KVCacheTrie": "kvblocks.cache.trie",
+    "KVCacheTrie": "kvblocks.adapters.hf_trie",
     "PinLimitError": "kvblocks.cache.trie",
     "PoolFullError": "kvblocks.cache.trie",
     "Namespace": "kvblocks.cache.namespace",
@@ -63,8 +63,9 @@ def __getattr__(name: str):
 
 if TYPE_CHECKING:
     from kvblocks.adapters.hf import UnsupportedModelError
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.cache.namespace import Namespace, Scope
-    from kvblocks.cache.trie import Hit, KVCacheTrie, PinLimitError, PoolFullError
+    from kvblocks.cache.trie import Hit, PinLimitError, PoolFullError
     from kvblocks.generate.generator import CachedGenerator, GenerationResult, Piece, PromptTooLongError
     from kvblocks.generate.params import GenerationParams, ParamError
     from kvblocks.generate.sampling import SamplingParams, TokenLogprob

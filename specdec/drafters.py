@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kvblocks.adapters import hf
-from kvblocks.cache.trie import Hit, KVCacheTrie, Salt
+from kvblocks.adapters.hf_trie import KVCacheTrie
+from kvblocks.cache.trie import Hit, Salt
 from kvblocks.generate.generator import ModelRunner, context_length
 from kvblocks.generate.sampling import SamplingParams, distribution
 

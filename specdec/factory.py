@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvblocks import models
-from kvblocks.cache.trie import KVCacheTrie
+from kvblocks.adapters.hf_trie import KVCacheTrie
 
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TrieDrafter, truncated_model
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvblocks.adapters import hf
-from kvblocks.cache.trie import KVCacheTrie
+from kvblocks.adapters.hf_trie import KVCacheTrie
 from kvblocks.generate.generator import CachedGenerator, DecodeState
 from kvblocks.generate.params import GenerationParams, ParamError
 from kvblocks.generate.sampling import SamplingParams, distribution

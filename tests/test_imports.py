@@ -124,3 +124,19 @@ def test_the_core_does_not_load_the_spill_codec_or_the_benchmarks():
     code = "import sys, kvblocks.cli.commands, kvblocks.cli.client\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_core_imports_neither_the_adapters_nor_the_server():
+    """The arrow points outwards: the cache and the engine take layer specs and tensors, and only
+    `adapters/` knows transformers' caches (imports inside functions count, type-only ones do not)."""
+    found = modules()
+    core = [name for name in found if name.startswith(("kvblocks.cache", "kvblocks.engine"))]
+    assert "kvblocks.cache.trie" in core and "kvblocks.engine.batch" in core
+    outward = {
+        name: sorted(t for t in imports_of(name, found[name], set(found)) if t.startswith(FORBIDDEN))
+        for name in core
+    }
+    assert {name: targets for name, targets in outward.items() if targets} == {}
+
+
+FORBIDDEN = ("kvblocks.adapters", "kvblocks.server")

@@ -15,9 +15,10 @@ import torch
 from tiny_models import VOCAB, WINDOW, tiny_model
 
 from kvblocks.adapters import hf
+from kvblocks.adapters.hf_trie import KVCacheTrie
 from kvblocks.cache.layout import KVLayout
 from kvblocks.cache.pool import KVPool
-from kvblocks.cache.trie import KVCacheTrie, PoolFullError
+from kvblocks.cache.trie import PoolFullError
 from kvblocks.engine import paged
 from kvblocks.engine.paged import PagedRunner, Segment
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvblocks.adapters import hf
-from kvblocks.cache.trie import KVCacheTrie
+from kvblocks.adapters.hf_trie import KVCacheTrie
 from kvblocks.generate.generator import CachedGenerator, ModelRunner
 from kvblocks.generate.sampling import SamplingParams, choose
 

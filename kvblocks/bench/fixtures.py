@@ -93,9 +93,9 @@ def layout_trie(layers: int, heads: int, head_dim: int, capacity: int, spill=Non
     import torch
     from transformers import LlamaConfig
 
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.cache.layout import LayerSpec
     from kvblocks.cache.namespace import Namespace
-    from kvblocks.cache.trie import KVCacheTrie
 
     config = LlamaConfig(
         hidden_size=heads * head_dim,

@@ -182,7 +182,7 @@ def gather(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
     source = torch.randn(nbytes // 2, dtype=torch.float16, device=device)
     target = torch.empty_like(source)
 
-    def read_prefix() -> None:  # what re-attaching a prefix runs (KVCacheTrie._build_cache)
+    def read_prefix() -> None:  # what re-attaching a prefix runs (Hit.to_hf_cache)
         for layer in layers:
             pool.gather(layer, index)
 

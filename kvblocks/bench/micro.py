@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvblocks.adapters.hf_trie import KVCacheTrie
 from kvblocks.bench import fixtures
 from kvblocks.bench.harness import (
     SMOLLM2_KV_SHAPE,
@@ -43,7 +44,6 @@ from kvblocks.bench.harness import (
 from kvblocks.cache.layout import KVLayout
 from kvblocks.cache.pool import KVPool
 from kvblocks.cache.radix import SLOT_DTYPE, TOKEN_DTYPE
-from kvblocks.cache.trie import KVCacheTrie
 from kvblocks.errors import UserError
 
 BENCHMARKS = ("gather", "trie", "ttft", "fingerprint")

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
+from kvblocks.adapters.hf_trie import KVCacheTrie
 from kvblocks.bench import fixtures
 from kvblocks.bench.harness import (
     SMOLLM2_KV_SHAPE,
@@ -48,7 +49,6 @@ from kvblocks.bench.harness import (
     repeats_row,
     set_threads,
 )
-from kvblocks.cache.trie import KVCacheTrie
 from kvblocks.errors import UserError
 from kvblocks.spill.redis_tier import RedisTier
 

@@ -267,7 +267,7 @@ def variant_names(w: Workload) -> dict[str, str | None]:
 
 def make_drafter(model, cache, w: Workload):
     """kvblocks' drafter for the workload, and the draft model when it is one."""
-    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.specdec import ModelDrafter, PromptLookupDrafter, TrieDrafter, truncated_model
 
     if w.kind == "self":
@@ -377,7 +377,7 @@ class Lanes:
 def bench_workload(
     opts: BenchOptions, model, tokenizer, w: Workload, repeats: int, cost_repeats: int
 ) -> list[Report]:
-    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.generate.generator import CachedGenerator
     from kvblocks.specdec import SpecStats, SpeculativeGenerator
 
@@ -623,7 +623,7 @@ def bench_sweep(
 ) -> Report:
     """alpha and c for each K (gamma = 1, greedy) and the S they predict for gamma = 1, 2, 4."""
     from kvblocks.adapters import hf
-    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.generate.generator import CachedGenerator, ModelRunner
     from kvblocks.specdec import ModelDrafter, SpeculativeGenerator, truncated_model
 

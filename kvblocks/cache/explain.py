@@ -142,30 +142,33 @@ def explain(
     prompt_side = _pieces(tokenizer, ids[matched : matched + window], matched)
     cached_next = cache.continuation(arr[:matched], window, salt=salt)
     cached_side = _pieces(tokenizer, cached_next, matched)
-    evicted = cache.evicted_length(arr, matched, salt=salt)
-    others = cache.other_namespace_lengths(arr, salt=salt, all_tenants=all_tenants)
-    best_other = max(others.values(), default=0)
+    reason, detail = _why_diverged(cache, tokenizer, ids, matched, cached_next, salt, all_tenants)
+    return Explanation(reason, n, usable, matched, detail, prompt_side, cached_side, before)
+
+
+def _why_diverged(
+    cache, tokenizer, ids: list[int], matched: int, cached_next: list[int], salt, all_tenants: bool
+) -> tuple[str, str]:
+    """The reason (and its wording) why the cache's match of `ids` stops at `matched`."""
+    arr, ns = cache.key_of(ids, salt)
+    evicted = cache.reports.evicted_length(ns.key, arr, matched)
+    best_other = max(cache.reports.other_namespace_lengths(ns, arr, all_tenants).values(), default=0)
     if evicted > matched:
-        reason, detail = "evicted", f"the first {evicted} tokens were cached before and evicted"
-    elif best_other > matched:
-        reason, detail = (
+        return "evicted", f"the first {evicted} tokens were cached before and evicted"
+    if best_other > matched:
+        return (
             "namespace_mismatch",
             f"another namespace (another cache_salt) holds {best_other} tokens of this prompt",
         )
-    elif cached_next and _same_text(tokenizer, ids[matched:], cached_next):
-        reason, detail = (
+    if cached_next and _same_text(tokenizer, ids[matched:], cached_next):
+        return (
             "tokenization_boundary",
             "the cache continues with different token ids for the same text: the prefix was tokenised "
             "apart from what follows it; send token ids, or tokenise the whole prompt",
         )
-    else:
-        reason = "never_seen"
-        detail = (
-            "nothing cached continues this prompt"
-            if matched == 0
-            else f"the cache holds the first {matched} tokens; the prompt goes on differently"
-        )
-    return Explanation(reason, n, usable, matched, detail, prompt_side, cached_side, before)
+    if matched == 0:
+        return "never_seen", "nothing cached continues this prompt"
+    return "never_seen", f"the cache holds the first {matched} tokens; the prompt goes on differently"
 
 
 def _same_text(tokenizer, prompt_tail: list[int], cached_tail: list[int]) -> bool:

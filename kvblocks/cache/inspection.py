@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from kvblocks.cache.trie import KVCacheTrie
+from kvblocks.cache.trie import PrefixCache
 
 PREVIEW_TOKENS = 48
 
@@ -16,7 +16,7 @@ def preview(head: str, tail: str, elided: bool) -> str:
 
 
 def inspect_prefixes(
-    cache: KVCacheTrie, tokenizer, tenant: str | None, limit: int, tree: bool, max_nodes: int
+    cache: PrefixCache, tokenizer, tenant: str | None, limit: int, tree: bool, max_nodes: int
 ) -> dict:
     """The most-hit prefixes and the trie's shape with text previews: all of them (tenant None,
     an admin) or one tenant's, which then sees neither the text nor the namespace keys of others."""
@@ -25,7 +25,7 @@ def inspect_prefixes(
         return tokenizer.decode(ids, skip_special_tokens=False)
 
     top = []
-    for p in cache.top_prefixes(limit, tenant=tenant):
+    for p in cache.reports.top_prefixes(limit, tenant=tenant):
         ids = p.token_ids.tolist()
         text = preview(
             decode(ids[:PREVIEW_TOKENS]), decode(ids[-PREVIEW_TOKENS:]), len(ids) > 2 * PREVIEW_TOKENS
@@ -40,7 +40,7 @@ def inspect_prefixes(
             }
         )
     nodes = []
-    for node in cache.tree(max_nodes, tenant=tenant) if tree else []:
+    for node in cache.reports.tree(max_nodes, tenant=tenant) if tree else []:
         row = asdict(node)
         row["preview"] = decode(row.pop("run_ids"))
         nodes.append(row)

@@ -305,44 +305,49 @@ class RadixTree:
         remaining = num_tokens
         while remaining > 0 and heap:
             key, _, node, is_snapshot = heapq.heappop(heap)
-            if is_snapshot:
-                if node.snap is None or not node.children:  # gone already, or left with its leaf
-                    continue
-                policy.evicted(key)
-                if before_drop is not None:
-                    before_drop(node)
-                slots = self.drop_snapshot(node)
-                freed.append(slots)
-                remaining -= len(slots)
+            if is_snapshot and (node.snap is None or not node.children):  # gone, or left with its leaf
                 continue
             policy.evicted(key)
-            if node.snap is not None:
-                if before_drop is not None:
-                    before_drop(node)
-                slots = self.drop_snapshot(node)
-                freed.append(slots)
-                remaining -= len(slots)
-                if remaining <= 0:
-                    break
+            if node.snap is not None:  # a snapshot inside the tree, or the one at a leaf's end
+                freed.append(self._drop(node, before_drop))
+                remaining -= len(freed[-1])
+                if is_snapshot or remaining <= 0:
+                    continue
             take = min(remaining, len(node.tokens))
-            if before_trim is not None:
-                before_trim(node, take)
-            freed.append(node.slots[len(node.slots) - take :])
+            whole = take == len(node.tokens)
+            freed.append(self._trim(node, take, before_trim))
             remaining -= take
-            self.resident_tokens -= take
-            if take < len(node.tokens):
-                node.tokens = node.tokens[: len(node.tokens) - take].copy()
-                node.slots = node.slots[: len(node.slots) - take].copy()
-                continue
-            parent = node.parent
-            del parent.children[int(node.tokens[0])]
-            self._leaves.discard(node)
-            self.num_nodes -= 1
-            if not parent.is_root and not parent.children:
-                self._leaves.add(parent)
-                if parent.evictable():
-                    heapq.heappush(heap, (policy.key(parent, self.depth(parent)), id(parent), parent, False))
+            parent = self._remove_leaf(node) if whole else None
+            if parent is not None and parent.evictable():
+                heapq.heappush(heap, (policy.key(parent, self.depth(parent)), id(parent), parent, False))
         return np.concatenate(freed) if freed else np.zeros(0, dtype=SLOT_DTYPE)
+
+    def _drop(self, node: Node, before_drop: Callable[[Node], None] | None) -> np.ndarray:
+        if before_drop is not None:
+            before_drop(node)
+        return self.drop_snapshot(node)
+
+    def _trim(self, node: Node, take: int, before_trim: Callable[[Node, int], None] | None) -> np.ndarray:
+        """Free the last `take` tokens of a leaf; the slots they held."""
+        if before_trim is not None:
+            before_trim(node, take)
+        slots = node.slots[len(node.slots) - take :]
+        self.resident_tokens -= take
+        if take < len(node.tokens):
+            node.tokens = node.tokens[: len(node.tokens) - take].copy()
+            node.slots = node.slots[: len(node.slots) - take].copy()
+        return slots
+
+    def _remove_leaf(self, node: Node) -> Node | None:
+        """Unlink a leaf trimmed to nothing; returns its parent if that became a leaf."""
+        parent = node.parent
+        del parent.children[int(node.tokens[0])]
+        self._leaves.discard(node)
+        self.num_nodes -= 1
+        if parent.is_root or parent.children:
+            return None
+        self._leaves.add(parent)
+        return parent
 
     def _snapshot_key(self, node: Node) -> tuple[float, int]:
         """A snapshot's eviction key: what it saves is the tokens since the snapshot above it,

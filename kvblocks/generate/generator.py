@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from kvblocks.adapters import hf
-from kvblocks.cache.trie import KVCacheTrie, Salt
+from kvblocks.adapters.hf_trie import KVCacheTrie
+from kvblocks.cache.snapshots import SnapshotPlan
+from kvblocks.cache.trie import Salt
 from kvblocks.generate.params import GenerationParams, ParamError
 from kvblocks.generate.sampling import (
     LogitsProcessor,
@@ -70,10 +72,8 @@ class DecodeState:
     past: Any = None
     spec: Any = None
     processor: LogitsProcessor | None = None
-    # recurrent models: prefill stops (`KVCacheTrie.snapshot_points`) and the snapshots taken so far
-    points: list[int] = field(default_factory=list)
-    snapshots: dict[int, torch.Tensor] = field(default_factory=dict)  # taken, not inserted yet
-    snapped: list[int] = field(default_factory=list)  # every position snapshotted
+    # recurrent models: where the prefill stops to snapshot the state, and the snapshots taken
+    plan: SnapshotPlan = field(default_factory=SnapshotPlan)
     splits: list[int] = field(default_factory=list)
     # positions past this one were computed along a path a prefill of them would not take (one-token
     # forwards, prefill or decode, where the cache's min_prefill is 2): not reused
@@ -229,10 +229,9 @@ class CachedGenerator:
         rows: list[torch.Tensor] | None = [] if output_logits or params.logprobs is not None else None
         run = DecodeState(list(ids), hit.length if hit is not None else 0, rows, salt, processor=processor)
         if self.cache is not None:
-            run.points = self.cache.snapshot_points(run.computed, len(ids), hit.matched if hit else 0)
+            run.plan = self.cache.snapshot_plan(run.computed, len(ids), hit.matched if hit else 0)
             if self.runner.stepwise and run.computed == 0:  # every forward after the first is one token
-                first = (hit.matched if hit else 0) or len(ids) - 1
-                run.points = [p for p in run.points if p >= first]
+                run.plan.skip_before((hit.matched if hit else 0) or len(ids) - 1)
         tokens = None
         try:
             run.past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
@@ -279,7 +278,7 @@ class CachedGenerator:
                 prompt_logprobs=prompt_logprobs,
                 cache_bypass=bypass,
                 prefill_splits=run.splits,
-                snapshot_positions=run.snapped,
+                snapshot_positions=run.plan.positions,
             )
             last = None if logprobs is None else logprobs[-1:]
             final = Piece(pending + text.flush(), [generated[-1]], result, logprobs=last)
@@ -323,28 +322,20 @@ class CachedGenerator:
         end = min(run.computed, len(run.sequence))
         if run.reusable is not None:
             end = min(end, run.reusable)
-        if final and self.cache.state is not None and end and end == run.computed and end not in run.snapped:
-            run.snapshots[end] = hf.capture_state(run.past, self.cache.state)
-            run.snapped.append(end)
-        self.cache.insert(run.sequence[:end], run.past, salt=run.salt, snapshots=run.snapshots)
-        run.snapshots = {p: blob for p, blob in run.snapshots.items() if p > end}
+        if final and end == run.computed:
+            run.plan.at_end(end, run.past)
+        self.cache.insert(run.sequence[:end], run.past, salt=run.salt, snapshots=run.plan.hand_over(end))
 
     def _snapshot(self, run: DecodeState) -> None:
-        """After a forward: snapshot the recurrent state if the cache wants one at this position."""
-        cache = self.cache
-        if cache is None or cache.state is None or run.computed in run.snapped:
-            return
-        if run.reusable is not None and run.computed > run.reusable:
-            return
-        if run.computed in run.points or cache.wants_snapshot(run.computed):
-            run.snapshots[run.computed] = hf.capture_state(run.past, cache.state)
-            run.snapped.append(run.computed)
+        """After a forward: the request's snapshot plan takes the recurrent state if it wants it here."""
+        if run.reusable is None or run.computed <= run.reusable:
+            run.plan.after_forward(run.computed, run.past)
 
     def _prefill(self, ids: list[int], run: DecodeState, end: int, keep: int = 1) -> torch.Tensor:
         """Forward `ids[run.computed:end]`, stopping at each snapshot point on the way (a recurrent
         model's state can only be copied where a forward ends); the logits of the last `keep`
         positions of the last forward, or with `keep=0` of every position prefilled."""
-        stops = [p for p in run.points if run.computed < p < end] + [end]
+        stops = run.plan.stops(run.computed, end)
         out = []
         for stop in stops:
             short = self.cache is not None and stop - run.computed < self.cache.min_prefill

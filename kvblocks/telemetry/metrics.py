@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from kvblocks.telemetry.vllm_metrics import VllmCollector, VllmHistograms
 
 if TYPE_CHECKING:
-    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.adapters.hf_trie import KVCacheTrie
 
 __all__ = ["CONTENT_TYPE_LATEST", "CacheCollector", "Metrics"]
 

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvblocks.cache.trie import KVCacheTrie
+    from kvblocks.adapters.hf_trie import KVCacheTrie
 
 __all__ = ["VllmCollector", "VllmHistograms"]
 
