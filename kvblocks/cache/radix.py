@@ -293,34 +293,7 @@ class RadixTree:
         last `n` tokens of `node` go (the spill tier's write-back copies them then), `before_drop`
         before a snapshot goes.
         """
-        policy = self.policy
-        heap = [(policy.key(n, self.depth(n)), id(n), n, False) for n in self._leaves if n.evictable()]
-        heap.extend(
-            (self._snapshot_key(n), id(n), n, True)
-            for n in self._snapshot_nodes
-            if n.children and n.lock_ref == 0 and n.pin_ref == 0
-        )
-        heapq.heapify(heap)
-        freed: list[np.ndarray] = []
-        remaining = num_tokens
-        while remaining > 0 and heap:
-            key, _, node, is_snapshot = heapq.heappop(heap)
-            if is_snapshot and (node.snap is None or not node.children):  # gone, or left with its leaf
-                continue
-            policy.evicted(key)
-            if node.snap is not None:  # a snapshot inside the tree, or the one at a leaf's end
-                freed.append(self._drop(node, before_drop))
-                remaining -= len(freed[-1])
-                if is_snapshot or remaining <= 0:
-                    continue
-            take = min(remaining, len(node.tokens))
-            whole = take == len(node.tokens)
-            freed.append(self._trim(node, take, before_trim))
-            remaining -= take
-            parent = self._remove_leaf(node) if whole else None
-            if parent is not None and parent.evictable():
-                heapq.heappush(heap, (policy.key(parent, self.depth(parent)), id(parent), parent, False))
-        return np.concatenate(freed) if freed else np.zeros(0, dtype=SLOT_DTYPE)
+        return _Eviction(self, before_trim, before_drop).run(num_tokens)
 
     def _drop(self, node: Node, before_drop: Callable[[Node], None] | None) -> np.ndarray:
         if before_drop is not None:
@@ -349,18 +322,6 @@ class RadixTree:
         self._leaves.add(parent)
         return parent
 
-    def _snapshot_key(self, node: Node) -> tuple[float, int]:
-        """A snapshot's eviction key: what it saves is the tokens since the snapshot above it,
-        which a hit would otherwise recompute; what it costs is its slots."""
-        depth = self.depth(node)
-        above, up = 0, node.parent
-        while up is not None and not up.is_root:
-            if up.snap is not None:
-                above = self.depth(up)
-                break
-            up = up.parent
-        return self.policy.snapshot_key(node, depth, depth - above, len(node.snap))
-
     @staticmethod
     def depth(node: Node) -> int:
         """Tokens from the root to the end of `node`."""
@@ -373,3 +334,60 @@ class RadixTree:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+
+class _Eviction:
+    """One `RadixTree.evict` call: the candidates in the policy's order (a heap of leaves and of
+    snapshots inside the tree), taken until enough slots are free; a parent left a leaf joins."""
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        before_trim: Callable[[Node, int], None] | None,
+        before_drop: Callable[[Node], None] | None,
+    ) -> None:
+        self.tree, self.policy = tree, tree.policy
+        self.before_trim, self.before_drop = before_trim, before_drop
+        self.heap = [self._leaf(n) for n in tree._leaves if n.evictable()]
+        self.heap.extend(
+            (self._snapshot_key(n), id(n), n, True)
+            for n in tree._snapshot_nodes
+            if n.children and n.lock_ref == 0 and n.pin_ref == 0
+        )
+        heapq.heapify(self.heap)
+
+    def _leaf(self, node: Node) -> tuple:
+        return (self.policy.key(node, self.tree.depth(node)), id(node), node, False)
+
+    def run(self, num_tokens: int) -> np.ndarray:
+        tree, freed, remaining = self.tree, [], num_tokens
+        while remaining > 0 and self.heap:
+            key, _, node, is_snapshot = heapq.heappop(self.heap)
+            if is_snapshot and (node.snap is None or not node.children):  # gone, or left with its leaf
+                continue
+            self.policy.evicted(key)
+            if node.snap is not None:  # a snapshot inside the tree, or the one at a leaf's end
+                freed.append(tree._drop(node, self.before_drop))
+                remaining -= len(freed[-1])
+                if is_snapshot or remaining <= 0:
+                    continue
+            take = min(remaining, len(node.tokens))
+            whole = take == len(node.tokens)
+            freed.append(tree._trim(node, take, self.before_trim))
+            remaining -= take
+            parent = tree._remove_leaf(node) if whole else None
+            if parent is not None and parent.evictable():
+                heapq.heappush(self.heap, self._leaf(parent))
+        return np.concatenate(freed) if freed else np.zeros(0, dtype=SLOT_DTYPE)
+
+    def _snapshot_key(self, node: Node) -> tuple[float, int]:
+        """A snapshot's eviction key: what it saves is the tokens since the snapshot above it,
+        which a hit would otherwise recompute; what it costs is its slots."""
+        depth = self.tree.depth(node)
+        above, up = 0, node.parent
+        while up is not None and not up.is_root:
+            if up.snap is not None:
+                above = self.tree.depth(up)
+                break
+            up = up.parent
+        return self.policy.snapshot_key(node, depth, depth - above, len(node.snap))

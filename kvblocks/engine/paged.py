@@ -359,26 +359,35 @@ def _paged_attention(
     views = batch.views(sliding_window)
     for i in alone:
         (a, b), (index, mask) = batch.bounds[i], views[i]
-        kv = (
-            pool.layers[layer][index]
-            if isinstance(index, slice)
-            else pool.layers[layer].index_select(0, index)
-        ).to(query.dtype)  # [L, 2, Hkv, D]
-        k = kv[:, 0].transpose(0, 1)  # [Hkv, L, D]
-        v = kv[:, 1].transpose(0, 1)
-        q = query[0, :, a:b]  # [Hq, n, D]
-        if softcap is None:
-            # 4-D inputs: SDPA takes its fused CPU kernel (3-D with a mask and GQA is 2-3x slower)
-            out[a:b] = F.scaled_dot_product_attention(
-                q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=groups > 1
-            )[0].transpose(0, 1)
-            continue
-        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        out[a:b] = torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1)
+        out[a:b] = _segment_attention(
+            pool.layers[layer], query[0, :, a:b], index, mask, scale, groups, softcap
+        )
     return out[None], None
+
+
+def _segment_attention(
+    pool_layer: torch.Tensor,
+    q: torch.Tensor,
+    index: torch.Tensor | slice,
+    mask: torch.Tensor,
+    scale: float,
+    groups: int,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One segment's attention `[n, Hq, D]`: its queries `q [Hq, n, D]` over the slots `index`."""
+    kv = (pool_layer[index] if isinstance(index, slice) else pool_layer.index_select(0, index)).to(q.dtype)
+    k = kv[:, 0].transpose(0, 1)  # [Hkv, L, D]
+    v = kv[:, 1].transpose(0, 1)
+    if softcap is None:
+        # 4-D inputs: SDPA takes its fused CPU kernel (3-D with a mask and GQA is 2-3x slower)
+        return F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=groups > 1
+        )[0].transpose(0, 1)
+    k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1)
 
 
 def _grouped_attention(
