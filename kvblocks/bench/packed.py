@@ -414,7 +414,7 @@ def memory(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
         f"the document's KV is {kv_mb:.0f} MiB; each reader adds 20 prompt and 16 reply tokens; RSS sampled "
         "every 5 ms from /proc/self/statm, peak minus the level just before the readers were sent (after "
         "gc and malloc_trim), median of 3 rounds after warm-up rounds: "
-        + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in rounds)} MiB" for k, rounds in growth.items()),
+        + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in rounds)} MiB" for k, rounds in growth.items())
     ]
     return report
 
@@ -485,7 +485,7 @@ def ttft(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Repo
         "engines: submit to first piece on the engine's thread (ids given, no tokenizer), max_tokens 1; ideal: "
         "the bare model's forward of the new tokens over a DynamicCache already holding the prefix (cropped "
         "back to the prefix after each run, untimed) and the argmax; Engine gathers the cached prefix into a new DynamicCache "
-        "per request, BatchEngine reads it from the pool in place",
+        "per request, BatchEngine reads it from the pool in place"
     ]
     return report
 
@@ -578,7 +578,7 @@ def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) ->
         f"fp32 on CPU, {args.reply} greedy tokens per request (ignore_eos), logprobs with the top 2; alone = "
         "each request submitted once the previous one finished; all at once = 16 requests submitted together "
         f"(batch 16, 80 tokens/step, the server's defaults); margin = top-1 minus top-2 logprob of the reference at the first "
-        f"differing token; {elapsed:.0f} s for the five runs",
+        f"differing token; {elapsed:.0f} s for the five runs"
     )
     return report
 

@@ -15,14 +15,7 @@ import time
 import httpx
 import numpy as np
 
-from kvblocks.bench.harness import (
-    BenchOptions,
-    Check,
-    Option,
-    Report,
-    add_suite,
-    positive_int,
-)
+from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, positive_int
 
 PREFIXES = "/v1/cache/prefixes?limit=1000&tree=true&max_nodes=5000"
 

@@ -20,15 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvblocks.bench.harness import (
-    BenchOptions,
-    Check,
-    Option,
-    Report,
-    add_suite,
-    fmt_seconds,
-    ints,
-)
+from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, fmt_seconds, ints
 from kvblocks.errors import UserError
 
 _TOOLS = (

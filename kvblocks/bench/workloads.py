@@ -162,12 +162,7 @@ def shared_prompt(
     if order == "sorted":
         order_ids.sort(key=lambda i: systems[system_of[i]] + questions[i], reverse=True)
     return Workload(
-        "shared-prompt",
-        systems,
-        system_of,
-        [Turn(i, tuple(questions[i])) for i in order_ids],
-        output,
-        vocab,
+        "shared-prompt", systems, system_of, [Turn(i, tuple(questions[i])) for i in order_ids], output, vocab
     )
 
 
