@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,16 +96,9 @@ def layout_trie(layers: int, heads: int, head_dim: int, capacity: int, spill=Non
     from kvblocks.cache.namespace import Namespace
     from kvblocks.cache.trie import KVCacheTrie
 
-    config = LlamaConfig(
-        hidden_size=heads * head_dim,
-        head_dim=head_dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        intermediate_size=4 * heads * head_dim,
-    )
-    specs = [LayerSpec("full", heads, head_dim)] * layers
-    ns = Namespace("bench-layout", "float32")
+    size = dict(num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * heads * head_dim)
+    config = LlamaConfig(hidden_size=heads * head_dim, head_dim=head_dim, num_hidden_layers=layers, **size)
+    specs, ns = [LayerSpec("full", heads, head_dim)] * layers, Namespace("bench-layout", "float32")
     return KVCacheTrie(
         config, specs, ns, capacity_tokens=capacity, dtype=torch.float32, device="cpu", spill=spill
     )
@@ -200,12 +192,10 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL: an abrupt crash, which also works on a paused (stopped) process."""
-        if self.proc is None:
-            return
-        self.proc.kill()
-        self.proc.wait()
-        self.proc = None
-        self.paused = False
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc, self.paused = None, False
 
     def restart(self) -> RedisServer:
         """Stop and start on the same address; the data is gone (persistence is off)."""
@@ -444,16 +434,16 @@ def wait_serve(service: Service, timeout_s: float = 180.0) -> Service:
         except httpx.TransportError:
             return False
 
-    return _wait(service, ready, timeout_s, "kvblocks serve")
-
-
-def _wait(service: Service, ready: Callable[[], bool], timeout_s: float, what: str) -> Service:
     deadline = time.monotonic() + timeout_s
     while not ready():
         if not service.alive():
-            raise ServiceError(f"{what} exited with {service.proc.returncode}: {service.log_tail(500)}")
+            raise ServiceError(
+                f"kvblocks serve exited with {service.proc.returncode}: {service.log_tail(500)}"
+            )
         if time.monotonic() > deadline:
             service.stop()
-            raise ServiceError(f"{what} did not answer within {timeout_s:g} s: {service.log_tail(500)}")
+            raise ServiceError(
+                f"kvblocks serve did not answer within {timeout_s:g} s: {service.log_tail(500)}"
+            )
         time.sleep(0.1)
     return service
