@@ -149,11 +149,6 @@ def repeats_row(default: int, text: str = "timed runs per variant") -> tuple[str
     return ("repeats", default, text)
 
 
-def int_options(group, prefix: str, options: Sequence[tuple[str, int, str]]) -> None:
-    """Register `ints(prefix, options)` (the fleet suite's form)."""
-    add_options(group, ints(prefix, options))
-
-
 # a layer layout like SmolLM2-135M's, for benchmarks of the pool and the Redis tier without a model
 SMOLLM2_KV_SHAPE = (("layers", 30, "layers"), ("heads", 3, "KV heads"), ("head-dim", 64, "head dim"))
 
@@ -333,14 +328,7 @@ class Stats:
     def of(cls, samples: Sequence[float]) -> Stats:
         a = np.asarray(samples, dtype=np.float64)
         assert a.size > 0, "no samples"
-        return cls(
-            int(a.size),
-            float(np.median(a)),
-            float(np.percentile(a, 99)),
-            float(a.mean()),
-            float(a.min()),
-            float(a.max()),
-        )
+        return cls(int(a.size), *map(float, (np.median(a), np.percentile(a, 99), a.mean(), a.min(), a.max())))
 
 
 # ---- reporting -----------------------------------------------------------------------------
@@ -406,7 +394,6 @@ class Report:
         return float(np.median(self.samples[variant]))
 
     def ratio(self, a: str, b: str) -> float:
-        """median(a) / median(b)."""
         return self.median(a) / self.median(b)
 
     def paired_ratio(self, a: str, b: str) -> float:
