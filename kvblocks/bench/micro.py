@@ -51,54 +51,32 @@ GB = 1e9
 
 
 OPTIONS = (
-    Group(
-        "gather (re-attach bandwidth; the layout defaults to SmolLM2's)",
-        ints(
-            "gather",
-            [
-                ("tokens", 1024, "tokens gathered per run"),
-                ("capacity", 8192, "pool capacity in tokens"),
-                *SMOLLM2_KV_SHAPE,
-                repeats_row(60),
-            ],
-        ),
-    ),
-    Group(
-        "trie (match/insert latency and metadata bytes)",
-        (
-            *ints(
-                "trie",
-                [
-                    ("resident", 1_000_000, "resident tokens"),
-                    ("prompt", 4096, "prompt tokens per op"),
-                    ("new", 128, "uncached tail of the mostly-hit prompt"),
-                    ("layers", 1, "layers of the tiny KV layout"),
-                    ("head-dim", 4, "head dim of the tiny layout"),
-                    repeats_row(40),
-                ],
-            ),
-            Option(
-                "--trie-fill",
-                float,
-                3.0,
-                "tokens inserted before measuring, as a multiple of --trie-resident (default 3: steady state)",
-            ),
-        ),
-    ),
-    Group(
-        "ttft (time to first token on the --model)",
-        ints(
-            "ttft",
-            [
-                ("cached", 1000, "cached system prompt tokens"),
-                ("question", 30, "uncached question tokens"),
-                repeats_row(15, "timed runs of kvblocks and ideal"),
-                ("nocache-repeats", 5, "timed runs of kvblocks and no cache, the slow full prefill"),
-            ],
-        ),
-    ),
+    Group("gather (re-attach bandwidth; the layout defaults to SmolLM2's)", ints("gather", [
+        ("tokens", 1024, "tokens gathered per run"),
+        ("capacity", 8192, "pool capacity in tokens"),
+        *SMOLLM2_KV_SHAPE,
+        repeats_row(60),
+    ])),
+    Group("trie (match/insert latency and metadata bytes)", (
+        *ints("trie", [
+            ("resident", 1_000_000, "resident tokens"),
+            ("prompt", 4096, "prompt tokens per op"),
+            ("new", 128, "uncached tail of the mostly-hit prompt"),
+            ("layers", 1, "layers of the tiny KV layout"),
+            ("head-dim", 4, "head dim of the tiny layout"),
+            repeats_row(40),
+        ]),
+        Option("--trie-fill", float, 3.0,
+               "tokens inserted before measuring, as a multiple of --trie-resident (default 3: steady state)"),
+    )),
+    Group("ttft (time to first token on the --model)", ints("ttft", [
+        ("cached", 1000, "cached system prompt tokens"),
+        ("question", 30, "uncached question tokens"),
+        repeats_row(15, "timed runs of kvblocks and ideal"),
+        ("nocache-repeats", 5, "timed runs of kvblocks and no cache, the slow full prefill"),
+    ])),
     Group("fingerprint (model_fingerprint of the --model above)", ints("fingerprint", [repeats_row(7)])),
-)
+)  # fmt: skip
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
