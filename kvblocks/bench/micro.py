@@ -153,9 +153,7 @@ def bench_gather(
     pool = KVPool(KVLayout.from_shapes(torch.float32, shapes), capacity, "cpu")
     everything = pool.index(np.arange(capacity))
     for layer in range(layers):
-        pool.scatter(
-            layer, everything, torch.randn(capacity, heads, head_dim), torch.randn(capacity, heads, head_dim)
-        )
+        pool.scatter(layer, everything, *(torch.randn(capacity, heads, head_dim) for _ in "kv"))
     fragment(pool, np.random.default_rng(0), rounds=4 * capacity // 264)
     slots = pool.alloc(tokens)
     sources = [torch.randn(tokens, 2, heads, head_dim) for _ in range(layers)]
