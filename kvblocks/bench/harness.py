@@ -43,16 +43,9 @@ class BenchOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
-        return cls(
-            args.threads,
-            args.warmup,
-            Path(args.out),
-            not args.no_plots and can_plot(),
-            not args.no_progress,
-            args.clock,
-            not args.no_fail,
-            dict(args.target),
-        )
+        plots = not args.no_plots and can_plot()
+        return cls(args.threads, args.warmup, Path(args.out), plots, not args.no_progress, args.clock,
+                   not args.no_fail, dict(args.target))  # fmt: skip
 
 
 def positive_int(text: str) -> int:
@@ -169,30 +162,14 @@ HARNESS_OPTIONS = (
     Option("--out", None, "bench-results", "folder for JSON, Markdown and PNG results"),
     Option("--no-plots", bool, False, "skip the PNG plots"),
     Option("--no-progress", bool, False, "no progress bar on stderr"),
-    Option(
-        "--clock",
-        None,
-        "wall",
-        "time runs by wall clock (default) or by this process's CPU time, which leaves out the time "
-        "other processes on a busy machine take the core away (use with --threads 1)",
-        choices=("wall", "cpu"),
-    ),
-    Option(
-        "--no-fail",
-        bool,
-        False,
-        "only report missed targets; by default a missed target makes the exit status 1",
-    ),
-    Option(
-        "--target",
-        target_override,
-        [],
-        "hold METRIC (a name from the report's metric column) to VALUE instead of its built-in "
-        "target, in the same direction (repeatable)",
-        repeat=True,
-        metavar="METRIC=VALUE",
-    ),
-)
+    Option("--clock", None, "wall",
+           "time runs by wall clock (default) or by this process's CPU time, which leaves out the time "
+           "other processes on a busy machine take the core away (use with --threads 1)", choices=("wall", "cpu")),
+    Option("--no-fail", bool, False, "only report missed targets; by default a missed target makes the exit status 1"),
+    Option("--target", target_override, [],
+           "hold METRIC (a name from the report's metric column) to VALUE instead of its built-in "
+           "target, in the same direction (repeatable)", repeat=True, metavar="METRIC=VALUE"),
+)  # fmt: skip
 MODEL_OPTION = Option("--model", None, None, "model path (default: SmolLM2-135M-Instruct)")
 
 
