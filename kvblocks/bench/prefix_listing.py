@@ -94,15 +94,14 @@ def bench_health_under_inspection(nodes: int, probes: int, opts: BenchOptions) -
     finally:
         child.kill()
         child.join()
+    params = {"nodes": stats["nodes"], "resident_tokens": stats["resident_tokens"], "probes": probes}
+    samples = {
+        "health idle": idle,
+        "health during prefixes": busy,
+        "prefixes (limit 1000, tree 5000)": listing,
+    }
     report = Report(
-        "inspection-health",
-        "/health while /v1/cache/prefixes lists a large trie",
-        {"nodes": stats["nodes"], "resident_tokens": stats["resident_tokens"], "probes": probes},
-        samples={
-            "health idle": idle,
-            "health during prefixes": busy,
-            "prefixes (limit 1000, tree 5000)": listing,
-        },
+        "inspection-health", "/health while /v1/cache/prefixes lists a large trie", params, samples
     )
     p99 = float(np.percentile(busy, 99))
     report.checks.append(Check("/health p99 during prefixes", p99 * 1e3, "ms", 50.0))
