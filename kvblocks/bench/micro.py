@@ -357,16 +357,13 @@ def bench_trie(
 def memory_report(by_file: dict[str, int], stats: dict[str, int], layers: int, head_dim: int) -> Report:
     resident = stats["resident_tokens"]
     total = sum(by_file.values())
-    report = Report(
-        "micro-memory",
-        "Metadata bytes per cached token",
-        {
-            "resident_tokens": resident,
-            "capacity_tokens": stats["capacity_tokens"],
-            "nodes": stats["nodes"],
-            "layout": f"{layers} layer x 1 head x head_dim {head_dim} fp32",
-        },
-    )
+    params = {
+        "resident_tokens": resident,
+        "capacity_tokens": stats["capacity_tokens"],
+        "nodes": stats["nodes"],
+    }
+    params["layout"] = f"{layers} layer x 1 head x head_dim {head_dim} fp32"
+    report = Report("micro-memory", "Metadata bytes per cached token", params)
     report.checks = [Check("bookkeeping bytes per resident token", total / resident, "B", 16.0)]
     big = {name: size for name, size in by_file.items() if size / resident >= 0.01}
     report.checks += [
