@@ -377,22 +377,12 @@ def row_for(
     st = Stats.of(run.ttft)
     total = float(sum(latency)) if isinstance(latency, list) else float(latency)
     rate = sum(run.hits) / sum(run.prompt_tokens)
+    vs_ideal = rate / ideal_rate if ideal_rate else float("nan")
+    same = sum(o == r for o, r in zip(run.outputs, reference))
     return Row(
-        name,
-        rate,
-        rate / ideal_rate if ideal_rate else float("nan"),
-        st.mean,
-        st.median,
-        st.p99,
-        total,
-        sum(len(o) for o in run.outputs) / total,
-        peak,
-        sum(o == r for o, r in zip(run.outputs, reference)),
-        len(run.outputs),
-        list(run.ttft),
-        list(latency) if isinstance(latency, list) else [],
-        list(run.hits),
-    )
+        name, rate, vs_ideal, st.mean, st.median, st.p99, total, sum(len(o) for o in run.outputs) / total, peak,
+        same, len(run.outputs), list(run.ttft), list(latency) if isinstance(latency, list) else [], list(run.hits),
+    )  # fmt: skip
 
 
 def peak_bytes(lane: Lane, token_bytes: int) -> int:
