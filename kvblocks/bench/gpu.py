@@ -319,8 +319,8 @@ def agents(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
         "TTFT from the wave's submission to the request's first token; requests/s = all requests over both "
         "waves' wall time; peak memory: torch.cuda.max_memory_allocated above the level before the waves "
         "(kvblocks' pool is allocated before, transformers' paged cache inside, sized by transformers)",
-        f"transformers {transformers.__version__}: model.generate_batch(record_timestamps=True, block sharing "
-        "on), one warm-up call on unrelated prompts first",
+        f"transformers {transformers.__version__}: model.generate_batch(record_timestamps=True, block "
+        "sharing on), one warm-up call on unrelated prompts first",
     ]
     return report
 
@@ -451,12 +451,9 @@ def invariance(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
     prompts = [random_ids(rng, vocab, int(rng.integers(100, 400))) for _ in range(args.alone)]
     others = [random_ids(rng, vocab, int(rng.integers(100, 400))) for _ in range(args.busy)]
     batch = args.alone + args.busy
-    report = Report(
-        "gpu-invariance",
-        f"Batch invariance in {str(dtype).removeprefix('torch.')}: {args.alone} requests alone vs in a "
-        f"batch of {batch}",
-        {"requests": args.alone, "batch": batch, "reply": args.reply},
-    )
+    kind = str(dtype).removeprefix("torch.")
+    title = f"Batch invariance in {kind}: {args.alone} requests alone vs in a batch of {batch}"
+    report = Report("gpu-invariance", title, {"requests": args.alone, "batch": batch, "reply": args.reply})
     row_invariant = paged.probe_row_invariance(device, dtype, model.config.hidden_size)
     report.notes = [
         f"paged.probe_row_invariance({device.type}, {dtype}) = {row_invariant}",
