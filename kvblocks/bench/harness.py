@@ -164,8 +164,10 @@ HARNESS_OPTIONS = (
     Option("--no-progress", bool, False, "no progress bar on stderr"),
     Option("--clock", None, "wall",
            "time runs by wall clock (default) or by this process's CPU time, which leaves out the time "
-           "other processes on a busy machine take the core away (use with --threads 1)", choices=("wall", "cpu")),
-    Option("--no-fail", bool, False, "only report missed targets; by default a missed target makes the exit status 1"),
+           "other processes on a busy machine take the core away (use with --threads 1)",
+           choices=("wall", "cpu")),
+    Option("--no-fail", bool, False,
+           "only report missed targets; by default a missed target makes the exit status 1"),
     Option("--target", target_override, [],
            "hold METRIC (a name from the report's metric column) to VALUE instead of its built-in "
            "target, in the same direction (repeatable)", repeat=True, metavar="METRIC=VALUE"),
