@@ -61,7 +61,8 @@ def build_models(shape: str, hidden: int, layers: int, vocab: int, seed: int):
     heads, kv_heads = max(hidden // 64, 1), max(hidden // 128, 1)
     common = dict(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        vocab_size=vocab, max_position_embeddings=8192, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=vocab, max_position_embeddings=8192, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
     )  # fmt: skip
     if shape == "lfm2":  # LFM2: short convolutions, attention at about one layer in three
         types = ["full_attention" if i % 3 == 2 else "conv" for i in range(layers)]
@@ -69,10 +70,10 @@ def build_models(shape: str, hidden: int, layers: int, vocab: int, seed: int):
     else:  # Qwen3-Next: three gated delta-net layers, then full attention; MoE feed-forward
         types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
         fields = dict(
-            common, head_dim=64, intermediate_size=3 * hidden, linear_conv_kernel_dim=4, linear_key_head_dim=64,
-            linear_value_head_dim=64, linear_num_key_heads=max(heads // 2, 1), linear_num_value_heads=heads,
-            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
-            shared_expert_intermediate_size=hidden,
+            common, head_dim=64, intermediate_size=3 * hidden, linear_conv_kernel_dim=4,
+            linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=max(heads // 2, 1),
+            linear_num_value_heads=heads, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden,
         )  # fmt: skip
     torch.manual_seed(seed)
     hybrid = AutoModelForCausalLM.from_config(
