@@ -67,7 +67,8 @@ OPTIONS = (
             repeats_row(40),
         ]),
         Option("--trie-fill", float, 3.0,
-               "tokens inserted before measuring, as a multiple of --trie-resident (default 3: steady state)"),
+               "tokens inserted before measuring, as a multiple of --trie-resident "
+               "(default 3: steady state)"),
     )),
     Group("ttft (time to first token on the --model)", ints("ttft", [
         ("cached", 1000, "cached system prompt tokens"),
