@@ -100,9 +100,8 @@ def bench_health_under_inspection(nodes: int, probes: int, opts: BenchOptions) -
         "health during prefixes": busy,
         "prefixes (limit 1000, tree 5000)": listing,
     }
-    report = Report(
-        "inspection-health", "/health while /v1/cache/prefixes lists a large trie", params, samples
-    )
+    title = "/health while /v1/cache/prefixes lists a large trie"
+    report = Report("inspection-health", title, params, samples)
     p99 = float(np.percentile(busy, 99))
     report.checks.append(Check("/health p99 during prefixes", p99 * 1e3, "ms", 50.0))
     report.checks.append(Check("prefixes median", float(np.median(listing)) * 1e3, "ms"))
