@@ -59,8 +59,9 @@ BENCH_SECRET = b"kvblocks-bench-restore-secret-0001"
 
 
 OPTIONS = (
-    Option("--redis", None, None, "use this running Redis (keys get a unique prefix and a 1 h TTL) instead of a "
-           "private redis-server", metavar="URL"),
+    Option("--redis", None, None,
+           "use this running Redis (keys get a unique prefix and a 1 h TTL) instead of a private "
+           "redis-server", metavar="URL"),
     Option("--chunk-tokens", positive_int, 64, "tokens per Redis chunk (default 64)"),
     Group("restore (fetch throughput vs raw GET; the layout defaults to SmolLM2's)",
           ints("restore", [("tokens", 1024, "tokens fetched per run"), *SMOLLM2_KV_SHAPE, repeats_row(60)])),
@@ -141,7 +142,8 @@ PURE_FETCH = "RedisTier.fetch, pure-Python reply parser"
 SIDE_NAMES = {
     "plain": ("raw GET (redis-py pipeline)", "RedisTier.fetch (EXISTS+GET, verify, decode)",
               "match on an empty pool (fetch + promote into the pool)"),
-    "sealed": ("raw GET of the sealed records", "RedisTier.fetch with secret (EXISTS+GET, open, verify, decode)",
+    "sealed": ("raw GET of the sealed records",
+               "RedisTier.fetch with secret (EXISTS+GET, open, verify, decode)",
                "match on an empty pool, with secret"),
 }  # fmt: skip
 RAW, FETCH, MATCH = SIDE_NAMES["plain"]
@@ -164,10 +166,11 @@ RESTORE_RATIOS = (
     Ratio("fetch / raw GET throughput", RAW, FETCH, 0.6, True),
     Ratio("fetch / raw GET throughput, median of per-round ratios", RAW, FETCH, paired=True),
     Ratio("sealed fetch / raw GET of the sealed records", SEALED_RAW, SEALED_FETCH, 0.6, True),
-    Ratio("sealed fetch / raw GET of the sealed records, median of per-round ratios", SEALED_RAW, SEALED_FETCH,
-          paired=True),
+    Ratio("sealed fetch / raw GET of the sealed records, median of per-round ratios",
+          SEALED_RAW, SEALED_FETCH, paired=True),
     Ratio("sealed fetch / fetch without secret (tokens/s)", FETCH, SEALED_FETCH, 0.9, True),
-    Ratio("sealed fetch / fetch without secret, median of per-round ratios", FETCH, SEALED_FETCH, paired=True),
+    Ratio("sealed fetch / fetch without secret, median of per-round ratios",
+          FETCH, SEALED_FETCH, paired=True),
     Ratio("fetch + promote / raw GET throughput", RAW, MATCH),
     Ratio("sealed fetch + promote / fetch + promote without secret", MATCH, SEALED_MATCH),
 )  # fmt: skip
