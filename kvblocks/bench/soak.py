@@ -437,9 +437,8 @@ def replay(args: argparse.Namespace, tally: Tally, work: Path) -> list[str]:
 def report(args: argparse.Namespace, tally: Tally, readings: dict[str, float], wrong: list[str]) -> Report:
     params = {"duration_s": args.duration, "agents": args.agents * 2, "max_tokens": args.max_tokens}
     params |= {"capacity": args.capacity, "fault_every_s": args.fault_every}
-    r = Report(
-        "soak", "Soak: agent tenants, a victim and a flooder while Redis and clients misbehave", params
-    )
+    title = "Soak: agent tenants, a victim and a flooder while Redis and clients misbehave"
+    r = Report("soak", title, params)
     soak_p99 = float(np.percentile(tally.ttft_s, 99)) if tally.ttft_s else float("inf")
     growth = (readings["end"] - readings["warm"]) / readings["warm"]
     flood_vs_idle = readings["flood_ttft_p99"] / readings["idle_ttft_p99"]
