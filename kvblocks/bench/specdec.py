@@ -73,7 +73,8 @@ GROUNDED_PROMPTS = [
 OPTIONS = (
     *ints("", [
         repeats_row(3, "timed runs of each generation variant"),
-        ("cost-repeats", 15, "timed runs of a point-mass drafter's proposal and of each forward in the sweep"),
+        ("cost-repeats", 15,
+         "timed runs of a point-mass drafter's proposal and of each forward in the sweep"),
         ("self-layers", 4, "layers of the self-drafter (see sweep)"),
         ("self-gamma", 1, "drafts per round, self"),
         ("lookup-gamma", 8, "drafts per round, lookup"),
