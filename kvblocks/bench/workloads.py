@@ -160,7 +160,8 @@ def shared_prompt(
 
 
 def multi_turn(
-    conversations: int, turns: int, system: int, user: int, output: int, vocab: int, systems: int = 1, seed: int = 0
+    conversations: int, turns: int, system: int, user: int, output: int, vocab: int, systems: int = 1,
+    seed: int = 0,
 ) -> Workload:  # fmt: skip
     """Turns arrive in a random interleaving of the conversations, each conversation in order."""
     rng = np.random.default_rng(seed)
@@ -380,8 +381,9 @@ def row_for(
     vs_ideal = rate / ideal_rate if ideal_rate else float("nan")
     same = sum(o == r for o, r in zip(run.outputs, reference))
     return Row(
-        name, rate, vs_ideal, st.mean, st.median, st.p99, total, sum(len(o) for o in run.outputs) / total, peak,
-        same, len(run.outputs), list(run.ttft), list(latency) if isinstance(latency, list) else [], list(run.hits),
+        name, rate, vs_ideal, st.mean, st.median, st.p99, total, sum(len(o) for o in run.outputs) / total,
+        peak, same, len(run.outputs), list(run.ttft), list(latency) if isinstance(latency, list) else [],
+        list(run.hits),
     )  # fmt: skip
 
 
@@ -656,7 +658,8 @@ def common_notes(
 
 COMMON_OPTIONS = (
     Option("--seed", int, 0, "seed of the token ids and arrival order (default 0)"),
-    Option("--eviction", None, DEFAULT_POLICY, "the kvblocks lane's eviction policy", choices=tuple(POLICIES)),
+    Option("--eviction", None, DEFAULT_POLICY, "the kvblocks lane's eviction policy",
+           choices=tuple(POLICIES)),
     Option("--also-eviction", None, [],
            "add a kvblocks lane with this eviction policy, named 'kvblocks, POLICY' (repeatable)",
            choices=tuple(POLICIES), repeat=True),
