@@ -114,13 +114,9 @@ def add_options(
 
 def ints(prefix: str, rows: Sequence[tuple[str, int, str]]) -> tuple[Option, ...]:
     """`--PREFIX-NAME N` (`--NAME N` without a prefix), a positive integer, for each (name, default, help)."""
+    head = f"--{prefix}-" if prefix else "--"
     return tuple(
-        Option(
-            f"--{prefix}-{name}" if prefix else f"--{name}",
-            positive_int,
-            default,
-            f"{text} (default {default:,})",
-        )
+        Option(head + name, positive_int, default, f"{text} (default {default:,})")
         for name, default, text in rows
     )
 

@@ -573,15 +573,9 @@ def bench_decode(
     warm = len(bench.per_run[SPILL_ON]) - repeats
     samples = {name: runs[warm:] for name, runs in bench.per_run.items()}
     steps = {name: np.asarray(g[warm * (tokens - 2) :]) for name, g in bench.gaps.items()}
-    params = {
-        "model": fixtures.model_name(model),
-        "context_tokens": f"{len(system) + 16}..{len(system) + 16 + tokens}",
-    }
-    params |= {
-        "tokens_per_run": tokens,
-        "spilled_tokens_per_run": spill,
-        "chunk_tokens": tier_kwargs["chunk_tokens"],
-    }
+    context = f"{len(system) + 16}..{len(system) + 16 + tokens}"
+    params = {"model": fixtures.model_name(model), "context_tokens": context, "tokens_per_run": tokens}
+    params |= {"spilled_tokens_per_run": spill, "chunk_tokens": tier_kwargs["chunk_tokens"]}
     params["clock"] = "wall (token timestamps)"
     title = "Per-token decode latency with background spilling on vs off"
     report = Report("redis-decode", title, params, samples, baseline=SPILL_OFF)
@@ -592,13 +586,9 @@ def bench_decode(
 
 
 def decode_checks(
-    report: Report,
-    steps: dict[str, np.ndarray],
-    mb_per_run: float,
-    alone: list[float],
-    spill: int,
+    report: Report, steps: dict[str, np.ndarray], mb_per_run: float, alone: list[float], spill: int,
     tokens: int,
-) -> list[Check]:
+) -> list[Check]:  # fmt: skip
     p99 = {name: float(np.percentile(gaps, 99)) for name, gaps in steps.items()}
     return [
         Ratio("spill on / off, per-token latency", SPILL_ON, SPILL_OFF, 1.05).check(report),

@@ -338,20 +338,17 @@ class Lanes:
     def hf_generate(self, log: DecodeLog, kwargs: dict, check: bool) -> Callable[[], None]:
         import torch
 
+        settings = {"do_sample": False, "max_new_tokens": self.w.max_new_tokens}
+
         def go() -> None:
             log.begin()
             for ids, ref in zip(self.prompt_ids, self.reference):
                 streamer = EmissionStreamer()
                 input_ids = torch.tensor([ids])
-                mask, n = torch.ones_like(input_ids), self.w.max_new_tokens
+                mask = torch.ones_like(input_ids)
                 with torch.inference_mode():
                     out = self.model.generate(
-                        input_ids,
-                        attention_mask=mask,
-                        do_sample=False,
-                        max_new_tokens=n,
-                        streamer=streamer,
-                        **kwargs,
+                        input_ids, attention_mask=mask, **settings, streamer=streamer, **kwargs
                     )
                 log.add(*streamer.tokens_and_seconds())
                 if check:

@@ -739,15 +739,8 @@ SUITES = {
 def add_parser(suites: argparse._SubParsersAction) -> None:
     for kind, suite in SUITES.items():
         run = functools.partial(run_kind, kind)
-        add_suite(
-            suites,
-            kind,
-            run,
-            help=suite.help,
-            description=suite.description,
-            model=True,
-            options=suite.options,
-        )
+        text = {"help": suite.help, "description": suite.description}
+        add_suite(suites, kind, run, **text, model=True, options=suite.options)
 
 
 def run_kind(kind: str, args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
