@@ -138,11 +138,8 @@ def slot_runs(slots: np.ndarray) -> int:
     return int(np.count_nonzero(np.diff(slots) != 1)) + 1 if len(slots) else 0
 
 
-CLONE, GATHER, GATHER_CONTIGUOUS = (
-    "clone (contiguous)",
-    "gather (fragmented slots)",
-    "gather (contiguous slots)",
-)
+CLONE, GATHER = "clone (contiguous)", "gather (fragmented slots)"
+GATHER_CONTIGUOUS = "gather (contiguous slots)"
 
 
 def bench_gather(
@@ -171,11 +168,8 @@ def bench_gather(
         sink[:] = [s.clone() for s in sources]
 
     contiguous = np.arange(tokens, dtype=slots.dtype)
-    variants = [
-        Variant(CLONE, clone),
-        Variant(GATHER, gather(slots)),
-        Variant(GATHER_CONTIGUOUS, gather(contiguous)),
-    ]
+    variants = [Variant(CLONE, clone), Variant(GATHER, gather(slots))]
+    variants.append(Variant(GATHER_CONTIGUOUS, gather(contiguous)))
     samples = measure(variants, repeats, opts, "gather")
     nbytes = tokens * pool.token_bytes
     params = {"tokens": tokens, "capacity": capacity, "layers": layers, "heads": heads, "head_dim": head_dim}
