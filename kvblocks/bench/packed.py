@@ -90,13 +90,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     model, tokenizer = fixtures.load_model(args.model)
-    suites = {
-        "decode": decode,
-        "head-of-line": head_of_line,
-        "memory": memory,
-        "ttft": ttft,
-        "exactness": exactness,
-    }
+    suites = dict(zip(BENCHMARKS, (decode, head_of_line, memory, ttft, exactness)))
     return [suites[name](model, tokenizer, args, opts) for name in args.only or BENCHMARKS]
 
 
