@@ -171,14 +171,9 @@ def soak(server: Service, redis: RedisServer, args: argparse.Namespace) -> tuple
 
 
 def traffic(
-    server: Service,
-    redis: RedisServer,
-    args,
-    tally: Tally,
-    seconds: int,
-    faults_on: bool,
+    server: Service, redis: RedisServer, args, tally: Tally, seconds: int, faults_on: bool,
     agents: bool = True,
-) -> None:
+) -> None:  # fmt: skip
     """The victim and the flooder for `seconds`; with `agents`, every other tenant's traffic too (and
     the Redis faults, if on). The flooder runs six clients of eight prompts each: more than its
     `max_waiting` of 32, so it meets 429s."""
@@ -231,12 +226,8 @@ def agent(server: Service, args, tally: Tally, tenant: str, index: int, stop: th
             messages.append(
                 {"role": "user", "content": f"Agent {index}: tell me about {rng.choice(TOPICS)}."}
             )
-            body = {
-                "model": MODEL,
-                "messages": list(messages),
-                "max_tokens": args.max_tokens,
-                "temperature": 0,
-            }
+            body = {"model": MODEL, "messages": list(messages), "max_tokens": args.max_tokens}
+            body["temperature"] = 0
             reply = chat(server, tenant, body, tally)
             if reply is None or stop.is_set():
                 break
