@@ -487,11 +487,8 @@ def bench_fingerprint(opts: BenchOptions, model, model_name: str | None, repeats
         for t in tensors:
             h.update(t.reshape(-1).view(torch.uint8).numpy())
 
-    variants = [
-        Variant(FP_COLD, after_load, setup=load, teardown=fresh.clear),
-        Variant(FP_WARM, warm),
-        Variant(FP_BARE, bare),
-    ]
+    variants = [Variant(FP_COLD, after_load, setup=load, teardown=fresh.clear), Variant(FP_WARM, warm)]
+    variants.append(Variant(FP_BARE, bare))
     samples = measure(variants, repeats, opts, "fingerprint")
     assert len(seen) == 1, f"model_fingerprint is not deterministic: {sorted(seen)}"
     params = {**fixtures.model_params(model), "tensors": len(tensors), "MB_hashed": round(nbytes / 1e6, 1)}
