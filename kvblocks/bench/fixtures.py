@@ -96,9 +96,16 @@ def layout_trie(layers: int, heads: int, head_dim: int, capacity: int, spill=Non
     from kvblocks.cache.namespace import Namespace
     from kvblocks.cache.trie import KVCacheTrie
 
-    size = dict(num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * heads * head_dim)
-    config = LlamaConfig(hidden_size=heads * head_dim, head_dim=head_dim, num_hidden_layers=layers, **size)
-    specs, ns = [LayerSpec("full", heads, head_dim)] * layers, Namespace("bench-layout", "float32")
+    config = LlamaConfig(
+        hidden_size=heads * head_dim,
+        head_dim=head_dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=4 * heads * head_dim,
+    )
+    specs = [LayerSpec("full", heads, head_dim)] * layers
+    ns = Namespace("bench-layout", "float32")
     return KVCacheTrie(
         config, specs, ns, capacity_tokens=capacity, dtype=torch.float32, device="cpu", spill=spill
     )
