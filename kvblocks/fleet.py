@@ -41,7 +41,7 @@ from kvblocks.bench.fixtures import (
     free_port,
     kvblocks_command,
 )
-from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, fmt_seconds, int_options, progress
+from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, fmt_seconds, ints, progress
 from kvblocks.errors import UserError
 
 ROUTERS = ("sglang", "vllm")
@@ -614,8 +614,24 @@ class Outcome:
 POLICIES = ("cache_aware", "round_robin")
 
 
+OPTIONS = (
+    Option("--router", None, "sglang", "the router to run (default sglang)", choices=ROUTERS),
+    *ints("", [
+        ("replicas", 3, "kvblocks serve replicas"),
+        ("tenants", 3, "tenants, each with its own system prompt"),
+        ("requests", 8, "requests per tenant"),
+        ("system-tokens", 800, "tokens of each tenant's system prompt"),
+        ("max-tokens", 4, "max_tokens per request"),
+        ("concurrency", 8, "requests in flight at once"),
+        ("capacity", 8192, "device cache per replica, in tokens"),
+        ("chunk-tokens", 16, "tokens per Redis chunk"),
+    ]),
+    Option("--server-arg", None, [], "extra argument for every replica", repeat=True),
+)  # fmt: skip
+
+
 def add_parser(suites: argparse._SubParsersAction) -> None:
-    p = add_suite(
+    add_suite(
         suites,
         "fleet",
         run,
@@ -624,23 +640,8 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         "per-replica resident tokens for cache_aware vs round_robin routing, without and with a shared Redis tier "
         "(a private redis-server).",
         model=True,
+        options=OPTIONS,
     )
-    p.add_argument("--router", choices=ROUTERS, default="sglang", help="the router to run (default sglang)")
-    int_options(
-        p,
-        "",
-        [
-            ("replicas", 3, "kvblocks serve replicas"),
-            ("tenants", 3, "tenants, each with its own system prompt"),
-            ("requests", 8, "requests per tenant"),
-            ("system-tokens", 800, "tokens of each tenant's system prompt"),
-            ("max-tokens", 4, "max_tokens per request"),
-            ("concurrency", 8, "requests in flight at once"),
-            ("capacity", 8192, "device cache per replica, in tokens"),
-            ("chunk-tokens", 16, "tokens per Redis chunk"),
-        ],
-    )
-    p.add_argument("--server-arg", action="append", default=[], help="extra argument for every replica")
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:

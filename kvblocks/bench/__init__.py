@@ -31,19 +31,7 @@ def bench_parser() -> argparse.ArgumentParser:
         "missed (--no-fail only reports).",
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
-    for suite in (
-        micro,
-        workloads,
-        redis,
-        specdec,
-        server,
-        fleet,
-        packed,
-        hybrid,
-        prefix_listing,
-        constrained,
-        soak,
-        gpu,
-    ):
+    first = (micro, workloads, redis, specdec, server, fleet, packed, hybrid)
+    for suite in (*first, prefix_listing, constrained, soak, gpu):
         suite.add_parser(suites)
     return p

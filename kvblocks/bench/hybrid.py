@@ -22,25 +22,22 @@ SHAPES = ("lfm2", "qwen3_next")
 
 OPTIONS = (
     Option("--shape", None, "lfm2", "the hybrid's family (default lfm2)", choices=SHAPES),
-    *ints(
-        "",
-        [
-            ("hidden", 512, "hidden size of both models"),
-            ("layers", 12, "layers of both models"),
-            ("vocab", 8192, "vocabulary"),
-            ("snapshot-every", 256, "kvblocks' --snapshot-every"),
-            ("groups", 2, "shared-prompt: system prompts"),
-            ("prompts-per-group", 6, "shared-prompt: requests per system prompt"),
-            ("system", 600, "system prompt tokens"),
-            ("question", 32, "shared-prompt: question tokens"),
-            ("conversations", 4, "multi-turn: conversations"),
-            ("turns", 3, "multi-turn: turns per conversation"),
-            ("user", 32, "multi-turn: user tokens per turn"),
-            ("output", 16, "reply tokens"),
-        ],
-    ),
+    *ints("", [
+        ("hidden", 512, "hidden size of both models"),
+        ("layers", 12, "layers of both models"),
+        ("vocab", 8192, "vocabulary"),
+        ("snapshot-every", 256, "kvblocks' --snapshot-every"),
+        ("groups", 2, "shared-prompt: system prompts"),
+        ("prompts-per-group", 6, "shared-prompt: requests per system prompt"),
+        ("system", 600, "system prompt tokens"),
+        ("question", 32, "shared-prompt: question tokens"),
+        ("conversations", 4, "multi-turn: conversations"),
+        ("turns", 3, "multi-turn: turns per conversation"),
+        ("user", 32, "multi-turn: user tokens per turn"),
+        ("output", 16, "reply tokens"),
+    ]),
     Option("--seed", int, 0, "seed of the weights and token ids (default 0)"),
-)
+)  # fmt: skip
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
@@ -63,35 +60,21 @@ def build_models(shape: str, hidden: int, layers: int, vocab: int, seed: int):
 
     heads, kv_heads = max(hidden // 64, 1), max(hidden // 128, 1)
     common = dict(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        max_position_embeddings=8192,
-        bos_token_id=None,
-        eos_token_id=None,
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        vocab_size=vocab, max_position_embeddings=8192, bos_token_id=None, eos_token_id=None,
         pad_token_id=None,
-    )
+    )  # fmt: skip
     if shape == "lfm2":  # LFM2: short convolutions, attention at about one layer in three
         types = ["full_attention" if i % 3 == 2 else "conv" for i in range(layers)]
         fields = dict(common, intermediate_size=3 * hidden, block_auto_adjust_ff_dim=False, conv_L_cache=3)
     else:  # Qwen3-Next: three gated delta-net layers, then full attention; MoE feed-forward
         types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
         fields = dict(
-            common,
-            head_dim=64,
-            intermediate_size=3 * hidden,
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
-            linear_num_key_heads=max(heads // 2, 1),
-            linear_num_value_heads=heads,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=hidden // 2,
-            shared_expert_intermediate_size=hidden,
-        )
+            common, head_dim=64, intermediate_size=3 * hidden, linear_conv_kernel_dim=4,
+            linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=max(heads // 2, 1),
+            linear_num_value_heads=heads, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden,
+        )  # fmt: skip
     torch.manual_seed(seed)
     hybrid = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(shape, **fields, layer_types=types), experts_implementation="eager"
@@ -170,10 +153,9 @@ def workload(kind: str, hybrid, attention, args: argparse.Namespace, opts: Bench
     with progress(len(w.turns) * len(lanes), f"hybrid {kind}", opts.progress) as bar:
         for i, turn in enumerate(w.turns):
             k = i % len(lanes)
+            system = w.systems[w.system_of[turn.conversation]]
             for lane in [*lanes[k:], *lanes[:k]]:
-                lane.serve(
-                    turn.conversation, w.systems[w.system_of[turn.conversation]], turn.user, w.max_new_tokens
-                )
+                lane.serve(turn.conversation, system, turn.user, w.max_new_tokens)
                 bar.update()
     params = {"workload": kind, "shape": args.shape, "hidden": args.hidden, "layers": args.layers}
     params |= {"vocab": args.vocab, "snapshot_every": args.snapshot_every, "requests": len(w.turns)}
@@ -201,19 +183,16 @@ def hybrid_results(
     kv, none, attn = lanes
     stats = kv.cache.stats()
     same = sum(a == b for a, b in zip(kv.replies, none.replies))
+    per_token = stats["snapshot_bytes"] / max(stats["resident_tokens"], 1)
     checks = [
         Check("hit rate, hybrid", kv.hit_rate),
         Check("hit rate, attention-only", attn.hit_rate),
-        Check(
-            "hit rate hybrid / attention-only", kv.hit_rate / attn.hit_rate, "", 0.9, higher_is_better=True
-        ),
+        Check("hit rate hybrid / attention-only", kv.hit_rate / attn.hit_rate, "", 0.9, True),
         Check(
             "TTFT speed-up vs no cache (median)", report.ratio("no cache, hybrid", "kvblocks, hybrid"), "x"
         ),
-        Check(
-            "snapshot bytes per cached token", stats["snapshot_bytes"] / max(stats["resident_tokens"], 1), "B"
-        ),
-        Check("replies equal to no cache", same, f"of {requests}", requests, higher_is_better=True),
+        Check("snapshot bytes per cached token", per_token, "B"),
+        Check("replies equal to no cache", same, f"of {requests}", requests, True),
     ]
     notes = [
         f"ideal hit rate (every computed token reusable) {ideal:.4f}; the attention-only model reaches "

@@ -51,54 +51,33 @@ GB = 1e9
 
 
 OPTIONS = (
-    Group(
-        "gather (re-attach bandwidth; the layout defaults to SmolLM2's)",
-        ints(
-            "gather",
-            [
-                ("tokens", 1024, "tokens gathered per run"),
-                ("capacity", 8192, "pool capacity in tokens"),
-                *SMOLLM2_KV_SHAPE,
-                repeats_row(60),
-            ],
-        ),
-    ),
-    Group(
-        "trie (match/insert latency and metadata bytes)",
-        (
-            *ints(
-                "trie",
-                [
-                    ("resident", 1_000_000, "resident tokens"),
-                    ("prompt", 4096, "prompt tokens per op"),
-                    ("new", 128, "uncached tail of the mostly-hit prompt"),
-                    ("layers", 1, "layers of the tiny KV layout"),
-                    ("head-dim", 4, "head dim of the tiny layout"),
-                    repeats_row(40),
-                ],
-            ),
-            Option(
-                "--trie-fill",
-                float,
-                3.0,
-                "tokens inserted before measuring, as a multiple of --trie-resident (default 3: steady state)",
-            ),
-        ),
-    ),
-    Group(
-        "ttft (time to first token on the --model)",
-        ints(
-            "ttft",
-            [
-                ("cached", 1000, "cached system prompt tokens"),
-                ("question", 30, "uncached question tokens"),
-                repeats_row(15, "timed runs of kvblocks and ideal"),
-                ("nocache-repeats", 5, "timed runs of kvblocks and no cache, the slow full prefill"),
-            ],
-        ),
-    ),
+    Group("gather (re-attach bandwidth; the layout defaults to SmolLM2's)", ints("gather", [
+        ("tokens", 1024, "tokens gathered per run"),
+        ("capacity", 8192, "pool capacity in tokens"),
+        *SMOLLM2_KV_SHAPE,
+        repeats_row(60),
+    ])),
+    Group("trie (match/insert latency and metadata bytes)", (
+        *ints("trie", [
+            ("resident", 1_000_000, "resident tokens"),
+            ("prompt", 4096, "prompt tokens per op"),
+            ("new", 128, "uncached tail of the mostly-hit prompt"),
+            ("layers", 1, "layers of the tiny KV layout"),
+            ("head-dim", 4, "head dim of the tiny layout"),
+            repeats_row(40),
+        ]),
+        Option("--trie-fill", float, 3.0,
+               "tokens inserted before measuring, as a multiple of --trie-resident "
+               "(default 3: steady state)"),
+    )),
+    Group("ttft (time to first token on the --model)", ints("ttft", [
+        ("cached", 1000, "cached system prompt tokens"),
+        ("question", 30, "uncached question tokens"),
+        repeats_row(15, "timed runs of kvblocks and ideal"),
+        ("nocache-repeats", 5, "timed runs of kvblocks and no cache, the slow full prefill"),
+    ])),
     Group("fingerprint (model_fingerprint of the --model above)", ints("fingerprint", [repeats_row(7)])),
-)
+)  # fmt: skip
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
@@ -159,11 +138,8 @@ def slot_runs(slots: np.ndarray) -> int:
     return int(np.count_nonzero(np.diff(slots) != 1)) + 1 if len(slots) else 0
 
 
-CLONE, GATHER, GATHER_CONTIGUOUS = (
-    "clone (contiguous)",
-    "gather (fragmented slots)",
-    "gather (contiguous slots)",
-)
+CLONE, GATHER = "clone (contiguous)", "gather (fragmented slots)"
+GATHER_CONTIGUOUS = "gather (contiguous slots)"
 
 
 def bench_gather(
@@ -175,9 +151,7 @@ def bench_gather(
     pool = KVPool(KVLayout.from_shapes(torch.float32, shapes), capacity, "cpu")
     everything = pool.index(np.arange(capacity))
     for layer in range(layers):
-        pool.scatter(
-            layer, everything, torch.randn(capacity, heads, head_dim), torch.randn(capacity, heads, head_dim)
-        )
+        pool.scatter(layer, everything, *(torch.randn(capacity, heads, head_dim) for _ in "kv"))
     fragment(pool, np.random.default_rng(0), rounds=4 * capacity // 264)
     slots = pool.alloc(tokens)
     sources = [torch.randn(tokens, 2, heads, head_dim) for _ in range(layers)]
@@ -194,11 +168,8 @@ def bench_gather(
         sink[:] = [s.clone() for s in sources]
 
     contiguous = np.arange(tokens, dtype=slots.dtype)
-    variants = [
-        Variant(CLONE, clone),
-        Variant(GATHER, gather(slots)),
-        Variant(GATHER_CONTIGUOUS, gather(contiguous)),
-    ]
+    variants = [Variant(CLONE, clone), Variant(GATHER, gather(slots))]
+    variants.append(Variant(GATHER_CONTIGUOUS, gather(contiguous)))
     samples = measure(variants, repeats, opts, "gather")
     nbytes = tokens * pool.token_bytes
     params = {"tokens": tokens, "capacity": capacity, "layers": layers, "heads": heads, "head_dim": head_dim}
@@ -381,16 +352,13 @@ def bench_trie(
 def memory_report(by_file: dict[str, int], stats: dict[str, int], layers: int, head_dim: int) -> Report:
     resident = stats["resident_tokens"]
     total = sum(by_file.values())
-    report = Report(
-        "micro-memory",
-        "Metadata bytes per cached token",
-        {
-            "resident_tokens": resident,
-            "capacity_tokens": stats["capacity_tokens"],
-            "nodes": stats["nodes"],
-            "layout": f"{layers} layer x 1 head x head_dim {head_dim} fp32",
-        },
-    )
+    params = {
+        "resident_tokens": resident,
+        "capacity_tokens": stats["capacity_tokens"],
+        "nodes": stats["nodes"],
+    }
+    params["layout"] = f"{layers} layer x 1 head x head_dim {head_dim} fp32"
+    report = Report("micro-memory", "Metadata bytes per cached token", params)
     report.checks = [Check("bookkeeping bytes per resident token", total / resident, "B", 16.0)]
     big = {name: size for name, size in by_file.items() if size / resident >= 0.01}
     report.checks += [
@@ -519,11 +487,8 @@ def bench_fingerprint(opts: BenchOptions, model, model_name: str | None, repeats
         for t in tensors:
             h.update(t.reshape(-1).view(torch.uint8).numpy())
 
-    variants = [
-        Variant(FP_COLD, after_load, setup=load, teardown=fresh.clear),
-        Variant(FP_WARM, warm),
-        Variant(FP_BARE, bare),
-    ]
+    variants = [Variant(FP_COLD, after_load, setup=load, teardown=fresh.clear), Variant(FP_WARM, warm)]
+    variants.append(Variant(FP_BARE, bare))
     samples = measure(variants, repeats, opts, "fingerprint")
     assert len(seen) == 1, f"model_fingerprint is not deterministic: {sorted(seen)}"
     params = {**fixtures.model_params(model), "tensors": len(tensors), "MB_hashed": round(nbytes / 1e6, 1)}

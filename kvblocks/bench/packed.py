@@ -90,13 +90,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     model, tokenizer = fixtures.load_model(args.model)
-    suites = {
-        "decode": decode,
-        "head-of-line": head_of_line,
-        "memory": memory,
-        "ttft": ttft,
-        "exactness": exactness,
-    }
+    suites = dict(zip(BENCHMARKS, (decode, head_of_line, memory, ttft, exactness)))
     return [suites[name](model, tokenizer, args, opts) for name in args.only or BENCHMARKS]
 
 
@@ -332,13 +326,9 @@ def head_of_line(model, tokenizer, args: argparse.Namespace, opts: BenchOptions)
             f"{fmt_seconds(float(np.median(loaded)))} over {len(loaded)} requests; the "
             f"{args.long_prompt}-token prompt's own TTFT {fmt_seconds(long_ttft[name])}"
         )
-    report = Report(
-        "head-of-line",
-        f"Short requests while a {args.long_prompt}-token prompt prefills",
-        {"long_prompt": args.long_prompt, "short_prompt": 24, "short_requests": args.short_requests},
-        samples,
-    )
-    report.checks = checks
+    title = f"Short requests while a {args.long_prompt}-token prompt prefills"
+    params = {"long_prompt": args.long_prompt, "short_prompt": 24, "short_requests": args.short_requests}
+    report = Report("head-of-line", title, params, samples, checks)
     report.notes = [
         *notes,
         "short requests: 24 fresh tokens, max_tokens 1, sent one after another (each a random 0-250 ms "
@@ -389,10 +379,9 @@ def memory(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
                 _trim()  # freed memory back to the OS: what one round allocates shows as growth
                 meter = _PeakRss()
                 before = meter.now()
-                calls = [
+                for call in [
                     EngineCall(engine, document + random_ids(rng, vocab, 20), 16) for _ in range(args.readers)
-                ]
-                for call in calls:
+                ]:
                     call.wait()
                 growth[name].append((meter.stop() - before) / 2**20)
         finally:
@@ -400,11 +389,9 @@ def memory(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
         growth[name] = growth[name][opts.warmup :]
     engine_mb, batch_mb = (float(np.median(growth[k])) for k in ("Engine (batch 1)", "BatchEngine"))
     kv_mb = args.document * model_token_bytes(model) / 2**20
-    report = Report(
-        "memory",
-        f"RSS growth: {args.readers} concurrent requests over one cached {args.document}-token document",
-        {"document": args.document, "readers": args.readers, "new_tokens": 20, "max_tokens": 16},
-    )
+    title = f"RSS growth: {args.readers} concurrent requests over one cached {args.document}-token document"
+    params = {"document": args.document, "readers": args.readers, "new_tokens": 20, "max_tokens": 16}
+    report = Report("memory", title, params)
     report.checks = [
         Check("RSS growth, Engine (batch 1)", engine_mb, "MiB"),
         Check("RSS growth, BatchEngine", batch_mb, "MiB"),
@@ -414,7 +401,7 @@ def memory(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
         f"the document's KV is {kv_mb:.0f} MiB; each reader adds 20 prompt and 16 reply tokens; RSS sampled "
         "every 5 ms from /proc/self/statm, peak minus the level just before the readers were sent (after "
         "gc and malloc_trim), median of 3 rounds after warm-up rounds: "
-        + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in rounds)} MiB" for k, rounds in growth.items()),
+        + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in rounds)} MiB" for k, rounds in growth.items())
     ]
     return report
 
@@ -469,13 +456,9 @@ def ttft(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Repo
     finally:
         for engine in engines.values():
             engine.stop()
-    report = Report(
-        "ttft-cached",
-        f"TTFT with {args.cached} cached + {args.new} new tokens against the ideal",
-        {"cached": args.cached, "new": args.new, "runs": args.runs},
-        samples,
-        baseline="ideal (prefill the new tokens only)",
-    )
+    title = f"TTFT with {args.cached} cached + {args.new} new tokens against the ideal"
+    params = {"cached": args.cached, "new": args.new, "runs": args.runs}
+    report = Report("ttft-cached", title, params, samples, baseline="ideal (prefill the new tokens only)")
     ideal_s = report.median("ideal (prefill the new tokens only)")
     report.checks = [
         Check("TTFT BatchEngine / ideal", report.median("BatchEngine") / ideal_s, "", 1.02),
@@ -485,7 +468,7 @@ def ttft(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Repo
         "engines: submit to first piece on the engine's thread (ids given, no tokenizer), max_tokens 1; ideal: "
         "the bare model's forward of the new tokens over a DynamicCache already holding the prefix (cropped "
         "back to the prefix after each run, untimed) and the argmax; Engine gathers the cached prefix into a new DynamicCache "
-        "per request, BatchEngine reads it from the pool in place",
+        "per request, BatchEngine reads it from the pool in place"
     ]
     return report
 
@@ -545,12 +528,11 @@ def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) ->
     from kvblocks.generate.text import encode_prompt
 
     system = system_prompt(tokenizer, args.system_tokens)
-    prompts = [
-        encode_prompt(
-            tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": _question(i)}]
-        )
+    chats = [
+        [{"role": "system", "content": system}, {"role": "user", "content": _question(i)}]
         for i in range(args.agents)
     ]
+    prompts = [encode_prompt(tokenizer, chat) for chat in chats]
     runs: dict[str, list[EngineCall]] = {}
     t0 = time.perf_counter()
     for name, batch, invariant, how in EXACT_RUNS:
@@ -578,7 +560,7 @@ def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) ->
         f"fp32 on CPU, {args.reply} greedy tokens per request (ignore_eos), logprobs with the top 2; alone = "
         "each request submitted once the previous one finished; all at once = 16 requests submitted together "
         f"(batch 16, 80 tokens/step, the server's defaults); margin = top-1 minus top-2 logprob of the reference at the first "
-        f"differing token; {elapsed:.0f} s for the five runs",
+        f"differing token; {elapsed:.0f} s for the five runs"
     )
     return report
 

@@ -15,14 +15,7 @@ import time
 import httpx
 import numpy as np
 
-from kvblocks.bench.harness import (
-    BenchOptions,
-    Check,
-    Option,
-    Report,
-    add_suite,
-    positive_int,
-)
+from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, positive_int
 
 PREFIXES = "/v1/cache/prefixes?limit=1000&tree=true&max_nodes=5000"
 
@@ -101,16 +94,11 @@ def bench_health_under_inspection(nodes: int, probes: int, opts: BenchOptions) -
     finally:
         child.kill()
         child.join()
-    report = Report(
-        "inspection-health",
-        "/health while /v1/cache/prefixes lists a large trie",
-        {"nodes": stats["nodes"], "resident_tokens": stats["resident_tokens"], "probes": probes},
-        samples={
-            "health idle": idle,
-            "health during prefixes": busy,
-            "prefixes (limit 1000, tree 5000)": listing,
-        },
-    )
+    params = {"nodes": stats["nodes"], "resident_tokens": stats["resident_tokens"], "probes": probes}
+    samples = {"health idle": idle, "health during prefixes": busy}
+    samples["prefixes (limit 1000, tree 5000)"] = listing
+    title = "/health while /v1/cache/prefixes lists a large trie"
+    report = Report("inspection-health", title, params, samples)
     p99 = float(np.percentile(busy, 99))
     report.checks.append(Check("/health p99 during prefixes", p99 * 1e3, "ms", 50.0))
     report.checks.append(Check("prefixes median", float(np.median(listing)) * 1e3, "ms"))

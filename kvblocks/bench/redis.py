@@ -59,42 +59,24 @@ BENCH_SECRET = b"kvblocks-bench-restore-secret-0001"
 
 
 OPTIONS = (
-    Option(
-        "--redis",
-        None,
-        None,
-        "use this running Redis (keys get a unique prefix and a 1 h TTL) instead of a private redis-server",
-        metavar="URL",
-    ),
+    Option("--redis", None, None,
+           "use this running Redis (keys get a unique prefix and a 1 h TTL) instead of a private "
+           "redis-server", metavar="URL"),
     Option("--chunk-tokens", positive_int, 64, "tokens per Redis chunk (default 64)"),
-    Group(
-        "restore (fetch throughput vs raw GET; the layout defaults to SmolLM2's)",
-        ints("restore", [("tokens", 1024, "tokens fetched per run"), *SMOLLM2_KV_SHAPE, repeats_row(60)]),
-    ),
-    Group(
-        "ttft (process B restoring a shared prefix from Redis)",
-        ints(
-            "ttft",
-            [
-                ("prefix", 1000, "shared prefix tokens"),
-                ("question", 30, "uncached question tokens"),
-                repeats_row(8),
-            ],
-        ),
-    ),
-    Group(
-        "decode (per-token latency with background spilling)",
-        ints(
-            "decode",
-            [
-                ("tokens", 32, "tokens generated per run"),
-                ("prefix", 1000, "cached prefix before each question"),
-                ("spill", 512, "tokens of an earlier request spilled in the background during each run"),
-                repeats_row(10),
-            ],
-        ),
-    ),
-)
+    Group("restore (fetch throughput vs raw GET; the layout defaults to SmolLM2's)",
+          ints("restore", [("tokens", 1024, "tokens fetched per run"), *SMOLLM2_KV_SHAPE, repeats_row(60)])),
+    Group("ttft (process B restoring a shared prefix from Redis)", ints("ttft", [
+        ("prefix", 1000, "shared prefix tokens"),
+        ("question", 30, "uncached question tokens"),
+        repeats_row(8),
+    ])),
+    Group("decode (per-token latency with background spilling)", ints("decode", [
+        ("tokens", 32, "tokens generated per run"),
+        ("prefix", 1000, "cached prefix before each question"),
+        ("spill", 512, "tokens of an earlier request spilled in the background during each run"),
+        repeats_row(10),
+    ])),
+)  # fmt: skip
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
@@ -158,17 +140,12 @@ def random_ids(rng: np.random.Generator, vocab: int, n: int, avoid: int | None =
 PURE_RAW = "raw GET, pure-Python reply parser"
 PURE_FETCH = "RedisTier.fetch, pure-Python reply parser"
 SIDE_NAMES = {
-    "plain": (
-        "raw GET (redis-py pipeline)",
-        "RedisTier.fetch (EXISTS+GET, verify, decode)",
-        "match on an empty pool (fetch + promote into the pool)",
-    ),
-    "sealed": (
-        "raw GET of the sealed records",
-        "RedisTier.fetch with secret (EXISTS+GET, open, verify, decode)",
-        "match on an empty pool, with secret",
-    ),
-}
+    "plain": ("raw GET (redis-py pipeline)", "RedisTier.fetch (EXISTS+GET, verify, decode)",
+              "match on an empty pool (fetch + promote into the pool)"),
+    "sealed": ("raw GET of the sealed records",
+               "RedisTier.fetch with secret (EXISTS+GET, open, verify, decode)",
+               "match on an empty pool, with secret"),
+}  # fmt: skip
 RAW, FETCH, MATCH = SIDE_NAMES["plain"]
 SEALED_RAW, SEALED_FETCH, SEALED_MATCH = SIDE_NAMES["sealed"]
 # the restore report's checks, in order: parser ratios, throughputs (`THROUGHPUTS`), then ratios
@@ -189,19 +166,14 @@ RESTORE_RATIOS = (
     Ratio("fetch / raw GET throughput", RAW, FETCH, 0.6, True),
     Ratio("fetch / raw GET throughput, median of per-round ratios", RAW, FETCH, paired=True),
     Ratio("sealed fetch / raw GET of the sealed records", SEALED_RAW, SEALED_FETCH, 0.6, True),
-    Ratio(
-        "sealed fetch / raw GET of the sealed records, median of per-round ratios",
-        SEALED_RAW,
-        SEALED_FETCH,
-        paired=True,
-    ),
+    Ratio("sealed fetch / raw GET of the sealed records, median of per-round ratios",
+          SEALED_RAW, SEALED_FETCH, paired=True),
     Ratio("sealed fetch / fetch without secret (tokens/s)", FETCH, SEALED_FETCH, 0.9, True),
-    Ratio(
-        "sealed fetch / fetch without secret, median of per-round ratios", FETCH, SEALED_FETCH, paired=True
-    ),
+    Ratio("sealed fetch / fetch without secret, median of per-round ratios",
+          FETCH, SEALED_FETCH, paired=True),
     Ratio("fetch + promote / raw GET throughput", RAW, MATCH),
     Ratio("sealed fetch + promote / fetch + promote without secret", MATCH, SEALED_MATCH),
-)
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -410,14 +382,8 @@ def bench_ttft(
     }
     result = run_process_b(spec)
     redis_name, device_name, none_name = result["names"]
-    params = {
-        "model": fixtures.model_name(model),
-        "prefix_tokens": prefix,
-        "question_tokens": question,
-        "chunk_tokens": c,
-        "from_redis": result["redis_hit"],
-        "clock": opts.clock,
-    }
+    params = {"model": fixtures.model_name(model), "prefix_tokens": prefix, "question_tokens": question}
+    params |= {"chunk_tokens": c, "from_redis": result["redis_hit"], "clock": opts.clock}
     title = "Time to first token of process B: Redis hit vs device hit vs no cache"
     report = Report("redis-ttft", title, params, result["samples"], baseline=device_name)
     redis_s, device_s = report.median(redis_name), report.median(device_name)
@@ -496,29 +462,19 @@ def process_b(spec: dict) -> dict:
         return go
 
     names = ("Redis hit, empty pool (process B)", "device hit (process B)", "no cache (process B)")
-    samples = measure(
-        [
-            Variant(names[0], ttft(names[0], spilled), setup=lambda: spilled.evict(capacity)),
-            Variant(names[1], ttft(names[1], device)),
-            Variant(names[2], ttft(names[2], None)),
-        ],
-        spec["repeats"],
-        opts,
-        "ttft in process B",
-    )
+    variants = [
+        Variant(names[0], ttft(names[0], spilled), setup=lambda: spilled.evict(capacity)),
+        Variant(names[1], ttft(names[1], device)),
+        Variant(names[2], ttft(names[2], None)),
+    ]
+    samples = measure(variants, spec["repeats"], opts, "ttft in process B")
     assert hits[names[0]] == spec["expect_redis"], (hits, spec["expect_redis"])
     assert hits[names[1]] == len(system), hits
     stats = tier.stats()
     spilled.close()
     keep = ("redis_lookups", "redis_hit_chunks", "redis_read_bytes", "redis_verify_failures", "redis_errors")
-    return {
-        "names": names,
-        "samples": samples,
-        "redis_hit": hits[names[0]],
-        "device_hit": hits[names[1]],
-        "first_tokens": first,
-        "tier_stats": {k: stats[k] for k in keep},
-    }
+    result = {"names": names, "samples": samples, "redis_hit": hits[names[0]], "device_hit": hits[names[1]]}
+    return result | {"first_tokens": first, "tier_stats": {k: stats[k] for k in keep}}
 
 
 # ---- c. decode latency while spilling --------------------------------------------------------
@@ -617,14 +573,10 @@ def bench_decode(
     warm = len(bench.per_run[SPILL_ON]) - repeats
     samples = {name: runs[warm:] for name, runs in bench.per_run.items()}
     steps = {name: np.asarray(g[warm * (tokens - 2) :]) for name, g in bench.gaps.items()}
-    params = {
-        "model": fixtures.model_name(model),
-        "context_tokens": f"{len(system) + 16}..{len(system) + 16 + tokens}",
-        "tokens_per_run": tokens,
-        "spilled_tokens_per_run": spill,
-        "chunk_tokens": tier_kwargs["chunk_tokens"],
-        "clock": "wall (token timestamps)",
-    }
+    context = f"{len(system) + 16}..{len(system) + 16 + tokens}"
+    params = {"model": fixtures.model_name(model), "context_tokens": context, "tokens_per_run": tokens}
+    params |= {"spilled_tokens_per_run": spill, "chunk_tokens": tier_kwargs["chunk_tokens"]}
+    params["clock"] = "wall (token timestamps)"
     title = "Per-token decode latency with background spilling on vs off"
     report = Report("redis-decode", title, params, samples, baseline=SPILL_OFF)
     written_mb = (stats["redis_written_bytes"] - before["redis_written_bytes"]) / MB
@@ -634,13 +586,9 @@ def bench_decode(
 
 
 def decode_checks(
-    report: Report,
-    steps: dict[str, np.ndarray],
-    mb_per_run: float,
-    alone: list[float],
-    spill: int,
+    report: Report, steps: dict[str, np.ndarray], mb_per_run: float, alone: list[float], spill: int,
     tokens: int,
-) -> list[Check]:
+) -> list[Check]:  # fmt: skip
     p99 = {name: float(np.percentile(gaps, 99)) for name, gaps in steps.items()}
     return [
         Ratio("spill on / off, per-token latency", SPILL_ON, SPILL_OFF, 1.05).check(report),

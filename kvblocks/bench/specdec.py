@@ -71,33 +71,23 @@ GROUNDED_PROMPTS = [
 
 
 OPTIONS = (
-    *ints(
-        "",
-        [
-            repeats_row(3, "timed runs of each generation variant"),
-            (
-                "cost-repeats",
-                15,
-                "timed runs of a point-mass drafter's proposal and of each forward in the sweep",
-            ),
-            ("self-layers", 4, "layers of the self-drafter (see sweep)"),
-            ("self-gamma", 1, "drafts per round, self"),
-            ("lookup-gamma", 8, "drafts per round, lookup"),
-            ("trie-gamma", 8, "drafts per round, trie"),
-            ("self-tokens", 48, "new tokens per prompt, self"),
-            ("lookup-tokens", 64, "new tokens per prompt, lookup"),
-            ("trie-tokens", 48, "new tokens per prompt, trie"),
-            ("prompts", 2, "prompts per run, self workload"),
-            ("sweep-tokens", 32, "new tokens per prompt, sweep"),
-        ],
-    ),
-    Option(
-        "--sweep-layers",
-        None,
-        "2,4,8,16,24,29",
-        "self-drafter layer counts the sweep measures (default 2,4,8,16,24,29)",
-    ),
-)
+    *ints("", [
+        repeats_row(3, "timed runs of each generation variant"),
+        ("cost-repeats", 15,
+         "timed runs of a point-mass drafter's proposal and of each forward in the sweep"),
+        ("self-layers", 4, "layers of the self-drafter (see sweep)"),
+        ("self-gamma", 1, "drafts per round, self"),
+        ("lookup-gamma", 8, "drafts per round, lookup"),
+        ("trie-gamma", 8, "drafts per round, trie"),
+        ("self-tokens", 48, "new tokens per prompt, self"),
+        ("lookup-tokens", 64, "new tokens per prompt, lookup"),
+        ("trie-tokens", 48, "new tokens per prompt, trie"),
+        ("prompts", 2, "prompts per run, self workload"),
+        ("sweep-tokens", 32, "new tokens per prompt, sweep"),
+    ]),
+    Option("--sweep-layers", None, "2,4,8,16,24,29",
+           "self-drafter layer counts the sweep measures (default 2,4,8,16,24,29)"),
+)  # fmt: skip
 
 
 def add_parser(suites: argparse._SubParsersAction) -> None:
@@ -348,19 +338,17 @@ class Lanes:
     def hf_generate(self, log: DecodeLog, kwargs: dict, check: bool) -> Callable[[], None]:
         import torch
 
+        settings = {"do_sample": False, "max_new_tokens": self.w.max_new_tokens}
+
         def go() -> None:
             log.begin()
             for ids, ref in zip(self.prompt_ids, self.reference):
                 streamer = EmissionStreamer()
                 input_ids = torch.tensor([ids])
+                mask = torch.ones_like(input_ids)
                 with torch.inference_mode():
                     out = self.model.generate(
-                        input_ids,
-                        attention_mask=torch.ones_like(input_ids),
-                        do_sample=False,
-                        max_new_tokens=self.w.max_new_tokens,
-                        streamer=streamer,
-                        **kwargs,
+                        input_ids, attention_mask=mask, **settings, streamer=streamer, **kwargs
                     )
                 log.add(*streamer.tokens_and_seconds())
                 if check:
@@ -414,14 +402,9 @@ def bench_workload(
     costs = StepCosts(
         {k: float(np.median(t)) for k, t in target.items()}, draft_cost, w.gamma, draft_model is None
     )
-    params = {
-        "model": fixtures.model_name(model),
-        "drafter": w.drafter_name,
-        "gamma": w.gamma,
-        "prompts": len(prompt_ids),
-        "max_new_tokens": w.max_new_tokens,
-        "decoded_tokens_per_run": logs["base"].tokens(opts.warmup) // repeats,
-    }
+    params = {"model": fixtures.model_name(model), "drafter": w.drafter_name, "gamma": w.gamma}
+    params |= {"prompts": len(prompt_ids), "max_new_tokens": w.max_new_tokens}
+    params["decoded_tokens_per_run"] = logs["base"].tokens(opts.warmup) // repeats
     title = f"Speculative decoding, {w.drafter_name} drafter"
     speed = Report(f"specdec-{w.kind}", title, params, samples, baseline=names["base"])
     speed.checks = speed_checks(speed, w, names, lanes, costs)
@@ -480,11 +463,8 @@ def speed_notes(w: Workload, lanes: Lanes) -> list[str]:
 
 
 def _merge(total, one) -> None:
-    total.rounds += one.rounds
-    total.drafted += one.drafted
-    total.accepted += one.accepted
-    total.rejected_rounds += one.rejected_rounds
-    total.emitted += one.emitted
+    for name in ("rounds", "drafted", "accepted", "rejected_rounds", "emitted"):
+        setattr(total, name, getattr(total, name) + getattr(one, name))
 
 
 def _yes_share(flags: list[bool]) -> str:
@@ -563,13 +543,9 @@ def cost_report(w: Workload, costs: StepCosts, target: dict[int, list[float]], d
         + (" (CachedGenerator decode)" if k == 1 else " (verify)")
         for k in sorted(target)
     }
-    report = Report(
-        f"specdec-{w.kind}-costs",
-        f"Step costs, {w.drafter_name} drafter",
-        {"gamma": w.gamma},
-        {names[k]: target[k] for k in names} | draft,
-        baseline=names[1],
-    )
+    samples = {names[k]: target[k] for k in names} | draft
+    title = f"Step costs, {w.drafter_name} drafter"
+    report = Report(f"specdec-{w.kind}-costs", title, {"gamma": w.gamma}, samples, baseline=names[1])
     report.checks = [
         Check(f"v({k - 1}) = {k}-token forward / 1-token", costs.v(k - 1)) for k in names if k > 1
     ]
@@ -654,13 +630,9 @@ def bench_sweep(
 
     variants = [step(0, width) for width in (1, 2, 3, 5)] + [step(k, 1) for k in layer_counts]
     samples = measure(variants, repeats, opts, "self-drafter sweep")
-    report = Report(
-        "specdec-sweep",
-        "Self-drafter sweep: alpha, c and predicted S per layer count K",
-        {"prompts": len(prompts), "tokens_per_prompt": tokens, "context_tokens": n, "gamma_for_alpha": 1},
-        samples,
-        baseline=variants[0].name,
-    )
+    title = "Self-drafter sweep: alpha, c and predicted S per layer count K"
+    params = {"prompts": len(prompts), "tokens_per_prompt": tokens, "context_tokens": n, "gamma_for_alpha": 1}
+    report = Report("specdec-sweep", title, params, samples, baseline=variants[0].name)
     t1 = report.median(variants[0].name)
     v = {g: report.median(variants[i].name) / t1 for i, g in ((1, 1), (2, 2), (3, 4))}
     for i, k in enumerate(layer_counts):

@@ -137,16 +137,9 @@ def _sequences(rng: np.random.Generator, vocab: int, count: int, length: int) ->
 
 
 def shared_prompt(
-    groups: int,
-    per_group: int,
-    system: int,
-    question: int,
-    output: int,
-    vocab: int,
-    seed: int = 0,
-    order: str = "arrival",
-    zipf: float = 0.0,
-) -> Workload:
+    groups: int, per_group: int, system: int, question: int, output: int, vocab: int, seed: int = 0,
+    order: str = "arrival", zipf: float = 0.0,
+) -> Workload:  # fmt: skip
     """Requests arrive shuffled; `order="sorted"` sorts the prompts instead (descending, as
     transformers' `add_requests` does), so requests with one system prompt come back to back.
     With `zipf` > 0 the groups*per_group requests pick their system prompt with probability
@@ -162,25 +155,14 @@ def shared_prompt(
     if order == "sorted":
         order_ids.sort(key=lambda i: systems[system_of[i]] + questions[i], reverse=True)
     return Workload(
-        "shared-prompt",
-        systems,
-        system_of,
-        [Turn(i, tuple(questions[i])) for i in order_ids],
-        output,
-        vocab,
+        "shared-prompt", systems, system_of, [Turn(i, tuple(questions[i])) for i in order_ids], output, vocab
     )
 
 
 def multi_turn(
-    conversations: int,
-    turns: int,
-    system: int,
-    user: int,
-    output: int,
-    vocab: int,
-    systems: int = 1,
+    conversations: int, turns: int, system: int, user: int, output: int, vocab: int, systems: int = 1,
     seed: int = 0,
-) -> Workload:
+) -> Workload:  # fmt: skip
     """Turns arrive in a random interleaving of the conversations, each conversation in order."""
     rng = np.random.default_rng(seed)
     prompts = _sequences(rng, vocab, systems, system)
@@ -318,14 +300,10 @@ class Lane:
         i = len(self.hits)
         turn = self.workload.turns[i]
         c = turn.conversation
+        w = self.workload
+        prompt = self.transcript.prompt(turn)
         self.request = Request(
-            self.transcript.prompt(turn),
-            c,
-            self.workload.system_of[c],
-            self.workload.system_len(c),
-            self.workload.max_new_tokens,
-            self.plan[i],
-            self.more[i],
+            prompt, c, w.system_of[c], w.system_len(c), w.max_new_tokens, self.plan[i], self.more[i]
         )
         self.server.prepare(self.request)
 
@@ -400,22 +378,13 @@ def row_for(
     st = Stats.of(run.ttft)
     total = float(sum(latency)) if isinstance(latency, list) else float(latency)
     rate = sum(run.hits) / sum(run.prompt_tokens)
+    vs_ideal = rate / ideal_rate if ideal_rate else float("nan")
+    same = sum(o == r for o, r in zip(run.outputs, reference))
     return Row(
-        name,
-        rate,
-        rate / ideal_rate if ideal_rate else float("nan"),
-        st.mean,
-        st.median,
-        st.p99,
-        total,
-        sum(len(o) for o in run.outputs) / total,
-        peak,
-        sum(o == r for o, r in zip(run.outputs, reference)),
-        len(run.outputs),
-        list(run.ttft),
-        list(latency) if isinstance(latency, list) else [],
+        name, rate, vs_ideal, st.mean, st.median, st.p99, total, sum(len(o) for o in run.outputs) / total,
+        peak, same, len(run.outputs), list(run.ttft), list(latency) if isinstance(latency, list) else [],
         list(run.hits),
-    )
+    )  # fmt: skip
 
 
 def peak_bytes(lane: Lane, token_bytes: int) -> int:
@@ -469,9 +438,8 @@ def run_workload(
     try:
         warm_up(servers, opts.warmup, w, clock)
         lanes = {s.name: Lane(s, w, setup.plan, clock) for s in servers}
-        latency = measure(
-            [lane.variant() for lane in lanes.values()], len(w.turns), replace(opts, warmup=0), w.name
-        )
+        variants = [lane.variant() for lane in lanes.values()]
+        latency = measure(variants, len(w.turns), replace(opts, warmup=0), w.name)
     finally:
         for s in servers:
             s.close()
@@ -594,13 +562,9 @@ def plot_overview(report: WorkloadReport, path: Path) -> None:
 
 
 def build_report(
-    lanes: dict[str, Lane],
-    batch: AllAtOnce | None,
-    ideals: dict[str, float],
-    params: dict[str, object],
-    bounded: bool,
-    token_bytes: int,
-) -> WorkloadReport:
+    lanes: dict[str, Lane], batch: AllAtOnce | None, ideals: dict[str, float], params: dict[str, object],
+    bounded: bool, token_bytes: int,
+) -> WorkloadReport:  # fmt: skip
     ideal_rate = next(iter(ideals.values()))
     reference = lanes["ideal"].outputs
     rows = [
@@ -611,15 +575,9 @@ def build_report(
     if batch is not None:
         rows.append(row_for(CB_BATCH, batch, batch.elapsed_s, batch.cache_bytes, ideal_rate, reference))
     title = SUITES[str(params["workload"])].title
-    report = WorkloadReport(
-        f"workload-{params['workload']}",
-        title,
-        params,
-        {name: lane.ttft for name, lane in lanes.items()},
-        baseline="ideal",
-        rows=rows,
-        ideal_lines=ideals,
-    )
+    samples = {name: lane.ttft for name, lane in lanes.items()}
+    name = f"workload-{params['workload']}"
+    report = WorkloadReport(name, title, params, samples, baseline="ideal", rows=rows, ideal_lines=ideals)
     report.checks = checks(rows, lanes, ideals, bounded)
     return report
 
@@ -642,12 +600,8 @@ def checks(rows: list[Row], lanes: dict[str, Lane], ideals: dict[str, float], bo
     k, i = lanes["kvblocks"], lanes["ideal"]
     equal = [a / b for a, b, ha, hb in zip(k.ttft, i.ttft, k.hits, i.hits) if ha == hb]
     if equal:
-        out.append(
-            Check(
-                f"kvblocks TTFT / ideal at equal hits (median per request, {len(equal)} requests)",
-                float(np.median(equal)),
-            )
-        )
+        metric = f"kvblocks TTFT / ideal at equal hits (median per request, {len(equal)} requests)"
+        out.append(Check(metric, float(np.median(equal))))
     for r in rows:
         if r.variant in ("kvblocks", "ideal") or r.variant.startswith("kvblocks, "):
             continue
@@ -704,47 +658,29 @@ def common_notes(
 
 COMMON_OPTIONS = (
     Option("--seed", int, 0, "seed of the token ids and arrival order (default 0)"),
-    Option(
-        "--eviction", None, DEFAULT_POLICY, "the kvblocks lane's eviction policy", choices=tuple(POLICIES)
-    ),
-    Option(
-        "--also-eviction",
-        None,
-        [],
-        "add a kvblocks lane with this eviction policy, named 'kvblocks, POLICY' (repeatable)",
-        choices=tuple(POLICIES),
-        repeat=True,
-    ),
+    Option("--eviction", None, DEFAULT_POLICY, "the kvblocks lane's eviction policy",
+           choices=tuple(POLICIES)),
+    Option("--also-eviction", None, [],
+           "add a kvblocks lane with this eviction policy, named 'kvblocks, POLICY' (repeatable)",
+           choices=tuple(POLICIES), repeat=True),
     Option("--skip", None, [], "leave out a baseline (repeatable)", choices=OPTIONAL, repeat=True),
-    Group(
-        "transformers continuous batching",
-        (
-            Option("--cb-page-size", positive_int, 256, "tokens per page (default 256)"),
-            Option("--cb-max-batch-tokens", positive_int, 2048, "tokens per batch (default 2048)"),
-            Option(
-                "--cb-blocks",
-                positive_int,
-                None,
-                "paged cache blocks (default: as many tokens as kvblocks may cache, plus one request)",
-            ),
-        ),
-    ),
-)
+    Group("transformers continuous batching", (
+        Option("--cb-page-size", positive_int, 256, "tokens per page (default 256)"),
+        Option("--cb-max-batch-tokens", positive_int, 2048, "tokens per batch (default 2048)"),
+        Option("--cb-blocks", positive_int, None,
+               "paged cache blocks (default: as many tokens as kvblocks may cache, plus one request)"),
+    )),
+)  # fmt: skip
 SHARED_OPTIONS = (
     Option("--groups", positive_int, 4, "system prompts (default 4)"),
     Option("--prompts-per-group", positive_int, 8, "requests per group (default 8)"),
     Option("--system", positive_int, 1024, "system prompt tokens (default 1024)"),
     Option("--question", positive_int, 32, "question tokens (default 32)"),
     Option("--output", positive_int, 16, "generated tokens (default 16)"),
-    Option(
-        "--order",
-        None,
-        "arrival",
-        "arrival: shuffled (default); sorted: equal system prompts back to back, the order "
-        "transformers' generate_batch runs them in",
-        choices=("arrival", "sorted"),
-    ),
-)
+    Option("--order", None, "arrival",
+           "arrival: shuffled (default); sorted: equal system prompts back to back, the order "
+           "transformers' generate_batch runs them in", choices=("arrival", "sorted")),
+)  # fmt: skip
 MULTI_TURN_OPTIONS = (
     Option("--conversations", positive_int, 8, "conversations (default 8)"),
     Option("--turns", positive_int, 4, "turns per conversation (default 4)"),
@@ -754,21 +690,12 @@ MULTI_TURN_OPTIONS = (
     Option("--output", positive_int, 16, "reply tokens per turn (default 16)"),
 )
 PRESSURE_OPTIONS = (
-    Option(
-        "--capacity-fraction",
-        float,
-        0.5,
-        "cache capacity as a fraction of all system prompt tokens (default 0.5: half of them)",
-    ),
-    Option(
-        "--zipf",
-        float,
-        0.0,
-        "skewed popularity: each request picks system prompt k with probability ~ 1/k**S "
-        "(default 0: every prompt equally often)",
-        metavar="S",
-    ),
-)
+    Option("--capacity-fraction", float, 0.5,
+           "cache capacity as a fraction of all system prompt tokens (default 0.5: half of them)"),
+    Option("--zipf", float, 0.0,
+           "skewed popularity: each request picks system prompt k with probability ~ 1/k**S "
+           "(default 0: every prompt equally often)", metavar="S"),
+)  # fmt: skip
 SHARED_PARAMS = ("groups", "prompts_per_group", "system", "question", "output", "order")
 
 
@@ -812,15 +739,8 @@ SUITES = {
 def add_parser(suites: argparse._SubParsersAction) -> None:
     for kind, suite in SUITES.items():
         run = functools.partial(run_kind, kind)
-        add_suite(
-            suites,
-            kind,
-            run,
-            help=suite.help,
-            description=suite.description,
-            model=True,
-            options=suite.options,
-        )
+        text = {"help": suite.help, "description": suite.description}
+        add_suite(suites, kind, run, **text, model=True, options=suite.options)
 
 
 def run_kind(kind: str, args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
