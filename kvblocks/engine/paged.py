@@ -16,6 +16,15 @@ ones (prefill chunks) keep a call each. Nothing is copied per request between st
 grows by `torch.cat`: a request's KV is its slot list, the shared prefix's slots included, exactly
 as the trie holds them.
 
+Cascade attention (`PagedRunner(cascade=...)`, the default on CPU unless batch-invariant): when
+several running requests' keys begin with the same pool slots (a system prompt the trie stored once),
+their queries attend those shared keys together, one matrix product per K/V head reading the slots
+in place, and each request's own keys separately; the two results are merged exactly by their
+log-sum-exp. Where no other request of the batch shares a request's leading run, it attends all of
+its keys in one fused call, as before. Within 1e-10 of one request alone in fp64 (tests/test_paged.py);
+the split depends on the batch, so logits differ from a request alone in the last bits of fp32 (greedy
+tokens agree in the tests and benchmarks); `--batch-invariant` keeps one call per request.
+
 Batch invariance (`PagedRunner(..., invariant=True)`, `kvblocks serve --batch-invariant`): a row of
 a packed forward rounds the same whatever else is in the batch. CPU BLAS computes a row of a matrix
 product the same way for any number of rows from `MIN_ROWS` up, but takes another kernel (GEMV and
@@ -227,17 +236,19 @@ class Part:
 
 @dataclass(frozen=True, slots=True)
 class Cascade:
-    """The plan of a cascade forward on layers without a window. Every segment's keys are cut at a
-    point that depends on its own slot list only (the end of its leading run of consecutive slots, before
-    its first new token, if at least `cascade_min` long), so the cut is the same alone or in any batch,
-    and requests that share a prefix the trie stored in one piece are cut at the same slots. `runs` are the
-    shared parts: every segment cut at the same slots attends them in one matrix product. `own` are
+    """The plan of a cascade forward on layers without a window. A segment's keys are cut at the end
+    of its leading run of consecutive slots (before its first new token, if at least `cascade_min`
+    long), so requests that share a prefix the trie stored in one piece are cut at the same slots, and
+    a cut is kept only where another segment of the batch shares it. `runs` are the shared parts: every
+    segment cut at the same slots attends them in one matrix product. `own` are
     the rest of each segment's keys: consecutive segments gathered into one part of at most
     `OWN_PART_KEYS` keys, each row masked to its own segment's keys (causally). A row's two results
-    are merged exactly by log-sum-exp."""
+    are merged exactly by log-sum-exp. Segments with no cut (`plain`) need no merge: they attend all
+    their keys in one fused call each, as without cascade."""
 
     runs: list[Part]
     own: list[Part]
+    plain: list[int]
 
     @classmethod
     def plan(cls, batch: PagedBatch, cascade_min: int) -> Cascade:
@@ -247,20 +258,26 @@ class Cascade:
         for i, n in enumerate(cuts):
             if n:
                 by_run.setdefault((int(batch._slots[i][0]), n), []).append(i)
+        for members in [m for m in by_run.values() if len(m) == 1]:  # nothing to share: one fused call
+            cuts[members[0]] = 0
+        by_run = {run: members for run, members in by_run.items() if len(members) > 1}
         runs = [
             Part(slice(first, first + n), _rows(batch, members, device))
             for (first, n), members in by_run.items()
         ]
         own, members, keys = [], [], 0
         for i, cut in enumerate(cuts):
+            if not cut:
+                continue
             size = len(batch._slots[i]) - cut
             if members and keys + size > OWN_PART_KEYS:
                 own.append(_own_part(batch, members, cuts, device))
                 members, keys = [], 0
             members.append(i)
             keys += size
-        own.append(_own_part(batch, members, cuts, device))
-        return cls(runs, own)
+        if members:
+            own.append(_own_part(batch, members, cuts, device))
+        return cls(runs, own, [i for i, cut in enumerate(cuts) if not cut])
 
 
 def _rows(batch: PagedBatch, members: Sequence[int], device: torch.device) -> torch.Tensor | slice:
@@ -410,11 +427,16 @@ def _grouped_attention(
 def _cascade_attention(
     pool_layer: torch.Tensor, query: torch.Tensor, batch: PagedBatch, scale: float, groups: int
 ) -> torch.Tensor:
-    """`[T, Hq, D]`: each row attends its own keys, then its shared run's, merged by log-sum-exp."""
+    """`[T, Hq, D]`: each row of a cut segment attends its own keys, then its shared run's, merged by
+    log-sum-exp; a segment with no cut attends all its keys in one call."""
     plan = batch.cascade
     tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
     out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(tokens, heads, dtype=query.dtype, device=query.device)
+    views = batch.views(None) if plan.plain else []
+    for i in plan.plain:
+        (a, b), (index, mask) = batch.bounds[i], views[i]
+        out[a:b] = _segment_attention(pool_layer, query[0, :, a:b], index, mask, scale, groups, None)
     for part in plan.own:
         out[part.rows], lse[part.rows] = _part_attention(pool_layer, query, part, scale, groups)
     for part in plan.runs:
