@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvblocks.adapters import hf
 from kvblocks.cache.eviction import EvictionPolicy
 from kvblocks.cache.layout import KVLayout, LayerSpec, StateLayout
@@ -35,29 +33,14 @@ class KVCacheTrie(PrefixCache):
         specs: Sequence[LayerSpec],
         namespace: Namespace,
         *,
-        capacity_tokens: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        max_pinned_tokens: int | None = None,
-        spill: RedisTier | None = None,
-        eviction: str | EvictionPolicy | None = None,
         state: StateLayout | None = None,
-        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
+        **options,
     ) -> None:
+        """`options` are `PrefixCache`'s (capacity_tokens, dtype, device, max_pinned_tokens, spill,
+        eviction, snapshot_every); the bridge to transformers' caches is built from `config`."""
         self.config = config
-        super().__init__(
-            specs,
-            namespace,
-            bridge=hf.HFBridge(config, tuple(specs), state),
-            capacity_tokens=capacity_tokens,
-            dtype=dtype,
-            device=device,
-            max_pinned_tokens=max_pinned_tokens,
-            spill=spill,
-            eviction=eviction,
-            state=state,
-            snapshot_every=snapshot_every,
-        )
+        bridge = hf.HFBridge(config, tuple(specs), state)
+        super().__init__(specs, namespace, bridge=bridge, state=state, **options)
 
     @classmethod
     def for_model(
