@@ -137,7 +137,6 @@ class DecodeBoth:
                 logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
                 self.tokens[SOLO].append([int(logits[0, -1].argmax())])
                 self.caches.append(cache)
-        self.lengths = [len(s) for s in self.slots]  # positions each way's requests hold
         self.grown = {PACKED: list(self.slots), PER_SEGMENT: list(self.slots)}
 
     def step(self, name: str):
