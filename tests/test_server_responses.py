@@ -160,6 +160,7 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(http):
     body = {
         "messages": [{"role": "user", "content": "Count to five."}],
         "max_tokens": 8,
+        "ignore_eos": True,  # sampled at temperature 1: without it an early EOS would end the stream
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     chunks = sse_chunks(http, body)
