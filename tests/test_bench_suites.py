@@ -134,13 +134,17 @@ def test_specdec_suite_runs_every_drafter_and_transformers_on_a_tiny_model(tmp_p
 
 def test_server_suite_runs_cache_on_and_off_servers_on_a_tiny_model(tmp_path, capsys):
     args = ["server", "--model", str(tiny_model_dir()), "--agents", "2", "--turns", "2"]
-    args += ["--system-tokens", "40", "--max-tokens", "2"]
+    args += ["--system-tokens", "40", "--max-tokens", "2", "--decode-heavy", "6"]
     summary = run_suite(tmp_path, capsys, *args)
     found = checks(summary, "server-load")
     assert found["prompt-token hit rate, cache off"] == 0
     assert found["prompt-token hit rate, cache on"] > 0.3
     assert found["hit rate / ideal, cache on"] <= 1.0
     assert found["cold first wave: hit rate"] <= found["cold first wave: ideal hit rate"]
+    # --decode-heavy: its own report, one turn of 6 tokens per agent on the batched server
+    heavy = checks(summary, "server-decode-heavy")
+    assert heavy["makespan (median round), kvblocks serve (batched)"] > 0
+    assert 0 < heavy["completion tokens/s, kvblocks serve (batched)"]
 
 
 def test_packed_suite_decodes_the_same_tokens_both_ways_on_a_tiny_model(tmp_path, capsys):

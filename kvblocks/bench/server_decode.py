@@ -1,0 +1,99 @@
+"""The decode-heavy load of `kvblocks bench server --decode-heavy N` (issue 23's peers check).
+
+Every agent sends one turn with `N` max_tokens, all at once, against the batched kvblocks server
+and the peers of the run (llama-server at its best setting, transformers serve). Prefill is a
+small share here: the servers race on decode, where llama.cpp's quantised kernels are strongest.
+The round's wall time is the makespan.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvblocks.bench.harness import Check, Report
+
+KVBLOCKS = "kvblocks serve (batched)"
+NAMES = {
+    "batched": KVBLOCKS,
+    "llama": "llama.cpp llama-server",
+    "transformers": "transformers serve --continuous-batching",
+}
+
+
+def servers(args, urls: dict[str, str]) -> list[str]:
+    """The servers the decode-heavy load runs on (none unless asked for)."""
+    if not args.decode_heavy:
+        return []
+    return [key for key in NAMES if key in urls]
+
+
+async def drive(client, loads: dict, tokenizer, system: str, args, bar) -> dict:
+    """Rounds of the decode-heavy wave, rotated between the servers; returns a fresh `Load` per
+    server holding only these requests."""
+    from kvblocks.bench.server import Load, wave
+
+    keys = servers(args, {key: load.url for key, load in loads.items()})
+    heavy = {key: Load(loads[key].url, loads[key].model) for key in keys}
+    for r in range(args.rounds):
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            t0 = time.perf_counter()
+            done = await wave(
+                client, heavy[key], tokenizer, system, args, f"decode {r}", 1, bar, args.decode_heavy
+            )
+            heavy[key].spans.append(time.perf_counter() - t0)
+            heavy[key].timed += done
+    return heavy
+
+
+def report(args, heavy: dict, llama_slots: int) -> Report:
+    from kvblocks.bench.server import p50_p99, ttfts
+
+    samples = {NAMES[key]: ttfts(load.timed) for key, load in heavy.items()}
+    params = {"agents": args.agents, "turns": 1, "max_tokens": args.decode_heavy, "rounds": args.rounds}
+    params |= {"system_prompt_tokens": args.system_tokens, "clock": "wall (client side, streaming)"}
+    title = f"decode-heavy: {args.agents} agents x 1 turn x {args.decode_heavy} tokens, kvblocks vs peers"
+    out = Report(
+        "server-decode-heavy", title, params, samples, baseline=KVBLOCKS if "batched" in heavy else None
+    )
+    for key, load in heavy.items():
+        p50, p99 = p50_p99(samples[NAMES[key]])
+        out.checks += [
+            Check(f"makespan (median round), {NAMES[key]}", median(load.spans), "s"),
+            Check(f"TTFT p50, {NAMES[key]}", p50, "s"),
+            Check(f"TTFT p99, {NAMES[key]}", p99, "s"),
+            Check(f"completion tokens/s, {NAMES[key]}", tokens_per_s(load), "tok/s"),
+        ]
+    if "batched" in heavy and "llama" in heavy:
+        ours, theirs = heavy["batched"], heavy["llama"]
+        out.checks += [
+            Check(
+                "makespan llama-server / kvblocks", median(theirs.spans) / median(ours.spans), "", 1.5, True
+            ),
+            Check(
+                "TTFT p50 llama-server / kvblocks",
+                p50_p99(ttfts(theirs.timed))[0] / p50_p99(ttfts(ours.timed))[0],
+                "",
+                10.0,
+                True,
+            ),
+        ]
+    out.notes = [
+        f"every agent sends one chat turn (the shared {args.system_tokens}-token system prompt, cached by "
+        f"the earlier rounds, and a new user message) asking for {args.decode_heavy} tokens at temperature "
+        "0, all agents at once; makespan = the round's wall time from the first request sent to the last "
+        "reply done",
+        f"llama-server runs with `--parallel {llama_slots}`"
+        + (" (its best setting on one thread)" if llama_slots == 1 else ""),
+    ]
+    return out
+
+
+def median(values: list[float]) -> float:
+    return float(np.median(values))
+
+
+def tokens_per_s(load) -> float:
+    """Completion tokens (re-tokenised replies) over the rounds' wall time."""
+    return sum(len(s.reply_ids) for s in load.timed) / sum(load.spans)
