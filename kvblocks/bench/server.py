@@ -192,7 +192,7 @@ async def drive(opts: BenchOptions, args, tokenizer, system: str, urls: dict[str
     from kvblocks.bench.harness import progress
 
     loads = {key: Load(url) for key, url in urls.items()}
-    total = args.rounds * 2 * args.agents * args.turns + (0 if args.no_cold else args.agents)
+    total = args.rounds * len(urls) * args.agents * args.turns + (0 if args.no_cold else args.agents)
     total += args.rounds * args.agents * len(decode_heavy.servers(args, urls))
     limits = httpx.Limits(max_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
