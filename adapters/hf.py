@@ -77,6 +77,7 @@ STATEFUL_MODEL_TYPES = frozenset(
         "zamba",
         "zamba2",
         "nemotron_h",
+        "bamba",
     }
 )
 # Families whose recurrent layers start from a zero state whenever a forward gets more than one
@@ -147,6 +148,24 @@ def cache_argument(model) -> str:
     """The forward argument that takes a cache: `cache` since transformers 5.24 (some families, e.g.
     mamba, silently ignore the older `past_key_values`), `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def position_arguments(model) -> tuple[str, ...]:
+    """The forward arguments, of `position_ids` and `cache_position`, that the model takes: some
+    families (bamba) number the new tokens from 0 when they are left out, whatever the cache holds."""
+    params = inspect.signature(model.forward).parameters
+    return tuple(name for name in ("position_ids", "cache_position") if name in params)
+
+
+def positions(names: tuple[str, ...], past: DynamicCache, count: int, device) -> dict[str, torch.Tensor]:
+    """The true positions of `count` tokens fed after `past`, as the forward arguments `names`
+    (`position_ids` `[1, count]`, `cache_position` `[count]`); none for a cache with no attention
+    layer, whose tokens have no position to number."""
+    start = seq_length(past)
+    if not names or start is None:
+        return {}
+    numbers = torch.arange(start, start + count, dtype=torch.long, device=device)
+    return {name: numbers[None] if name == "position_ids" else numbers for name in names}
 
 
 @torch.no_grad()

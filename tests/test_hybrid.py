@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import subprocess
 from dataclasses import dataclass, field
 
@@ -75,7 +76,10 @@ class Replay:
     def forward(self, cache: DynamicCache, ids: list[int]) -> torch.Tensor:
         if self.stepwise and len(ids) > 1 and has_state(cache):
             return [self.forward(cache, [t]) for t in ids][-1]
-        out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1,
+            **numbered(self.model, cache, len(ids)),
+        )  # fmt: skip
         return out.logits[0, -1].clone()
 
     def run(self, ids: list[int], result: GenerationResult) -> tuple[list[int], list[torch.Tensor]]:
@@ -132,6 +136,15 @@ class Replay:
         return cache
 
 
+def numbered(model, cache: DynamicCache, n: int) -> dict[str, torch.Tensor]:
+    """The `position_ids` of `n` tokens fed after `cache`, as transformers' `generate` passes them
+    (bamba numbers a forward's tokens from 0 without them)."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return {}
+    start = cache.get_seq_length()
+    return {"position_ids": torch.arange(start, start + n)[None]}
+
+
 def one_shot(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
     cache = DynamicCache(config=model.config)
     tokens, logits = [], []
@@ -143,7 +156,8 @@ def one_shot(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tenso
             tokens.append(int(row.argmax()))
             if len(tokens) == n:
                 return tokens, logits
-            out = model(input_ids=torch.tensor([tokens[-1:]]), cache=cache, use_cache=True)
+            step = numbered(model, cache, 1)
+            out = model(input_ids=torch.tensor([tokens[-1:]]), cache=cache, use_cache=True, **step)
 
 
 class Harness:

@@ -172,6 +172,10 @@ HYBRID_CONFIGS = {
     ),
     "zamba": dict(_ZAMBA, n_mamba_heads=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2),
     "zamba2": dict(_ZAMBA, **_SSM, mamba_ngroups=1, n_mamba_heads=8, chunk_size=8, num_mem_blocks=1),
+    "bamba": dict(
+        _ATTN | _SSM, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_n_heads=8,
+        mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=8,
+    ),
     "nemotron_h": dict(
         hidden_size=64, layer_types=["linear_attention", "full_attention", "linear_attention", "moe"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, ssm_state_size=16,
