@@ -50,11 +50,15 @@ RECURRENT_MODEL_TYPES = frozenset(
         "lfm2",
         "lfm2_moe",
         "lfm2_vl",
+        "lfm3",
+        "lara_mini",
+        "zaya",
         "recurrent_gemma",
         "rwkv",
         "xlstm",
         "minimax",
         "kimi_linear",
+        "bailing_hybrid",
         "olmo_hybrid",
     }
 )
@@ -78,8 +82,31 @@ STATEFUL_MODEL_TYPES = frozenset(
         "zamba2",
         "nemotron_h",
         "bamba",
+        "qwen3_5_moe_text",
+        "olmo_hybrid",
+        "zaya",
+        "lfm3",
+        "lara_mini",
     }
 )
+# Why each refused recurrent family is refused, as measured on a tiny random model of it
+# (transformers 5.24, float64, tests/test_hybrid.py); a family not named here was never proven.
+_VISION = "is a vision-language model; kvblocks caches text-only causal LMs: load its text model"
+REFUSED_REASONS = {
+    "recurrent_gemma": "does not return the cache it fills, and its recurrent scan over several tokens does not "
+    "continue a cached state (a prompt fed in two forwards differs from one forward by 2.1e-2 in its logits)",
+    "rwkv": "keeps its recurrent state in its own `state` tensors and leaves a transformers cache unused "
+    "(a prompt fed in two forwards with one cache differs from one forward by 0.51 in its logits)",
+    "xlstm": "keeps its recurrent state in its own xLSTMCache (`rnn_state`), not in a transformers DynamicCache",
+    "minimax": "keeps its linear-attention state in a MiniMaxCache of its own and rejects a DynamicCache",
+    "kimi_linear": "caches MLA latents (one head, keys and values of different widths) that kvblocks' pool, "
+    "which holds keys and values of one shape, cannot store",
+    "bailing_hybrid": "caches MLA latents (one head, keys and values of different widths) that kvblocks' pool, "
+    "which holds keys and values of one shape, cannot store",
+    "qwen3_5": f"{_VISION} (model type 'qwen3_5_text')",
+    "qwen3_5_moe": f"{_VISION} (model type 'qwen3_5_moe_text')",
+    "lfm2_vl": f"{_VISION} (model type 'lfm2')",
+}
 # Families whose recurrent layers start from a zero state whenever a forward gets more than one
 # token (transformers' mamba scan keeps only the conv state): after a snapshot, their tokens are
 # fed one per forward, which continues the state exactly.
@@ -99,6 +126,7 @@ class UnsupportedModelError(ValueError):
 
 
 def _refuse(model_type: str, why: str) -> UnsupportedModelError:
+    why = REFUSED_REASONS.get(model_type, why)
     return UnsupportedModelError(
         f"model type '{model_type}' {why}; kvblocks restores recurrent state exactly only for "
         f"{', '.join(sorted(STATEFUL_MODEL_TYPES))} (and supports attention-only models)"
