@@ -93,8 +93,9 @@ STATEFUL_MODEL_TYPES = frozenset(
 # (transformers 5.24, float64, tests/test_hybrid.py); a family not named here was never proven.
 _VISION = "is a vision-language model; kvblocks caches text-only causal LMs: load its text model"
 REFUSED_REASONS = {
-    "recurrent_gemma": "does not return the cache it fills, and its recurrent scan over several tokens does not "
-    "continue a cached state (a prompt fed in two forwards differs from one forward by 2.1e-2 in its logits)",
+    "recurrent_gemma": "keeps its recurrent state on its own modules (`conv1d_state`, `rg_lru.recurrent_states`), "
+    "shared by every request, not in the cache it is given (a prompt fed in two forwards differs from one "
+    "forward by 2.1e-2 in its logits)",
     "rwkv": "keeps its recurrent state in its own `state` tensors and leaves a transformers cache unused "
     "(a prompt fed in two forwards with one cache differs from one forward by 0.51 in its logits)",
     "xlstm": "keeps its recurrent state in its own xLSTMCache (`rnn_state`), not in a transformers DynamicCache",

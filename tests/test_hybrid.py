@@ -441,7 +441,7 @@ def test_snapshots_spill_to_redis_and_restore_in_another_process(tmp_path):
     server.stop()
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen3_next", "mamba2", "jamba"])
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_next", "mamba2", "jamba", "bamba"])
 def test_speculative_decoding_on_a_hybrid_target_is_greedy_exact(arch):
     """Rejected drafts roll back by restoring the snapshot taken before the verify and feeding the
     accepted tokens again; tokens equal a plain run without the cache, round after round."""
