@@ -91,7 +91,7 @@ STATEFUL_MODEL_TYPES = frozenset(
 )
 # Why each refused recurrent family is refused, as measured on a tiny random model of it
 # (transformers 5.24, float64, tests/test_hybrid.py); a family not named here was never proven.
-_VISION = "is a vision-language model; kvblocks caches text-only causal LMs: load its text model"
+_VISION = "is a vision-language model; kvblocks caches text-only causal LMs"
 REFUSED_REASONS = {
     "recurrent_gemma": "keeps its recurrent state on its own modules (`conv1d_state`, `rg_lru.recurrent_states`), "
     "shared by every request, not in the cache it is given (a prompt fed in two forwards differs from one "
@@ -104,9 +104,10 @@ REFUSED_REASONS = {
     "which holds keys and values of one shape, cannot store",
     "bailing_hybrid": "caches MLA latents (one head, keys and values of different widths) that kvblocks' pool, "
     "which holds keys and values of one shape, cannot store",
-    "qwen3_5": f"{_VISION} (model type 'qwen3_5_text')",
-    "qwen3_5_moe": f"{_VISION} (model type 'qwen3_5_moe_text')",
-    "lfm2_vl": f"{_VISION} (model type 'lfm2')",
+    "qwen3_5": f"{_VISION}: AutoModelForCausalLM loads its text model (model type 'qwen3_5_text'), which is supported",
+    "qwen3_5_moe": f"{_VISION}: AutoModelForCausalLM loads its text model (model type 'qwen3_5_moe_text'), "
+    "which is supported",
+    "lfm2_vl": f"{_VISION}: its language model is an lfm2, which is supported on its own",
 }
 # Families whose recurrent layers start from a zero state whenever a forward gets more than one
 # token (transformers' mamba scan keeps only the conv state): after a snapshot, their tokens are
@@ -186,7 +187,9 @@ def position_arguments(model) -> tuple[str, ...]:
     return tuple(name for name in ("position_ids", "cache_position") if name in params)
 
 
-def positions(names: tuple[str, ...], past: DynamicCache, count: int, device) -> dict[str, torch.Tensor]:
+def positions(
+    names: tuple[str, ...], past: DynamicCache, count: int, device: torch.device | str
+) -> dict[str, torch.Tensor]:
     """The true positions of `count` tokens fed after `past`, as the forward arguments `names`
     (`position_ids` `[1, count]`, `cache_position` `[count]`); none for a cache with no attention
     layer, whose tokens have no position to number."""
