@@ -50,11 +50,15 @@ RECURRENT_MODEL_TYPES = frozenset(
         "lfm2",
         "lfm2_moe",
         "lfm2_vl",
+        "lfm3",
+        "lara_mini",
+        "zaya",
         "recurrent_gemma",
         "rwkv",
         "xlstm",
         "minimax",
         "kimi_linear",
+        "bailing_hybrid",
         "olmo_hybrid",
     }
 )
@@ -77,8 +81,34 @@ STATEFUL_MODEL_TYPES = frozenset(
         "zamba",
         "zamba2",
         "nemotron_h",
+        "bamba",
+        "qwen3_5_moe_text",
+        "olmo_hybrid",
+        "zaya",
+        "lfm3",
+        "lara_mini",
     }
 )
+# Why each refused recurrent family is refused, as measured on a tiny random model of it
+# (transformers 5.24, float64, tests/test_hybrid.py); a family not named here was never proven.
+_VISION = "is a vision-language model; kvblocks caches text-only causal LMs"
+REFUSED_REASONS = {
+    "recurrent_gemma": "keeps its recurrent state on its own modules (`conv1d_state`, `rg_lru.recurrent_states`), "
+    "shared by every request, not in the cache it is given (a prompt fed in two forwards differs from one "
+    "forward by 2.1e-2 in its logits)",
+    "rwkv": "keeps its recurrent state in its own `state` tensors and leaves a transformers cache unused "
+    "(a prompt fed in two forwards with one cache differs from one forward by 0.51 in its logits)",
+    "xlstm": "keeps its recurrent state in its own xLSTMCache (`rnn_state`), not in a transformers DynamicCache",
+    "minimax": "keeps its linear-attention state in a MiniMaxCache of its own and rejects a DynamicCache",
+    "kimi_linear": "caches MLA latents (one head, keys and values of different widths) that kvblocks' pool, "
+    "which holds keys and values of one shape, cannot store",
+    "bailing_hybrid": "caches MLA latents (one head, keys and values of different widths) that kvblocks' pool, "
+    "which holds keys and values of one shape, cannot store",
+    "qwen3_5": f"{_VISION}: AutoModelForCausalLM loads its text model (model type 'qwen3_5_text'), which is supported",
+    "qwen3_5_moe": f"{_VISION}: AutoModelForCausalLM loads its text model (model type 'qwen3_5_moe_text'), "
+    "which is supported",
+    "lfm2_vl": f"{_VISION}: its language model is an lfm2, which is supported on its own",
+}
 # Families whose recurrent layers start from a zero state whenever a forward gets more than one
 # token (transformers' mamba scan keeps only the conv state): after a snapshot, their tokens are
 # fed one per forward, which continues the state exactly.
@@ -98,6 +128,7 @@ class UnsupportedModelError(ValueError):
 
 
 def _refuse(model_type: str, why: str) -> UnsupportedModelError:
+    why = REFUSED_REASONS.get(model_type, why)
     return UnsupportedModelError(
         f"model type '{model_type}' {why}; kvblocks restores recurrent state exactly only for "
         f"{', '.join(sorted(STATEFUL_MODEL_TYPES))} (and supports attention-only models)"
@@ -147,6 +178,26 @@ def cache_argument(model) -> str:
     """The forward argument that takes a cache: `cache` since transformers 5.24 (some families, e.g.
     mamba, silently ignore the older `past_key_values`), `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def position_arguments(model) -> tuple[str, ...]:
+    """The forward arguments, of `position_ids` and `cache_position`, that the model takes: some
+    families (bamba) number the new tokens from 0 when they are left out, whatever the cache holds."""
+    params = inspect.signature(model.forward).parameters
+    return tuple(name for name in ("position_ids", "cache_position") if name in params)
+
+
+def positions(
+    names: tuple[str, ...], past: DynamicCache, count: int, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    """The true positions of `count` tokens fed after `past`, as the forward arguments `names`
+    (`position_ids` `[1, count]`, `cache_position` `[count]`); none for a cache with no attention
+    layer, whose tokens have no position to number."""
+    start = seq_length(past)
+    if not names or start is None:
+        return {}
+    numbers = torch.arange(start, start + count, dtype=torch.long, device=device)
+    return {name: numbers[None] if name == "position_ids" else numbers for name in names}
 
 
 @torch.no_grad()

@@ -182,7 +182,7 @@ def test_packed_engine_suites_run_on_a_tiny_model(tmp_path, capsys):
     assert checks(reports, "head-of-line")["short-request TTFT loaded / idle, Engine (batch 1)"] > 0
 
 
-@pytest.mark.parametrize("shape", ["lfm2", "qwen3_next"])
+@pytest.mark.parametrize("shape", ["lfm2", "qwen3_next", "bamba"])
 def test_hybrid_suite_matches_the_attention_only_hit_rate_on_tiny_models(tmp_path, capsys, shape):
     sizes = {"hidden": 64, "layers": 4, "vocab": 256, "system": 40, "question": 8, "user": 8, "output": 3}
     sizes |= {"snapshot-every": 16, "groups": 2, "prompts-per-group": 3, "conversations": 2, "turns": 2}

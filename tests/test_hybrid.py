@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import subprocess
 from dataclasses import dataclass, field
 
@@ -30,9 +31,9 @@ import pytest
 import torch
 from conftest import IdTokenizer
 from redis_server import RedisServer
-from tiny_models import HYBRID_ARCHITECTURES, HYBRID_CONFIGS, VOCAB, random_ids, tiny_model
+from tiny_models import HYBRID_ARCHITECTURES, HYBRID_CONFIGS, REFUSED_CONFIGS, VOCAB, random_ids, tiny_model
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from kvblocks import CachedGenerator, GenerationResult, KVCacheTrie, UnsupportedModelError
 from kvblocks.adapters import hf
@@ -42,6 +43,10 @@ DTYPES = [torch.float32, torch.float64]
 NEW_TOKENS = 5
 EVERY = 16
 STEPWISE = {"mamba", "falcon_mamba", "jamba", "zamba"}  # tokens after a snapshot go one per forward
+# float64 logits against one forward of the whole prompt: olmo_hybrid keeps its RoPE, softmax and
+# A_log in float32, so plain transformers differs by up to 9.5e-5 between a 40-token prompt fed as
+# 32 + 8 tokens and in one forward
+ONE_CALL_TOLERANCE = {"olmo_hybrid": 1e-3}
 
 
 @functools.cache
@@ -75,7 +80,10 @@ class Replay:
     def forward(self, cache: DynamicCache, ids: list[int]) -> torch.Tensor:
         if self.stepwise and len(ids) > 1 and has_state(cache):
             return [self.forward(cache, [t]) for t in ids][-1]
-        out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1,
+            **numbered(self.model, cache, len(ids)),
+        )  # fmt: skip
         return out.logits[0, -1].clone()
 
     def run(self, ids: list[int], result: GenerationResult) -> tuple[list[int], list[torch.Tensor]]:
@@ -102,7 +110,7 @@ class Replay:
 
     def _resume(self, ids: list[int], hit: int) -> DynamicCache:
         if hit == 0:
-            return DynamicCache(config=self.model.config)
+            return recording_cache(self.model)
         state = next(
             (
                 r
@@ -132,6 +140,25 @@ class Replay:
         return cache
 
 
+def recording_cache(model) -> DynamicCache:
+    """A cache whose sliding-window layers keep every past token, so that a replay can splice the KV
+    of several runs (lfm3, lara_mini); a sliding layer attends the same window either way."""
+    cache = DynamicCache(config=model.config)
+    for layer in cache.layers:
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.activate_past_recording()
+    return cache
+
+
+def numbered(model, cache: DynamicCache, n: int) -> dict[str, torch.Tensor]:
+    """The `position_ids` of `n` tokens fed after `cache`, as transformers' `generate` passes them
+    (bamba numbers a forward's tokens from 0 without them)."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return {}
+    start = cache.get_seq_length()
+    return {"position_ids": torch.arange(start, start + n)[None]}
+
+
 def one_shot(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
     cache = DynamicCache(config=model.config)
     tokens, logits = [], []
@@ -143,7 +170,8 @@ def one_shot(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tenso
             tokens.append(int(row.argmax()))
             if len(tokens) == n:
                 return tokens, logits
-            out = model(input_ids=torch.tensor([tokens[-1:]]), cache=cache, use_cache=True)
+            step = numbered(model, cache, 1)
+            out = model(input_ids=torch.tensor([tokens[-1:]]), cache=cache, use_cache=True, **step)
 
 
 class Harness:
@@ -175,7 +203,8 @@ class Harness:
         )
         if self.dtype == torch.float64:
             diff = max((a - b).abs().max().item() for a, b in zip(result.logits, ref_logits))
-            assert diff <= 1e-4, f"{self.arch}: max logit diff {diff:.3e} against one call"
+            tolerance = ONE_CALL_TOLERANCE.get(self.arch, 1e-4)
+            assert diff <= tolerance, f"{self.arch}: max logit diff {diff:.3e} against one call"
         assert self.trie.stats()["locked_tokens"] == 0
         return result
 
@@ -290,7 +319,10 @@ def test_restored_state_is_bit_identical_to_the_computed_state(arch):
         rebuilt = hit.to_hf_cache()
     for got, want in zip(rebuilt.layers, live.layers):
         if isinstance(want, DynamicLayer) and want.is_initialized:
-            assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+            held = got.keys.shape[-2]  # a sliding-window layer is rebuilt with its window only
+            assert torch.equal(got.keys, want.keys[..., -held:, :])
+            assert torch.equal(got.values, want.values[..., -held:, :])
+            assert got.get_seq_length() == want.get_seq_length()
         if isinstance(want, LinearAttentionCacheLayerMixin):
             for i in range(want.number_of_states):
                 for name in ("conv_states", "recurrent_states"):
@@ -302,17 +334,17 @@ def test_restored_state_is_bit_identical_to_the_computed_state(arch):
         assert hit.length == 0 and hit.matched == 10
 
 
-def test_refused_families_are_named():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "bamba", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
-        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, vocab_size=VOCAB,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(UnsupportedModelError, match=r"'bamba'.*mamba2"):
+@pytest.mark.parametrize("arch", REFUSED_CONFIGS)
+def test_refused_families_are_named_with_the_measured_reason(arch):
+    model = tiny_model(arch)
+    with pytest.raises(UnsupportedModelError) as refused:
         KVCacheTrie.for_model(model, capacity_tokens=64)
+    assert f"'{arch}' {hf.REFUSED_REASONS[arch]}" in str(refused.value)
+
+
+def test_every_recurrent_family_is_supported_or_refused_with_a_reason():
+    unexplained = hf.RECURRENT_MODEL_TYPES - hf.STATEFUL_MODEL_TYPES - set(hf.REFUSED_REASONS)
+    assert not unexplained
 
 
 def test_explain_names_the_missing_snapshot():
@@ -409,7 +441,7 @@ def test_snapshots_spill_to_redis_and_restore_in_another_process(tmp_path):
     server.stop()
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen3_next", "mamba2", "jamba"])
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_next", "mamba2", "jamba", "bamba"])
 def test_speculative_decoding_on_a_hybrid_target_is_greedy_exact(arch):
     """Rejected drafts roll back by restoring the snapshot taken before the verify and feeding the
     accepted tokens again; tokens equal a plain run without the cache, round after round."""

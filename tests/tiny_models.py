@@ -172,6 +172,10 @@ HYBRID_CONFIGS = {
     ),
     "zamba": dict(_ZAMBA, n_mamba_heads=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2),
     "zamba2": dict(_ZAMBA, **_SSM, mamba_ngroups=1, n_mamba_heads=8, chunk_size=8, num_mem_blocks=1),
+    "bamba": dict(
+        _ATTN | _SSM, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_n_heads=8,
+        mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=8,
+    ),
     "nemotron_h": dict(
         hidden_size=64, layer_types=["linear_attention", "full_attention", "linear_attention", "moe"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, ssm_state_size=16,
@@ -179,8 +183,69 @@ HYBRID_CONFIGS = {
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=32, max_position_embeddings=512,
     ),
+    "qwen3_5_moe_text": dict(
+        _GATED_DELTA, **_MOE, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    ),
+    "olmo_hybrid": dict(
+        _ATTN, hidden_size=64, num_hidden_layers=4, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    ),
+    "zaya": dict(
+        _ATTN, hidden_size=64, num_hidden_layers=4, head_dim=16, num_experts=4, num_experts_per_tok=1,
+        moe_intermediate_size=32, router_hidden_size=16, layer_types=["hybrid"] * 4,
+    ),
+    # the two below mix recurrent layers with sliding-window attention layers
+    "lfm3": dict(
+        _ATTN, hidden_size=64, num_hidden_layers=4, head_dim=16, conv_L_cache=3, sliding_window=WINDOW,
+        layer_types=["conv", "full_attention", "conv", "sliding_attention"],
+    ),
+    "lara_mini": dict(
+        _GATED_DELTA, **_MOE, moe_intermediate_size=32, shared_expert_intermediate_size=32, sliding_window=WINDOW,
+        layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+    ),
 }  # fmt: skip
 HYBRID_ARCHITECTURES = tuple(HYBRID_CONFIGS)
+
+# Recurrent families kvblocks refuses (kvblocks.adapters.hf.REFUSED_REASONS), tiny, for the refusal test.
+_MLA = dict(
+    _ATTN,
+    hidden_size=64,
+    num_hidden_layers=4,
+    head_dim=16,
+    moe_intermediate_size=32,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    qk_nope_head_dim=8,
+    qk_head_dim=16,
+    num_experts=4,
+    num_experts_per_token=2,
+    layer_types=["linear_attention", "full_attention"] * 2,
+    mlp_layer_types=["dense", "sparse"] * 2,
+    linear_head_dim=16,
+    linear_num_heads=4,
+)
+REFUSED_CONFIGS = {
+    "recurrent_gemma": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, lru_width=64, attention_window_size=16, block_types=["recurrent", "recurrent", "attention"],
+    ),
+    "rwkv": dict(hidden_size=64, num_hidden_layers=2, attention_hidden_size=64, intermediate_size=128),
+    "xlstm": dict(
+        hidden_size=64, embedding_dim=64, num_hidden_layers=2, num_blocks=2, num_heads=4, chunk_size=8,
+        ffn_round_up_to_multiple_of=16,
+    ),
+    "minimax": dict(
+        _ATTN, hidden_size=64, num_hidden_layers=4, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"] * 2, block_size=8,
+    ),
+    "kimi_linear": _MLA,
+    "bailing_hybrid": dict(
+        _MLA, first_k_dense_replace=1, num_expert_group=1, topk_group=1, layer_group_size=2,
+        num_nextn_predict_layers=0,
+    ),
+}  # fmt: skip
 
 
 def random_ids(n: int, seed: int, low: int = 0, high: int = VOCAB) -> list[int]:
@@ -193,8 +258,8 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    if arch in HYBRID_CONFIGS:
-        fields = _common(**HYBRID_CONFIGS[arch], vocab_size=VOCAB, initializer_range=0.2)
+    if arch in HYBRID_CONFIGS or arch in REFUSED_CONFIGS:
+        fields = _common(**(HYBRID_CONFIGS | REFUSED_CONFIGS)[arch], vocab_size=VOCAB, initializer_range=0.2)
         config = AutoConfig.for_model(arch, **fields)
         return AutoModelForCausalLM.from_config(
             config, attn_implementation="eager", experts_implementation="eager", dtype=dtype

@@ -1,10 +1,11 @@
 """`kvblocks bench hybrid`: prefix reuse on a recurrent/attention hybrid through state snapshots.
 
 A random-weight hybrid shaped like a small LFM2 (short-convolution layers with attention every few
-layers) or Qwen3-Next (gated delta-net layers, full attention every fourth, MoE) runs the
-`shared-prompt` and `multi-turn` workloads (`kvblocks.bench.workloads`) three ways, request by
-request in a rotated order: kvblocks on the hybrid, the hybrid with no cache, and kvblocks on an
-attention-only llama of the same width, depth and heads. Reported: the hybrid's hit rate against
+layers), Qwen3-Next (gated delta-net layers, full attention every fourth, MoE) or Bamba (Mamba2
+layers, attention every fourth) runs the `shared-prompt` and `multi-turn` workloads
+(`kvblocks.bench.workloads`) three ways, request by request in a rotated order: kvblocks on the
+hybrid, the hybrid with no cache, and kvblocks on an attention-only llama of the same width, depth
+and heads. Reported: the hybrid's hit rate against
 the attention-only model's (a recurrent model can only resume where a snapshot was taken), TTFT
 against no cache, the bytes a snapshot takes per cached token, and whether the cached replies
 equal the uncached ones token for token.
@@ -17,7 +18,7 @@ import argparse
 from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, ints, progress
 from kvblocks.bench.workloads import make_workload, unbounded_ideal
 
-SHAPES = ("lfm2", "qwen3_next")
+SHAPES = ("lfm2", "qwen3_next", "bamba")
 
 
 OPTIONS = (
@@ -46,7 +47,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         "hybrid",
         run,
         help="hit rate and TTFT on a recurrent/attention hybrid (state snapshots) vs an attention-only model",
-        description="Shared-prompt and multi-turn traffic on a random-weight LFM2- or Qwen3-Next-shaped hybrid: "
+        description="Shared-prompt and multi-turn traffic on a random-weight LFM2-, Qwen3-Next- or Bamba-shaped hybrid: "
         "kvblocks vs no cache, and its hit rate against an attention-only model of the same size.",
         only=("shared-prompt", "multi-turn"),
         options=OPTIONS,
@@ -66,18 +67,29 @@ def build_models(shape: str, hidden: int, layers: int, vocab: int, seed: int):
     )  # fmt: skip
     if shape == "lfm2":  # LFM2: short convolutions, attention at about one layer in three
         types = ["full_attention" if i % 3 == 2 else "conv" for i in range(layers)]
-        fields = dict(common, intermediate_size=3 * hidden, block_auto_adjust_ff_dim=False, conv_L_cache=3)
+        fields = dict(
+            common,
+            intermediate_size=3 * hidden,
+            block_auto_adjust_ff_dim=False,
+            conv_L_cache=3,
+            layer_types=types,
+        )
+    elif shape == "bamba":  # Bamba: Mamba2 layers (state 64, heads of 64), attention at one layer in four
+        fields = dict(
+            common, intermediate_size=3 * hidden, attn_layer_indices=[i for i in range(layers) if i % 4 == 3],
+            mamba_n_heads=2 * hidden // 64, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64, mamba_expand=2,
+        )  # fmt: skip
     else:  # Qwen3-Next: three gated delta-net layers, then full attention; MoE feed-forward
         types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
         fields = dict(
             common, head_dim=64, intermediate_size=3 * hidden, linear_conv_kernel_dim=4,
             linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=max(heads // 2, 1),
             linear_num_value_heads=heads, num_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden,
+            moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden, layer_types=types,
         )  # fmt: skip
     torch.manual_seed(seed)
     hybrid = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(shape, **fields, layer_types=types), experts_implementation="eager"
+        AutoConfig.for_model(shape, **fields), experts_implementation="eager"
     ).eval()
     torch.manual_seed(seed)
     attention = AutoModelForCausalLM.from_config(

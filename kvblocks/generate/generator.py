@@ -89,6 +89,7 @@ class ModelRunner:
         self.lock = threading.Lock()
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_arg = hf.cache_argument(model)
+        self._position_args = hf.position_arguments(model)
         self.stepwise = getattr(model.config, "model_type", None) in hf.STEPWISE_MODEL_TYPES
 
     @torch.inference_mode()
@@ -102,6 +103,7 @@ class ModelRunner:
             return torch.cat(rows[len(rows) - keep :])
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         kwargs = {"logits_to_keep": keep} if self._keep_arg else {}
+        kwargs.update(hf.positions(self._position_args, past, len(token_ids), self.device))
         with self.lock:
             out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_arg: past}, **kwargs)
         return out.logits[0, -keep:]
