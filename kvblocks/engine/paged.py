@@ -406,9 +406,9 @@ def _paged_attention(
     pool.layers[layer].index_copy_(0, batch.write_index, new.to(pool.dtype))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     groups = query.shape[1] // key.shape[1]
-    out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
     if batch.cascade is not None and sliding_window is None and softcap is None:
         return _cascade_attention(pool.layers[layer], query, batch, scale, groups)[None], None
+    out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
     if batch.grouped and softcap is None:
         group = batch.group(sliding_window)
         out[group.out] = _grouped_attention(pool.layers[layer], query, group, scale, groups)
