@@ -20,11 +20,12 @@ Cascade attention (`PagedRunner(cascade=...)`, the default on CPU unless batch-i
 several running requests' keys begin with the same pool slots (a system prompt the trie stored once),
 their queries attend those shared keys together in one fused call reading the slots in place (on
 CPU the flash kernel, which also returns each row's log-sum-exp), and the requests' own keys in one
-batched call per number of new tokens (gathered once per layer, masks made once per forward); the two
-results are merged exactly by their log-sum-exp. Where no other request of the batch shares a request's leading run, it attends all of
-its keys in one fused call, as before. Within 1e-10 of one request alone in fp64 (tests/test_paged.py);
-the split depends on the batch, so logits differ from a request alone in the last bits of fp32 (greedy
-tokens agree in the tests and benchmarks); `--batch-invariant` keeps one call per request.
+batched call per number of new tokens (gathered once per layer, masks made once per forward); the
+two results are merged exactly by their log-sum-exp. Where no other request of the batch shares a
+request's leading run, it attends all of its keys in one fused call, as before. Within 1e-10 of
+one request alone in fp64 (tests/test_paged.py, tests/test_paged_cascade.py); the split depends on
+the batch, so logits differ from a request alone in the last bits of fp32 (greedy tokens agree in the
+tests and benchmarks); `--batch-invariant` keeps one call per request.
 
 Batch invariance (`PagedRunner(..., invariant=True)`, `kvblocks serve --batch-invariant`): a row of
 a packed forward rounds the same whatever else is in the batch. CPU BLAS computes a row of a matrix
