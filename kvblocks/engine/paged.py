@@ -18,12 +18,14 @@ as the trie holds them.
 
 Cascade attention (`PagedRunner(cascade=...)`, the default on CPU unless batch-invariant): when
 several running requests' keys begin with the same pool slots (a system prompt the trie stored once),
-their queries attend those shared keys together, one matrix product per K/V head reading the slots
-in place, and each request's own keys separately; the two results are merged exactly by their
-log-sum-exp. Where no other request of the batch shares a request's leading run, it attends all of
-its keys in one fused call, as before. Within 1e-10 of one request alone in fp64 (tests/test_paged.py);
-the split depends on the batch, so logits differ from a request alone in the last bits of fp32 (greedy
-tokens agree in the tests and benchmarks); `--batch-invariant` keeps one call per request.
+their queries attend those shared keys together in one fused call reading the slots in place (on
+CPU the flash kernel, which also returns each row's log-sum-exp), and the requests' own keys in one
+batched call per number of new tokens (gathered once per layer, masks made once per forward); the
+two results are merged exactly by their log-sum-exp. Where no other request of the batch shares a
+request's leading run, it attends all of its keys in one fused call, as before. Within 1e-10 of
+one request alone in fp64 (tests/test_paged.py, tests/test_paged_cascade.py); the split depends on
+the batch, so logits differ from a request alone in the last bits of fp32 (greedy tokens agree in the
+tests and benchmarks); `--batch-invariant` keeps one call per request.
 
 Batch invariance (`PagedRunner(..., invariant=True)`, `kvblocks serve --batch-invariant`): a row of
 a packed forward rounds the same whatever else is in the batch. CPU BLAS computes a row of a matrix
@@ -51,7 +53,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -65,6 +67,8 @@ ATTENTION_RANGE = "kvblocks.attention"  # the profiler range around every call o
 SUPPORTED = frozenset(
     {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "opt"}
 )
+# the CPU fused attention kernel that also returns each row's log-sum-exp (what cascade merges by)
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _KNOWN_KWARGS = frozenset({"position_ids", "use_cache", "output_attentions", "is_causal", "cache_position"})
 
 MIN_ROWS = 4  # fewest rows a linear layer runs on in batch-invariant forwards
@@ -75,9 +79,9 @@ GROUP_MAX_TOKENS = 16
 # slots ends (before its new tokens), when the run has at least `CASCADE_MIN_RUN` slots; segments cut
 # at the same slots (a prefix the trie stored once) attend that run together in one matrix product.
 CASCADE_MIN_RUN = 32
-# Segments' own keys (after their cut) are read side by side in parts of at most this many keys
-# (a part's matrix product computes every row against every key of the part, then masks).
-OWN_PART_KEYS = 512
+# Segments' own keys (after their cut) are attended in batches padded to their longest: a batch's
+# longest own key count is at most this many times its shortest.
+OWN_PAD = 2
 
 _install_lock = threading.Lock()
 _wrapped: dict[str, str] = {}  # dispatcher name -> the implementation it falls back to
@@ -225,13 +229,41 @@ class Group:
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    """Query `rows` of the packed sequence attending one set of `keys`: a slice of pool slots (a
-    shared run, read in place) or an index (the own keys of several segments, gathered), with an
-    additive `bias` `[rows, keys]` (0 or -inf) where rows may not see every key."""
+    """Query `rows` of the packed sequence attending a shared run of pool slots `keys` (a slice: the
+    keys are read in place, nothing is copied)."""
 
-    keys: slice | torch.Tensor
+    keys: slice
     rows: slice | torch.Tensor
-    bias: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class Own:
+    """Segments with the same number `width` of new tokens attending their own keys (after their
+    cuts) in one batched call: `reads` are `[segments * length]` pool slots (each segment's keys
+    padded to `length` with its last slot), `rows` the segments' packed rows, `allowed` `[segments,
+    width, length]` which keys each row sees (None: all of them, as for decodes of equal length).
+    `biases` keeps the additive masks a layer's call needs, made once per forward."""
+
+    reads: torch.Tensor
+    rows: slice | torch.Tensor
+    allowed: torch.Tensor | None
+    segments: int
+    width: int
+    length: int
+    biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """`[segments, 1, groups * width, length]` (0 or -inf), the layout of the batched scores (query
+        heads of a K/V head stacked along the rows); the same for every layer, so built by the first."""
+        if self.allowed is None:
+            return None
+        key = (groups, dtype)
+        if key not in self.biases:
+            allowed = self.allowed[:, None, None].expand(-1, -1, groups, -1, -1)
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            bias.masked_fill_(~allowed, float("-inf"))
+            self.biases[key] = bias.reshape(self.segments, 1, groups * self.width, self.length)
+        return self.biases[key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,14 +272,14 @@ class Cascade:
     of its leading run of consecutive slots (before its first new token, if at least `cascade_min`
     long), so requests that share a prefix the trie stored in one piece are cut at the same slots, and
     a cut is kept only where another segment of the batch shares it. `runs` are the shared parts: every
-    segment cut at the same slots attends them in one matrix product. `own` are
-    the rest of each segment's keys: consecutive segments gathered into one part of at most
-    `OWN_PART_KEYS` keys, each row masked to its own segment's keys (causally). A row's two results
-    are merged exactly by log-sum-exp. Segments with no cut (`plain`) need no merge: they attend all
-    their keys in one fused call each, as without cascade."""
+    segment cut at the same slots attends them in one fused call reading the slots in place. `own` are
+    the rest of each segment's keys: segments with the same number of new tokens and similar key
+    counts (padded at most `OWN_PAD`-fold) in one batched call. A row's two results are merged exactly
+    by log-sum-exp. Segments with no cut (`plain`) need no merge: they attend all their keys in one
+    fused call each, as without cascade."""
 
     runs: list[Part]
-    own: list[Part]
+    own: list[Own]
     plain: list[int]
 
     @classmethod
@@ -265,19 +297,30 @@ class Cascade:
             Part(slice(first, first + n), _rows(batch, members, device))
             for (first, n), members in by_run.items()
         ]
-        own, members, keys = [], [], 0
-        for i, cut in enumerate(cuts):
-            if not cut:
-                continue
-            size = len(batch._slots[i]) - cut
-            if members and keys + size > OWN_PART_KEYS:
-                own.append(_own_part(batch, members, cuts, device))
-                members, keys = [], 0
-            members.append(i)
-            keys += size
-        if members:
-            own.append(_own_part(batch, members, cuts, device))
+        own = [_own(batch, members, cuts, device) for members in _own_batches(batch, cuts)]
         return cls(runs, own, [i for i, cut in enumerate(cuts) if not cut])
+
+
+def _own_batches(batch: PagedBatch, cuts: Sequence[int]) -> list[list[int]]:
+    """The cut segments in batches of one width (new tokens), by their own key counts: a batch's
+    longest is at most `OWN_PAD` times its shortest, so padding never dominates the work."""
+    by_width: dict[int, list[int]] = {}
+    for i, cut in enumerate(cuts):
+        if cut:
+            by_width.setdefault(len(batch.segments[i].token_ids), []).append(i)
+    batches = []
+    for members in by_width.values():
+        members.sort(key=lambda i: len(batch._slots[i]) - cuts[i])
+        current: list[int] = []
+        for i in members:
+            if current and len(batch._slots[i]) - cuts[i] > OWN_PAD * (
+                len(batch._slots[current[0]]) - cuts[current[0]]
+            ):
+                batches.append(current)
+                current = []
+            current.append(i)
+        batches.append(current)
+    return batches
 
 
 def _rows(batch: PagedBatch, members: Sequence[int], device: torch.device) -> torch.Tensor | slice:
@@ -288,22 +331,22 @@ def _rows(batch: PagedBatch, members: Sequence[int], device: torch.device) -> to
     return torch.tensor(rows, device=device)
 
 
-def _own_part(batch: PagedBatch, members: Sequence[int], cuts: Sequence[int], device: torch.device) -> Part:
-    """The keys of `members` after their cuts, gathered side by side; a row sees its own segment's
-    keys up to its position."""
-    rows = sum(batch.bounds[i][1] - batch.bounds[i][0] for i in members)
-    keys = sum(len(batch._slots[i]) - cuts[i] for i in members)
-    allowed = np.zeros((rows, keys), dtype=bool)
-    row = key = 0
-    for i in members:
+def _own(batch: PagedBatch, members: Sequence[int], cuts: Sequence[int], device: torch.device) -> Own:
+    """The keys of `members` (all of one width) after their cuts, padded to one length; a row sees
+    its own segment's keys up to its position."""
+    width = len(batch.segments[members[0]].token_ids)
+    length = max(len(batch._slots[i]) - cuts[i] for i in members)
+    reads = np.empty((len(members), length), dtype=np.int64)
+    allowed = np.zeros((len(members), width, length), dtype=bool)
+    for m, i in enumerate(members):
         slots, start = batch._slots[i], batch._starts[i]
         q = np.arange(start, len(slots))[:, None]
         k = np.arange(cuts[i], len(slots))[None, :]
-        allowed[row : row + len(q), key : key + k.shape[1]] = k <= q
-        row, key = row + len(q), key + k.shape[1]
-    reads = np.concatenate([batch._slots[i][cuts[i] :] for i in members])
-    bias = torch.zeros(allowed.shape).masked_fill_(torch.from_numpy(~allowed), float("-inf"))
-    return Part(batch.pool.index(reads), _rows(batch, members, device), bias.to(device))
+        reads[m, : k.shape[1]], reads[m, k.shape[1] :] = slots[cuts[i] :], slots[-1]
+        allowed[m, :, : k.shape[1]] = k <= q
+    mask = None if allowed.all() else torch.from_numpy(allowed).to(device)
+    index = batch.pool.index(reads.reshape(-1))
+    return Own(index, _rows(batch, members, device), mask, len(members), width, length)
 
 
 def _leading_run(slots: np.ndarray, start: int, minimum: int) -> int:
@@ -364,9 +407,9 @@ def _paged_attention(
     pool.layers[layer].index_copy_(0, batch.write_index, new.to(pool.dtype))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     groups = query.shape[1] // key.shape[1]
-    out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
     if batch.cascade is not None and sliding_window is None and softcap is None:
         return _cascade_attention(pool.layers[layer], query, batch, scale, groups)[None], None
+    out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
     if batch.grouped and softcap is None:
         group = batch.group(sliding_window)
         out[group.out] = _grouped_attention(pool.layers[layer], query, group, scale, groups)
@@ -432,48 +475,75 @@ def _cascade_attention(
     plan = batch.cascade
     tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
     out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
-    lse = torch.empty(tokens, heads, dtype=query.dtype, device=query.device)
+    lse = torch.empty(tokens, heads, dtype=_lse_dtype(query.dtype), device=query.device)
     views = batch.views(None) if plan.plain else []
     for i in plan.plain:
         (a, b), (index, mask) = batch.bounds[i], views[i]
         out[a:b] = _segment_attention(pool_layer, query[0, :, a:b], index, mask, scale, groups, None)
-    for part in plan.own:
-        out[part.rows], lse[part.rows] = _part_attention(pool_layer, query, part, scale, groups)
+    for own in plan.own:
+        out[own.rows], lse[own.rows] = _own_attention(pool_layer, query, own, scale, groups)
     for part in plan.runs:
-        o, sums = _part_attention(pool_layer, query, part, scale, groups)
+        o, sums = _run_attention(pool_layer, query, part, scale, groups)
         out[part.rows], lse[part.rows] = _merge(out[part.rows], lse[part.rows], o, sums)
     return out
 
 
-def _part_attention(
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Log-sum-exps are kept in at least float32 (what the fused kernel returns for half types)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _run_attention(
     pool_layer: torch.Tensor, query: torch.Tensor, part: Part, scale: float, groups: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One part's attention with each row's log-sum-exp: `([R, Hq, D], [R, Hq])`. The query heads
-    that share a K/V head are stacked along the rows, so each K/V head is one matrix product and no
-    K/V is repeated; a run's keys are a view of the pool (the transposes are strides, not copies)."""
-    kv = pool_layer[part.keys] if isinstance(part.keys, slice) else pool_layer.index_select(0, part.keys)
-    kv = kv.to(query.dtype)  # [L, 2, Hkv, D]
+    """A shared run's attention with each row's log-sum-exp: `([R, Hq, D], [R, Hq])`, one fused call
+    over the run's slots read in place (a view, nothing copied). The query heads that share a K/V
+    head are stacked along the rows, so no K/V is repeated."""
+    kv = pool_layer[part.keys].to(query.dtype)  # [L, 2, Hkv, D], a view
     q = query[0][:, part.rows]  # [Hq, R, D]
     heads, rows, dim = q.shape
-    kv_heads = kv.shape[2]
-    bias = None if part.bias is None else part.bias.to(query.dtype).repeat(groups, 1)
-    o, sums = _attend(
-        q.reshape(kv_heads, groups * rows, dim),
-        kv[:, 0].permute(1, 2, 0),
-        kv[:, 1].transpose(0, 1),
-        scale,
-        bias,
-    )
+    q = q.reshape(1, kv.shape[2], groups * rows, dim)
+    o, sums = _fused(q, kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None], scale)
     return o.reshape(heads, rows, dim).transpose(0, 1), sums.reshape(heads, rows).transpose(0, 1)
+
+
+def _own_attention(
+    pool_layer: torch.Tensor, query: torch.Tensor, own: Own, scale: float, groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The own keys of a batch of segments, `([S * width, Hq, D], [S * width, Hq])`: one gather of
+    whole slots, then one fused call over (segment, K/V head) pairs reading the gathered K and V as
+    strided views; the query heads of a K/V head are stacked along the rows."""
+    s, width, length = own.segments, own.width, own.length
+    kv = pool_layer.index_select(0, own.reads).to(query.dtype).view(s, length, *pool_layer.shape[1:])
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [S, Hkv, L, D]
+    q = query[0][:, own.rows]  # [Hq, S * width, D]
+    heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    q = q.view(kv_heads, groups, s, width, dim).permute(2, 0, 1, 3, 4).reshape(s, kv_heads, -1, dim)
+    o, sums = _fused(q, k, v, scale, own.bias(groups, query.dtype))
+    o = o.view(s, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(s * width, heads, dim)
+    return o, sums.view(s, kv_heads, groups, width).permute(0, 3, 1, 2).reshape(s * width, heads)
+
+
+def _fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention `q [B, H, R, D]` over `k, v [B, H, L, D]` with an additive `bias` broadcast to `[B,
+    H, R, L]`: the output and each row's log-sum-exp. On CPU one call of the flash kernel (which
+    returns the log-sum-exp and reads strided K/V); elsewhere the same math in matrix products."""
+    if q.device.type == "cpu":
+        return _flash(q, k, v, attn_mask=bias, scale=scale)
+    return _attend(q, k.transpose(-1, -2), v, scale, bias)
 
 
 def _attend(
     q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention `q [..., R, D]` over `k_t [..., D, L]` and `v [..., L, D]` (an additive
-    `bias [R, L]` masks with -inf); returns the output and each row's log-sum-exp of the scores."""
-    q = q * scale  # R x D multiplications instead of R x L
-    scores = torch.matmul(q, k_t) if bias is None else torch.baddbmm(bias.expand(q.shape[0], -1, -1), q, k_t)
+    `bias` broadcast to the scores masks with -inf); returns the output and each row's log-sum-exp."""
+    scores = torch.matmul(q * scale, k_t)  # scaling q: R x D multiplications instead of R x L
+    if bias is not None:
+        scores += bias
     top = scores.amax(dim=-1, keepdim=True)
     weights = scores.sub_(top).exp_()
     total = weights.sum(dim=-1, keepdim=True)
