@@ -219,3 +219,15 @@ def test_a_block_is_shared_across_two_tries_through_one_redis(model, tmp_path):
             gen.cache.close()
     finally:
         server.stop()
+
+
+def test_blend_recomputing_every_block_token_out_of_order_equals_full_prefill(model):
+    """Share 0.99 recomputes all block tokens through the masked forward (not the ordinary path):
+    the mask and the write-back in position order make it the full prefill."""
+    prompt = rag("BA")
+    full = run(generator(model, cache=False), flat(prompt))
+    gen = generator(model)
+    result = run(gen, prompt, kv_mode="blend", blend_recompute=0.99)
+    assert result.blocks.reused_tokens == 0 and result.blocks.probe_tokens > 0
+    assert result.token_ids == full.token_ids
+    assert all((a - b).abs().max() < 1e-10 for a, b in zip(result.logits, full.logits))
