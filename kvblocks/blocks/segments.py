@@ -13,7 +13,16 @@ import numpy as np
 
 from kvblocks.generate.text import PromptError
 
-__all__ = ["Block", "BlockSpan", "SegmentedPrompt", "flatten", "is_segmented"]
+__all__ = [
+    "Block",
+    "BlockSpan",
+    "SegmentedPrompt",
+    "block_marker",
+    "chat_segments",
+    "flatten",
+    "is_segmented",
+    "segments_of",
+]
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,3 +90,39 @@ def _ids(tokenizer, content: str | Sequence[int], special: bool) -> list[int]:
     if not all(isinstance(t, int | np.integer) for t in content):
         raise PromptError("a token-id segment must hold ints only")
     return [int(t) for t in content]
+
+
+def segments_of(ids: list[int], spans: list[BlockSpan]) -> list[list[int] | Block]:
+    """`flatten`'s result as id segments again (plain runs and `Block`s), to hand on without retokenising."""
+    out: list[list[int] | Block] = []
+    at = 0
+    for span in spans:
+        if span.start > at:
+            out.append(ids[at : span.start])
+        out.append(Block(span.ids))
+        at = span.end
+    if at < len(ids):
+        out.append(ids[at:])
+    return out
+
+
+def chat_segments(tokenizer, messages: list[dict], blocks: list[str]) -> list[list[int] | Block]:
+    """The chat template's rendering of `messages`, whose contents hold `block_marker(i)` where block
+    `i` goes, as id segments: each block tokenised alone, the template's text around it as usual."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    out: list[list[int] | Block] = []
+    for i, block in enumerate(blocks):
+        before, marker, text = text.partition(block_marker(i))
+        if not marker or block_marker(i) in text:
+            raise PromptError("the chat template changed a kvblocks_block part; send it as plain text")
+        if before:
+            out.append(list(tokenizer(before, add_special_tokens=False)["input_ids"]))
+        out.append(Block(list(tokenizer(block, add_special_tokens=False)["input_ids"])))
+    if text:
+        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def block_marker(i: int) -> str:
+    """What stands for block `i` in a message while the chat template renders (no template changes it)."""
+    return f"\ue000kvblocks-block-{i}\ue001"
