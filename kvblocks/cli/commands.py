@@ -552,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("exact", "blend", "concat"),
         help="how KV blocks (kvblocks_block parts, prompt_blocks) are reused when a request gives no "
         "kv_mode: exact (only as a prefix, output unchanged), blend (re-positioned, a share recomputed) "
-        "or concat (re-positioned, nothing recomputed); docs/blocks.md",
+        "or concat (re-positioned, nothing recomputed); docs/BLOCKS.md",
     )
     sv.add_argument(
         "--blend-recompute",
