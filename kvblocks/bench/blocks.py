@@ -51,9 +51,9 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         model=True,
         only=("model", "tiny"),
         options=[
-            Option("--questions", positive_int, 8, "RAG questions (default 8)"),
+            Option("--questions", positive_int, 6, "RAG questions (default 6)"),
             Option("--docs", positive_int, 3, "documents per RAG prompt (default 3)"),
-            Option("--turns", positive_int, 4, "agent loop turns (default 4)"),
+            Option("--turns", positive_int, 3, "agent loop turns (default 3)"),
             Option("--seed", int, 0, "workload seed (default 0)"),
         ],
     )
