@@ -411,6 +411,20 @@ def crop(cache: DynamicCache, length: int, *, state_restored: bool = False) -> N
         layer.values = layer.values[..., :keep, :]
 
 
+def place_appended(cache: DynamicCache, positions: torch.Tensor, length: int) -> None:
+    """Move the KV a forward appended after the first `length` positions to `positions` (each
+    < `length`), then crop to `length`: a blended prefill (`kvblocks.blocks`) recomputes tokens out
+    of order over stale rows and writes them back where they belong."""
+    for layer in cache.layers:
+        if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
+            continue
+        assert not isinstance(layer, DynamicSlidingWindowLayer), "KV blocks need full-attention layers"
+        for name in ("keys", "values"):
+            data = getattr(layer, name)
+            data[..., positions, :] = data[..., length:, :]
+            setattr(layer, name, data[..., :length, :])
+
+
 @dataclass(slots=True, frozen=True)
 class HFBridge:
     """The cache core's view of transformers caches (`kvblocks.cache.bridge.PastBridge`) for one model:

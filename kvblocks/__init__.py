@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "Block": "kvblocks.blocks",
     "CachedGenerator": "kvblocks.generate.generator",
     "GenerationResult": "kvblocks.generate.generator",
     "Piece": "kvblocks.generate.generator",
@@ -32,6 +33,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Block",
     "CachedGenerator",
     "GenerationParams",
     "GenerationResult",
@@ -64,6 +66,7 @@ def __getattr__(name: str):
 if TYPE_CHECKING:
     from kvblocks.adapters.hf import UnsupportedModelError
     from kvblocks.adapters.hf_trie import KVCacheTrie
+    from kvblocks.blocks import Block
     from kvblocks.cache.namespace import Namespace, Scope
     from kvblocks.cache.trie import Hit, PinLimitError, PoolFullError
     from kvblocks.generate.generator import CachedGenerator, GenerationResult, Piece, PromptTooLongError

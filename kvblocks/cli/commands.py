@@ -199,6 +199,16 @@ def build_generator(args: argparse.Namespace, model, tokenizer, cache, on_round=
     )
 
 
+def check_kv_mode(gen, kv_mode: str, blend_recompute: float) -> None:
+    """A server default kv_mode the model cannot honour (no RoPE, ...) stops the start, not each request."""
+    from kvblocks.generate.params import GenerationParams, ParamError
+
+    try:
+        gen.check_params(GenerationParams(kv_mode=kv_mode, blend_recompute=blend_recompute))
+    except ParamError as exc:
+        raise UserError(f"--{exc.param.replace('_', '-')}: {exc}") from exc
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvblocks import CachedGenerator, PromptError
 
@@ -328,6 +338,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if publisher is not None:
         cache.attach_events(publisher)
     gen = build_generator(args, model, tokenizer, None if args.no_cache else cache)
+    check_kv_mode(gen, args.kv_mode, args.blend_recompute)
     name = models.served_name(args.served_model_name, args.model)
     engine = build_engine(args, gen, keys).start()
     config = ServerConfig(
@@ -344,6 +355,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         vllm_metrics=args.vllm_metrics,
         history_interval_s=args.history_interval,
         history_window_s=args.history_window,
+        kv_mode=args.kv_mode,
+        blend_recompute=args.blend_recompute,
     )
     app = create_app(engine, config)
     stats = cache.stats()
@@ -532,6 +545,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=TOOL_PARSERS,
         help="how tool calls are written by the model (default: detected from its chat template)",
+    )
+    sv.add_argument(
+        "--kv-mode",
+        default="exact",
+        choices=("exact", "blend", "concat"),
+        help="how KV blocks (kvblocks_block parts, prompt_blocks) are reused when a request gives no "
+        "kv_mode: exact (only as a prefix, output unchanged), blend (re-positioned, a share recomputed) "
+        "or concat (re-positioned, nothing recomputed); docs/BLOCKS.md",
+    )
+    sv.add_argument(
+        "--blend-recompute",
+        type=float,
+        default=0.15,
+        help="share of each block's tokens kv_mode blend recomputes when a request gives no "
+        "blend_recompute (default 0.15)",
     )
     sv.add_argument(
         "--kv-events-endpoint",

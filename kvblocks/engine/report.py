@@ -34,6 +34,10 @@ class Reporter:
         m.inc("kvblocks_prompt_tokens_total", r.prompt_tokens)
         m.inc("kvblocks_cached_prompt_tokens_total", r.cached_tokens)
         m.inc("kvblocks_generation_tokens_total", len(r.token_ids))
+        if r.blocks is not None:
+            m.inc("kvblocks_block_reused_tokens_total", r.blocks.reused_tokens)
+            m.inc("kvblocks_block_recomputed_tokens_total", r.blocks.recomputed_tokens)
+            m.inc("kvblocks_block_fill_tokens_total", r.blocks.block_fill_tokens)
         if r.spec is not None:
             m.inc("kvblocks_spec_drafted_tokens_total", r.spec.drafted)
             m.inc("kvblocks_spec_accepted_tokens_total", r.spec.accepted)

@@ -38,6 +38,8 @@ class GenerationResult:
     # whose recurrent state was snapshotted for the cache
     prefill_splits: list[int] = field(repr=False, default_factory=list)
     snapshot_positions: list[int] = field(repr=False, default_factory=list)
+    # a prompt prefilled from KV blocks (`kvblocks.blocks.BlockReport`): what was reused and where
+    blocks: Any = None
 
 
 @dataclass(slots=True)

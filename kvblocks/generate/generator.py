@@ -18,6 +18,8 @@ import torch
 
 from kvblocks.adapters import hf
 from kvblocks.adapters.hf_trie import KVCacheTrie
+from kvblocks.blocks.report import BlockReport
+from kvblocks.blocks.segments import BlockSpan, flatten, is_segmented
 from kvblocks.cache.snapshots import SnapshotPlan
 from kvblocks.cache.trie import Hit, Salt
 from kvblocks.generate.decoding import Decoding, GenerationResult, Piece, context_room
@@ -120,6 +122,7 @@ class CachedGenerator:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.max_context = context_length(model.config)
         self.vocab_size = vocab_size(model.config)
+        self._blocks = None  # a BlockPrefill, made on the first request that reuses blocks
 
     def encode(self, prompt: Prompt) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt)
@@ -150,6 +153,26 @@ class CachedGenerator:
             raise ParamError(
                 "logit_bias", f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
+        if params.kv_mode != "exact":
+            if params.prompt_logprobs is not None:
+                raise ParamError(
+                    "kv_mode",
+                    f"prompt_logprobs needs every prompt position computed; kv_mode {params.kv_mode!r} "
+                    "reuses block KV (use kv_mode 'exact')",
+                )
+            self.block_prefill()
+
+    def block_prefill(self):
+        """The `kvblocks.blocks.prefill.BlockPrefill` of this model; ParamError when the model cannot
+        move cached keys (no RoPE, or a length-dependent one) or holds other than full attention."""
+        if self._blocks is None:
+            from kvblocks.blocks.prefill import BlockPrefill
+
+            try:
+                self._blocks = BlockPrefill(self.model, self.runner, self.cache)
+            except hf.UnsupportedModelError as e:
+                raise ParamError("kv_mode", str(e)) from e
+        return self._blocks
 
     def prepare(self, prompt: Prompt, params: GenerationParams, started: float | None = None) -> Decoding:
         """A request's checked ids and the output state its decoding starts from (`Decoding`: the
@@ -190,7 +213,11 @@ class CachedGenerator:
         hits the whole history.
         """
         params = params_of(params, options)
-        out = self.prepare(prompt, params, started=time.perf_counter())
+        started = time.perf_counter()
+        spans: list[BlockSpan] = []
+        if is_segmented(prompt):
+            prompt, spans = flatten(self.tokenizer, prompt)
+        out = self.prepare(prompt, params, started=started)
         ids = out.prompt_ids
         # Prompt log-probabilities need logits at every prompt position: no prefix reuse.
         bypass = "prompt_logprobs" if params.prompt_logprobs is not None and self.cache is not None else None
@@ -199,7 +226,9 @@ class CachedGenerator:
         run = self._start(ids, hit, rows, salt)
         tokens = None
         try:
-            run.past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
+            blocks = self._prefill_blocks(ids, spans, hit, run, params) if params.kv_mode != "exact" else None
+            if run.past is None:
+                run.past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
             prompt_logprobs = None
             if params.prompt_logprobs is not None:
                 prompt_logprobs = self._prompt_logprobs(ids, run, params.prompt_logprobs)
@@ -216,6 +245,7 @@ class CachedGenerator:
                 cache_bypass=bypass,
                 prefill_splits=run.splits,
                 snapshot_positions=run.plan.positions,
+                blocks=blocks,
             )
         finally:
             try:
@@ -229,6 +259,28 @@ class CachedGenerator:
         # Committed before the result is handed over: a consumer that stops at the result piece
         # (without exhausting the stream) holds no lock, and its next turn hits this one.
         yield final
+
+    def _prefill_blocks(
+        self,
+        ids: list[int],
+        spans: list[BlockSpan],
+        hit: Hit | None,
+        run: DecodeState,
+        params: GenerationParams,
+    ) -> BlockReport:
+        """Start `run` from stored block KV (`kvblocks.blocks`); a blend that recomputes every token,
+        or a prompt with no block past the exact hit, prefills as usual (so share 1.0 is exact)."""
+        h = hit.length if hit is not None else 0
+        full = params.kv_mode == "blend" and params.blend_recompute >= 1.0
+        pre = (
+            None
+            if full
+            else self.block_prefill().run(ids, spans, hit, run.salt, params.kv_mode, params.blend_recompute)
+        )
+        if pre is None:
+            return BlockReport(params.kv_mode, params.blend_recompute, h, recomputed_tokens=len(ids) - h)
+        run.past, run.computed, run.reusable = pre.past, pre.computed, pre.reusable
+        return pre.report
 
     def _pieces(
         self, tokens: Iterator[int], run: DecodeState, out: Decoding, output_logits: bool

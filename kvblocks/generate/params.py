@@ -40,6 +40,8 @@ class ConstraintFactory(Protocol):
 # maximum the schema's bound applies.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
+# How a prompt with KV blocks (`kvblocks.Block`) is prefilled (`kvblocks.blocks`).
+KV_MODES = ("exact", "blend", "concat")
 
 
 @dataclass(slots=True)
@@ -54,6 +56,10 @@ class GenerationParams:
 
     `min_tokens` keeps EOS out (-inf) until that many tokens exist; `ignore_eos` lets EOS through
     without ending the sequence. A `constraint` ends the sequence (finish "stop") once it is done.
+
+    `kv_mode` says what a prompt's `kvblocks.Block`s reuse: "exact" (only as a prefix, output as
+    without blocks), "concat" (stored block KV at its new position) or "blend" (that, plus the
+    `blend_recompute` share of each block's tokens recomputed, CacheBlend-style).
     """
 
     max_new_tokens: int = 64
@@ -72,6 +78,8 @@ class GenerationParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     constraint: ConstraintFactory | None = None
+    kv_mode: str = "exact"
+    blend_recompute: float = 0.15
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -93,6 +101,12 @@ class GenerationParams:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ParamError(name, f"{name} must be >= 0, got {value}")
+        if self.kv_mode not in KV_MODES:
+            raise ParamError("kv_mode", f"kv_mode must be one of {', '.join(KV_MODES)}, got {self.kv_mode!r}")
+        if not (0.0 <= self.blend_recompute <= 1.0):
+            raise ParamError(
+                "blend_recompute", f"blend_recompute must be in [0, 1], got {self.blend_recompute}"
+            )
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         self.logit_bias = _checked_bias(self.logit_bias)
 

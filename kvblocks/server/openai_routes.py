@@ -25,6 +25,7 @@ from kvblocks.generate import grammar, tools
 from kvblocks.generate.generator import GenerationResult, Piece
 from kvblocks.generate.params import GenerationParams, ParamError
 from kvblocks.generate.sampling import TokenLogprob
+from kvblocks.server import kv_blocks
 from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.openapi import answers, json_body
@@ -62,9 +63,10 @@ async def chat_completions(request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     params = replace(params, logprobs=logprobs, constraint=plan.constraint)
+    params = kv_blocks.with_kv_mode(s, params, body, plan.segments is not None)
     check_params(s, params)
     check_fanout(s, 1, body.n or 1)
-    branches = [Branch(i, plan.ids, with_seed(params, i)) for i in range(body.n or 1)]
+    branches = [Branch(i, plan.ids, with_seed(params, i), segments=plan.segments) for i in range(body.n or 1)]
     call = Call(request, "chatcmpl", chat=True, plan=plan, salt=scope_of(request, body.cache_salt))
     if body.stream:
         return stream(s, call, branches, body.stream_options)
@@ -89,9 +91,15 @@ async def completions(request: Request):
     echo = bool(body.echo)
     if echo and body.logprobs is not None and body.stream:
         raise APIError(400, "echo with logprobs is not supported when streaming", param="echo")
-    check_fanout(s, len(split_prompts(body.prompt)), best_of)
-    prompts = await encode_prompts(s, body.prompt)
-    base = sampling(s, body, 1)
+    segments = None
+    if body.prompt_blocks is not None:
+        check_fanout(s, 1, best_of)
+        segments = await tokenizing(s.tokenize_gate, kv_blocks.completion_block_segments, s, body)
+        prompts = [kv_blocks.flat(segments)]
+    else:
+        check_fanout(s, len(split_prompts(body.prompt)), best_of)
+        prompts = await encode_prompts(s, body.prompt)
+    base = kv_blocks.with_kv_mode(s, sampling(s, body, 1), body, segments is not None)
     logprobs = body.logprobs
     if best_of > n:  # candidates are ranked by their cumulative log-probability
         logprobs = 0 if logprobs is None else logprobs
@@ -101,7 +109,9 @@ async def completions(request: Request):
         limit = budget(s, ids, body.max_tokens, none_is_all=True)
         params = replace(base, max_new_tokens=limit, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         check_params(s, params)
-        branches += [Branch(p * n + i, ids, with_seed(params, i), prompt=p) for i in range(best_of)]
+        branches += [
+            Branch(p * n + i, ids, with_seed(params, i), prompt=p, segments=segments) for i in range(best_of)
+        ]
     call = Call(
         request, "cmpl", chat=False, echo=echo, report_logprobs=body.logprobs is not None,
         salt=scope_of(request, body.cache_salt),
@@ -126,6 +136,7 @@ class ChatPlan:
     parser: tools.ToolParser | None = None
     constraint: Any = None
     keep: tuple[int, float] | None = None  # `cache_control`: (prefix tokens, seconds) to pin
+    segments: list | None = None  # `kvblocks_block` parts: the prompt as id segments (`kv_blocks`)
 
 
 def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
@@ -161,7 +172,8 @@ def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
 
-    ids = render(len(messages))
+    segments = kv_blocks.chat_block_segments(s, body, messages) if kv_blocks.has_block_parts(body) else None
+    ids = render(len(messages)) if segments is None else kv_blocks.flat(segments)
     keep = None
     marked = [
         (i, p.cache_control.seconds)
@@ -195,7 +207,7 @@ def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
             )
     except grammar.GrammarError as exc:
         raise APIError(400, str(exc), param=where) from exc
-    return ChatPlan(ids, parser if offered else None, constraint, keep)
+    return ChatPlan(ids, parser if offered else None, constraint, keep, segments)
 
 
 def split_prompts(prompt) -> list:
@@ -337,6 +349,7 @@ class Branch:
     ids: list[int]
     params: GenerationParams
     prompt: int = 0
+    segments: list | None = None  # the prompt as id segments with KV blocks (`kv_blocks`)
 
 
 @dataclass(slots=True)
@@ -423,7 +436,7 @@ def submit_all(s: Served, call: Call, branches: list[Branch]) -> list[Submitted]
         return lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item)
 
     items = [
-        (b.ids, emitter(inbox), {"params": b.params, "salt": call.salt})
+        (prompt_of(b), emitter(inbox), {"params": b.params, "salt": call.salt})
         for b, inbox in zip(branches, inboxes)
     ]
     try:
@@ -431,6 +444,11 @@ def submit_all(s: Served, call: Call, branches: list[Branch]) -> list[Submitted]
     except QueueFullError as exc:
         raise RetryLater(exc) from exc
     return [Submitted(handle, inbox) for handle, inbox in zip(handles, inboxes)]
+
+
+def prompt_of(b: Branch) -> list:
+    """What the engine prefills: the id segments when KV blocks are reused, else the flat ids."""
+    return b.segments if b.segments is not None and b.params.kv_mode != "exact" else b.ids
 
 
 def cancel_all(running: list[Submitted]) -> None:
@@ -567,7 +585,10 @@ def usage(results: list[GenerationResult], prompts_counted: int = 1) -> dict:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
+        "prompt_tokens_details": {
+            "cached_tokens": sum(r.cached_tokens for r in firsts),
+            **kv_blocks.usage_details(firsts),
+        },
     }
 
 

@@ -78,9 +78,13 @@ class CacheControl(_Model):
 
 
 class TextPart(_Model):
+    """`kvblocks_block`: this part is a KV block (a document, a tool output): its KV is computed on its
+    own and reused wherever it appears again, under the request's `kv_mode` (kvblocks extension)."""
+
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
+    kvblocks_block: bool | None = None
 
 
 class FunctionCall(_Model):
@@ -194,6 +198,10 @@ class _Sampling(_Model):
     min_tokens: Annotated[int, Field(ge=0)] | None = 0
     ignore_eos: bool | None = False
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
+    # kvblocks extension: how KV blocks (`kvblocks_block` parts, `prompt_blocks`) are reused; None:
+    # the server's --kv-mode / --blend-recompute
+    kv_mode: Literal["exact", "blend", "concat"] | None = None
+    blend_recompute: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -229,12 +237,36 @@ class ChatCompletionRequest(_Sampling):
     service_tier: str | None = None
 
 
+class PromptSegment(_Model):
+    """One part of a completions `prompt_blocks` prompt: text or token ids; `block` marks a KV block."""
+
+    text: str | None = None
+    token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    block: bool = False
+
+    @model_validator(mode="after")
+    def _one_content(self) -> PromptSegment:
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("a prompt segment needs exactly one of 'text' and 'token_ids'")
+        return self
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # `prompt_blocks` (kvblocks extension) replaces `prompt` (then omitted or ""): one prompt of segments
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt_blocks: Annotated[list[PromptSegment], Field(min_length=1)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        if self.prompt_blocks is not None and self.prompt not in (None, ""):
+            raise ValueError("give 'prompt' or 'prompt_blocks', not both")
+        if self.prompt_blocks is None and self.prompt is None:
+            raise ValueError("'prompt' is required")
+        return self
 
 
 class ExplainRequest(_Model):

@@ -36,6 +36,8 @@ class ServerConfig:
     history_interval_s: float = 5.0  # seconds between samples of /v1/cache/history
     history_window_s: float = 6 * 3600  # how far back it reaches
     vllm_metrics: bool = True  # /metrics also under vLLM's names (kvblocks.telemetry.vllm_metrics)
+    kv_mode: str = "exact"  # how KV blocks are reused when a request does not say (--kv-mode)
+    blend_recompute: float = 0.15  # --blend-recompute
 
 
 @dataclass(slots=True)

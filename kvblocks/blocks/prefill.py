@@ -1,0 +1,231 @@
+"""Prefill a segmented prompt from stored block KV: `concat` places each block's KV at its position
+(keys re-rotated), `blend` (CacheBlend, Yao et al., EuroSys 2025) also recomputes the share of each
+block's tokens whose layer-1 K/V deviates most from a fresh computation.
+
+The exact prefix hit, and the plain tokens before the first block, are computed as usual. Every
+other token that is not reused (plain segments, chosen block tokens) is recomputed through all
+layers in one forward over a cache holding the reused KV, with a mask under which each sees exactly the tokens before it; the trailing plain segment (and
+the last prompt token, always) is then prefilled by the generator as usual.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvblocks.adapters import hf
+from kvblocks.adapters.hf import UnsupportedModelError
+from kvblocks.blocks.report import BlockReport, BlockUse
+from kvblocks.blocks.rope import RopeShift
+from kvblocks.blocks.segments import BlockSpan
+from kvblocks.cache.namespace import Scope
+from kvblocks.cache.trie import Hit, Salt
+
+if TYPE_CHECKING:
+    from kvblocks.adapters.hf_trie import KVCacheTrie
+    from kvblocks.generate.generator import ModelRunner
+
+__all__ = ["BLOCK_TAG", "BlockPrefill", "Prefilled", "block_scope"]
+
+# A block's KV lives in the prefix cache under its tenant, in a salt of its own: computed from
+# position 0 alone, it is a different thing from the same ids inside a prompt.
+BLOCK_TAG = "\0block\0"
+# The first tokens of each block a blend recomputes before choosing by deviation (within the share).
+BLEND_LEAD = 2
+# The layer whose fresh K/V a blend compares with the reused one (the second, as CacheBlend).
+PROBE_LAYER = 1
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def block_scope(salt: Salt) -> Scope:
+    """Where a request's blocks are stored: its tenant, and its salt tagged as a block's."""
+    scope = salt if isinstance(salt, Scope) else Scope("", salt or "")
+    return Scope(scope.tenant, BLOCK_TAG + scope.salt)
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A cache holding the prompt's first `computed` positions; from `reusable` on, its KV was not
+    computed exactly and must not enter the prefix cache."""
+
+    past: Any
+    computed: int
+    reusable: int
+    report: BlockReport
+
+
+class BlockPrefill:
+    """Prefills prompts with KV blocks for one model and its cache (None: blocks are not stored)."""
+
+    def __init__(self, model, runner: ModelRunner, cache: KVCacheTrie | None) -> None:
+        self.model, self.runner, self.cache = model, runner, cache
+        self.rope = RopeShift(model)
+        self.specs = list(cache.specs) if cache is not None else hf.describe_layers(model)
+        if any(spec.kind != "full" for spec in self.specs):
+            raise UnsupportedModelError(
+                f"model type '{model.config.model_type}' has sliding-window or KV-sharing layers: KV blocks "
+                "support full-attention models only; use kv_mode 'exact'"
+            )
+
+    def run(
+        self, ids: list[int], spans: list[BlockSpan], hit: Hit | None, salt: Salt, mode: str, share: float
+    ) -> Prefilled | None:
+        """The cache for `ids` up to the end of its last reusable block, or None when no block lies
+        past the exact prefix hit (the ordinary prefill then serves the prompt)."""
+        h = hit.length if hit is not None else 0
+        spans = _reusable(spans, h, len(ids) - 1)  # the last prompt token is always computed
+        if not spans:
+            return None
+        share = share if mode == "blend" else 0.0
+        report = BlockReport(mode, share, exact_tokens=h)
+        end, first = max(span.end for span in spans), spans[0].start
+        exact = self._exact_kv(ids, hit, h, first)
+        base = self._place(exact, spans, salt, end, report)
+        chosen: dict[int, list[int]] = {i: [] for i in range(len(spans))}
+        if share > 0:
+            chosen = self._choose(ids, spans, exact, first, base, share, report)
+        reused = torch.zeros(end, dtype=torch.bool)
+        for i, span in enumerate(spans):
+            reused[span.start : span.end] = True
+            reused[chosen[i]] = False
+            report.blocks[i].reused = span.end - span.start - len(chosen[i])
+        past = self._recompute(ids, base, reused, first, end)
+        report.reused_tokens = int(reused.sum())
+        report.recomputed_tokens = len(ids) - h - report.reused_tokens
+        return Prefilled(past, end, first, report)
+
+    # ---- block store -----------------------------------------------------------------------
+
+    def block_kv(self, block: tuple[int, ...], salt: Salt) -> tuple[KV, int]:
+        """A block's keys and values `[n, H, D]` per layer, computed from position 0 on its own, and
+        how many of its tokens the store held (the rest are computed now and stored)."""
+        if self.cache is None:
+            past = hf.empty_cache(self.model.config)
+            self.runner.forward(list(block), past)
+            return hf.extract(past, self.specs, 0, len(block)), 0
+        scope = block_scope(salt)
+        with self.cache.match(block, salt=scope, whole=True) as hit:
+            past = hit.to_hf_cache()
+            if hit.length < len(block):
+                self.runner.forward(list(block[hit.length :]), past)
+                self.cache.insert(block, past, salt=scope)
+            return hf.extract(past, self.specs, 0, len(block)), hit.length
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def _exact_kv(self, ids: list[int], hit: Hit | None, h: int, first: int) -> KV | None:
+        """KV of the positions before the first block: the hit, and the plain tokens after it
+        prefilled as any request would (they are exact, and enter the prefix cache)."""
+        past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
+        if first > h:
+            self.runner.forward(ids[h:first], past)
+        return hf.extract(past, self.specs, 0, first) if first else None
+
+    def _place(self, exact: KV | None, spans: list[BlockSpan], salt: Salt, end: int, report: BlockReport):
+        """Per layer `[end, 2, H, D]`: the exact prefix, each block's KV at its position (keys
+        re-rotated), zeros elsewhere (rows the recompute forward never reads)."""
+        dtype, device = self.model.dtype, self.runner.device
+        base = [torch.zeros(end, 2, s.heads, s.head_dim, dtype=dtype, device=device) for s in self.specs]
+        if exact is not None:
+            for layer, (k, v) in zip(base, exact):
+                layer[: k.shape[0], 0], layer[: k.shape[0], 1] = k, v
+        fetched: dict[tuple[int, ...], tuple[KV, int]] = {}
+        for span in spans:
+            if span.ids not in fetched:
+                fetched[span.ids] = self.block_kv(span.ids, salt)
+                report.block_fill_tokens += len(span.ids) - fetched[span.ids][1]
+            kv, stored = fetched[span.ids]
+            n = span.end - span.start
+            for layer, (k, v) in zip(base, kv):
+                layer[span.start : span.end, 0] = self.rope.shift(k[:n], span.start)
+                layer[span.start : span.end, 1] = v[:n]
+            report.blocks.append(BlockUse(span.start, len(span.ids), stored, n))
+        return base
+
+    def _choose(
+        self, ids, spans, exact: KV | None, h: int, base, share: float, report: BlockReport
+    ) -> dict[int, list[int]]:
+        """Per block, the positions to recompute: its first `BLEND_LEAD` tokens, then those whose
+        fresh layer-1 K/V is furthest from the reused one, `ceil(share * length)` in all."""
+        end = base[0].shape[0]
+        fresh = self._probe(ids[h:end], exact, h)
+        report.probe_tokens = end - h
+        layer = min(PROBE_LAYER, len(self.specs) - 1)
+        deviation = (fresh[h:end] - base[layer][h:end]).double().pow(2).sum(dim=(1, 2, 3))
+        chosen: dict[int, list[int]] = {}
+        for i, span in enumerate(spans):
+            n = span.end - span.start
+            k = min(n, math.ceil(share * n))
+            lead = list(range(span.start, span.start + min(BLEND_LEAD, k)))
+            rest = deviation[span.start + len(lead) - h : span.end - h]
+            top = torch.topk(rest, k - len(lead)).indices + span.start + len(lead)
+            chosen[i] = sorted(lead + top.tolist())
+        return chosen
+
+    def _probe(self, ids: list[int], exact: KV | None, h: int) -> torch.Tensor:
+        """Fresh K/V `[h + len(ids), 2, H, D]` of the probe layer: a forward stopped after it."""
+        layer = min(PROBE_LAYER, len(self.specs) - 1)
+        past = self._cache(exact, h)
+        with self.runner.lock, _first_layers(self.model, layer + 1), torch.inference_mode():
+            self._call(ids, past, position_ids=None, mask=None)
+        (k, v) = hf.extract(past, self.specs[: layer + 1], 0, h + len(ids))[layer]
+        return torch.stack((k, v), dim=1)
+
+    def _recompute(self, ids: list[int], base: list[torch.Tensor], reused: torch.Tensor, h: int, end: int):
+        """The cache of positions [0, end): `base` where reused, the rest computed in one forward in
+        which each recomputed token attends to reused and recomputed tokens before it only."""
+        past = hf.build_cache(self.model.config, self.specs, base, end)
+        todo = torch.nonzero(~reused[h:end]).flatten() + h
+        if not len(todo):
+            return past
+        positions = todo.to(self.runner.device)
+        allowed_cached = (torch.arange(end)[None, :] < todo[:, None]) & reused[None, :]
+        allowed_cached[:, :h] = True
+        allowed_new = todo[None, :] <= todo[:, None]
+        allowed = torch.cat((allowed_cached, allowed_new), dim=1).to(self.runner.device)
+        dtype = self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        with self.runner.lock, torch.inference_mode():
+            self._call([ids[p] for p in todo.tolist()], past, positions[None], mask[None, None])
+            hf.place_appended(past, positions, end)
+        return past
+
+    def _cache(self, exact: KV | None, h: int):
+        if exact is None:
+            return hf.empty_cache(self.model.config)
+        return hf.build_cache(self.model.config, self.specs, [torch.stack(kv, dim=1) for kv in exact], h)
+
+    def _call(self, ids: list[int], past, position_ids, mask) -> None:
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.runner.device)
+        kwargs = {"logits_to_keep": 1} if self.runner._keep_arg else {}
+        self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=True,
+            **{self.runner._cache_arg: past},
+            **kwargs,
+        )
+
+
+def _reusable(spans: list[BlockSpan], h: int, last: int) -> list[BlockSpan]:
+    """The blocks wholly past the exact prefix hit, cut before the last prompt token."""
+    return [replace(s, length=min(s.length, last - s.start)) for s in spans if h <= s.start < last]
+
+
+@contextmanager
+def _first_layers(model, count: int):
+    """Run the model's decoder on its first `count` layers only (the caller holds the runner's lock)."""
+    decoder = model.get_decoder()
+    layers = decoder.layers
+    decoder.layers = layers[:count]
+    try:
+        yield
+    finally:
+        decoder.layers = layers

@@ -1,0 +1,47 @@
+"""What a request with KV blocks got: which blocks were reused where, and how many prompt tokens
+were exact, reused at a new position, or recomputed (the accounting a client and `explain` see)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["BlockReport", "BlockUse"]
+
+
+@dataclass(slots=True)
+class BlockUse:
+    """One block of the prompt: where it starts, its length, how many of its tokens the block store
+    (device or Redis) already held, and how many had their stored KV reused at this position."""
+
+    start: int
+    length: int
+    stored: int
+    reused: int
+
+
+@dataclass(slots=True)
+class BlockReport:
+    """A blended or concatenated prompt's accounting: `exact_tokens + reused_tokens +
+    recomputed_tokens` is the prompt length. Only the exact tokens enter the prefix cache."""
+
+    mode: str
+    blend_recompute: float
+    exact_tokens: int = 0  # the exact prefix hit (the result's `cached_tokens`)
+    reused_tokens: int = 0  # block KV reused at a new position without recomputation ("blended")
+    recomputed_tokens: int = 0  # prompt tokens after the exact prefix computed through all layers
+    probe_tokens: int = 0  # tokens run through the first two layers to choose what to recompute
+    block_fill_tokens: int = 0  # tokens computed to store blocks the store did not hold yet
+    blocks: list[BlockUse] = field(default_factory=list)
+
+    def explain(self) -> list[str]:
+        """One line per block: where it was placed and what of it was reused."""
+        lines = [
+            f"kv_mode {self.mode} (blend_recompute {self.blend_recompute:g}): {self.exact_tokens} exact, "
+            f"{self.reused_tokens} reused from blocks, {self.recomputed_tokens} recomputed"
+        ]
+        for i, b in enumerate(self.blocks):
+            lines.append(
+                f"block {i}: {b.length} tokens at offset {b.start}, {b.stored} found stored, "
+                f"{b.reused} reused, {b.length - b.reused} recomputed"
+            )
+        return lines

@@ -1,0 +1,106 @@
+"""The OpenAI routes' KV-block extension: content parts and completion segments marked as blocks,
+the request's `kv_mode`, and the usage fields that say what was blended.
+
+Chat: a text part `{"type": "text", "text": ..., "kvblocks_block": true}`. Completions:
+`prompt_blocks: [{"text": ...}, {"text": ..., "block": true}, {"token_ids": [...]}]` instead of
+`prompt`. A prompt with blocks is tokenised segment by segment in every mode (a block alone, the
+rest around it), so `exact`, `blend` and `concat` see the same ids and differ only in reuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvblocks.blocks.segments import Block, block_marker, chat_segments, flatten, segments_of
+from kvblocks.generate.params import GenerationParams, ParamError
+from kvblocks.generate.text import PromptError
+from kvblocks.server.errors import APIError
+from kvblocks.server.schemas import ChatCompletionRequest, CompletionRequest, PromptSegment
+from kvblocks.server.state import Served
+
+Segments = list[list[int] | Block]
+
+
+def has_block_parts(body: ChatCompletionRequest) -> bool:
+    return any(p.kvblocks_block for m in body.messages for p in m.parts())
+
+
+def chat_block_segments(s: Served, body: ChatCompletionRequest, messages: list[dict]) -> Segments:
+    """The rendered chat as id segments, each `kvblocks_block` part a `Block` (tools are refused: their
+    rendering is not the chat template's alone)."""
+    if body.tools or any(m.role == "tool" or m.tool_calls for m in body.messages):
+        raise APIError(
+            400, "kvblocks_block parts cannot be combined with tools or tool turns", param="messages"
+        )
+    blocks: list[str] = []
+    marked = []
+    for message, raw in zip(body.messages, messages):
+        if not message.parts():
+            marked.append({"role": raw["role"], "content": message.text()})
+            continue
+        pieces = []
+        for part in message.parts():
+            if part.kvblocks_block:
+                pieces.append(block_marker(len(blocks)))
+                blocks.append(part.text)
+            else:
+                pieces.append(part.text)
+        marked.append({"role": raw["role"], "content": "".join(pieces)})
+    if not getattr(s.gen.tokenizer, "chat_template", None):
+        raise APIError(
+            400, "this tokenizer has no chat template; use completions with prompt_blocks", param="messages"
+        )
+    try:
+        return checked(s, chat_segments(s.gen.tokenizer, marked, blocks), "messages")
+    except PromptError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+
+
+def completion_block_segments(s: Served, body: CompletionRequest) -> Segments:
+    """`prompt_blocks` as id segments: text tokenised per segment (special tokens only at the start)."""
+    parts = [_segment(p) for p in body.prompt_blocks or []]
+    try:
+        ids, spans = flatten(s.gen.tokenizer, parts)
+    except PromptError as exc:
+        raise APIError(400, str(exc), param="prompt_blocks") from exc
+    return checked(s, segments_of(ids, spans), "prompt_blocks")
+
+
+def _segment(p: PromptSegment) -> str | list[int] | Block:
+    content = p.text if p.text is not None else list(p.token_ids or [])
+    return Block(content) if p.block else content
+
+
+def checked(s: Served, segments: Segments, param: str) -> Segments:
+    """`segments`, once their ids fit the vocabulary and the context (the generator's own checks)."""
+    try:
+        s.gen.encode(flat(segments))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=param) from exc
+    return segments
+
+
+def flat(segments: Segments) -> list[int]:
+    return [t for seg in segments for t in (seg.content if isinstance(seg, Block) else seg)]
+
+
+def with_kv_mode(s: Served, params: GenerationParams, body, blocks: bool) -> GenerationParams:
+    """`params` with the request's (or the server's) kv_mode; a prompt without blocks is exact."""
+    mode = (body.kv_mode or s.config.kv_mode) if blocks else "exact"
+    share = s.config.blend_recompute if body.blend_recompute is None else body.blend_recompute
+    try:
+        return replace(params, kv_mode=mode, blend_recompute=share)
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+
+
+def usage_details(results) -> dict[str, int]:
+    """`prompt_tokens_details` beyond `cached_tokens` (the exact prefix): block KV reused at a new
+    position (`blended_tokens`) and prompt tokens recomputed around it; absent without blocks."""
+    reports = [r.blocks for r in results if r.blocks is not None]
+    if not reports:
+        return {}
+    return {
+        "blended_tokens": sum(b.reused_tokens for b in reports),
+        "recomputed_tokens": sum(b.recomputed_tokens for b in reports),
+    }
