@@ -38,6 +38,10 @@ class GenerationResult:
     # whose recurrent state was snapshotted for the cache
     prefill_splits: list[int] = field(repr=False, default_factory=list)
     snapshot_positions: list[int] = field(repr=False, default_factory=list)
+    # seq2seq models: source tokens the encoder saw, and how many of them were served from the cache
+    # (all or none: an encoder output depends on the whole source)
+    encoder_tokens: int = 0
+    encoder_cached_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -106,6 +106,10 @@ class ModelRunner:
             out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_arg: past}, **kwargs)
         return out.logits[0, -keep:]
 
+    def crop(self, past, length: int) -> None:
+        """Roll `past` back to its first `length` positions (rejected drafts)."""
+        hf.crop(past, length)
+
 
 class CachedGenerator:
     """Generate with prefix reuse from a `KVCacheTrie` (or with no reuse when `cache` is None)."""
@@ -197,7 +201,7 @@ class CachedGenerator:
         run = self._start(ids, hit, rows, salt)
         tokens = None
         try:
-            run.past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
+            run.past = self._new_past(hit, salt)
             prompt_logprobs = None
             if params.prompt_logprobs is not None:
                 prompt_logprobs = self._prompt_logprobs(ids, run, params.prompt_logprobs)
@@ -227,6 +231,10 @@ class CachedGenerator:
         # Committed before the result is handed over: a consumer that stops at the result piece
         # (without exhausting the stream) holds no lock, and its next turn hits this one.
         yield final
+
+    def _new_past(self, hit: Hit | None, salt: Salt) -> Any:
+        """The live cache a request decodes into: the hit's prefix, or an empty one."""
+        return hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
 
     def _pieces(
         self, tokens: Iterator[int], run: DecodeState, out: Decoding, output_logits: bool
