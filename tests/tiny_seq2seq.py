@@ -51,14 +51,9 @@ def tiny_seq2seq(family: str, dtype: torch.dtype = torch.float32, seed: int = 0,
     from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
     torch.manual_seed(seed)
-    fields = dict(
-        SEQ2SEQ_CONFIGS[family],
-        vocab_size=VOCAB,
-        pad_token_id=0,
-        eos_token_id=None,
-        bos_token_id=None,
-        decoder_start_token_id=START,
-        **overrides,
+    fields = SEQ2SEQ_CONFIGS[family] | dict(
+        vocab_size=VOCAB, pad_token_id=0, eos_token_id=None, bos_token_id=None, decoder_start_token_id=START
     )
+    fields |= overrides
     config = AutoConfig.for_model(family, **fields)
     return AutoModelForSeq2SeqLM.from_config(config, dtype=dtype).eval()

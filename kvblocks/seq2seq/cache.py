@@ -55,6 +55,7 @@ class SourceUse:
     ids: list[int]
     kv: SourceKV
     cached: bool
+    stored: bool = False  # its record was kept by this request
 
 
 @dataclass(slots=True)

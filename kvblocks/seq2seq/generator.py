@@ -74,13 +74,18 @@ class Seq2SeqCachedGenerator(CachedGenerator):
     bare source); results count the source in `encoder_tokens` / `encoder_cached_tokens`."""
 
     def __init__(self, model, tokenizer, cache: Seq2SeqCache | None) -> None:
-        if not hf_seq2seq.is_seq2seq(model):
-            raise ValueError(f"model type '{model.config.model_type}' is not an encoder-decoder model")
         super().__init__(model, tokenizer, cache.decoder if cache is not None else None)
+        self.bind_seq2seq(cache)
+
+    def bind_seq2seq(self, cache: Seq2SeqCache | None) -> None:
+        """The seq2seq parts of a generator whose `CachedGenerator` part is set up (the speculative
+        generator shares them)."""
+        if not hf_seq2seq.is_seq2seq(self.model):
+            raise ValueError(f"model type '{self.model.config.model_type}' is not an encoder-decoder model")
         self.seq2seq = cache
-        self.runner = Seq2SeqRunner(model)
-        self.start_id = decoder_start(model)
-        self.max_source = source_context(model.config)
+        self.runner = Seq2SeqRunner(self.model)
+        self.start_id = decoder_start(self.model)
+        self.max_source = source_context(self.model.config)
 
     def encode_source(self, source: Prompt) -> list[int]:
         ids = encode_prompt(self.tokenizer, source)
@@ -127,24 +132,40 @@ class Seq2SeqCachedGenerator(CachedGenerator):
             pieces.close()
 
     def open_source(self, source_ids: list[int], salt: Salt) -> SourceScope:
-        """The request's scope, carrying its source: the cached record, or the encoder's output."""
-        scope = self.seq2seq.scope(source_ids, salt) if self.seq2seq is not None else SourceScope()
-        kv = self.seq2seq.lookup(source_ids, scope) if self.seq2seq is not None else None
-        cached = kv is not None
-        if kv is None:
-            kv = SourceKV(self.runner.encode(source_ids), None)
-            if self.seq2seq is not None:
-                self.seq2seq.encoded(len(source_ids))
-        return replace(scope, source=SourceUse(source_ids, kv, cached))
+        return open_source(self.runner, self.seq2seq, source_ids, salt)
 
     def _new_past(self, hit: Hit | None, salt: SourceScope) -> Seq2SeqPast:
-        return hf_seq2seq.fresh_past(hit.to_hf_cache() if hit is not None else None, salt.source.kv)
+        return new_past(hit, salt)
 
     def _commit_prompt(self, run: DecodeState) -> None:
-        """Also keep the source's record, once the first decoder forward computed its cross K/V."""
+        """Also keep the source's record, now that the first decoder forward computed its cross K/V."""
         super()._commit_prompt(run)
-        use = run.salt.source
-        if self.seq2seq is not None and not use.cached:
-            self.seq2seq.store(
-                use.ids, run.salt, SourceKV(use.kv.encoder_hidden, run.past.cache.cross_attention_cache)
-            )
+        keep_source(self.seq2seq, run.salt, run.past)
+
+
+def open_source(
+    runner: Seq2SeqRunner, cache: Seq2SeqCache | None, source_ids: list[int], salt: Salt
+) -> SourceScope:
+    """A request's scope, carrying its source: the cached record, or the encoder's output."""
+    scope = cache.scope(source_ids, salt) if cache is not None else SourceScope()
+    kv = cache.lookup(source_ids, scope) if cache is not None else None
+    cached = kv is not None
+    if kv is None:
+        kv = SourceKV(runner.encode(source_ids), None)
+        if cache is not None:
+            cache.encoded(len(source_ids))
+    return replace(scope, source=SourceUse(source_ids, kv, cached))
+
+
+def new_past(hit: Hit | None, scope: SourceScope) -> Seq2SeqPast:
+    """The live cache a request decodes into: its decoder hit (or nothing) over its source."""
+    return hf_seq2seq.fresh_past(hit.to_hf_cache() if hit is not None else None, scope.source.kv)
+
+
+def keep_source(cache: Seq2SeqCache | None, scope: SourceScope, past: Seq2SeqPast) -> None:
+    """Store the source's record from a live cache a decoder forward ran on, unless it came from the cache."""
+    use = scope.source
+    computed = past.cache.cross_attention_cache.get_seq_length() > 0  # no decoder forward ran yet
+    if cache is not None and computed and not (use.cached or use.stored):
+        cache.store(use.ids, scope, SourceKV(use.kv.encoder_hidden, past.cache.cross_attention_cache))
+        use.stored = True
