@@ -125,9 +125,13 @@ async def metrics(request: Request):
 async def cache_stats(request: Request):
     s, who = served(request), caller(request)
     if not who.admin:  # a tenant sees its own counters only, nothing of the others' traffic
-        own = None if s.cache is None else await run_in_threadpool(lambda: s.cache.stats(tenant=who.tenant))
+        own = (
+            None
+            if s.cache is None
+            else await run_in_threadpool(lambda: s.stats_cache.stats(tenant=who.tenant))
+        )
         return {"model": s.config.model_name, "tenant": who.tenant, "cache": own}
-    stats = None if s.cache is None else await run_in_threadpool(s.cache.stats)
+    stats = None if s.cache is None else await run_in_threadpool(s.stats_cache.stats)
     return {
         "model": s.config.model_name,
         "uptime_s": time.time() - s.started,

@@ -235,6 +235,8 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    # kvblocks extension, encoder-decoder models only: the decoder's prefix (`prompt` is the source)
+    decoder_prompt: str | list[int] | None = None
 
 
 class ExplainRequest(_Model):
