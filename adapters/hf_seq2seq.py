@@ -154,9 +154,12 @@ def padded(source: SourceKV, length: int) -> SourceKV:
 
 
 def trimmed(source: SourceKV, length: int) -> SourceKV:
-    """The first `length` positions of a (padded) source record."""
-    kv = _kv(source.cross, 0, length)
-    return SourceKV(source.encoder_hidden[:, :length], _cache_of(kv))
+    """The first `length` positions of a (padded) source record fresh from the pool (cut in place)."""
+    if source.encoder_hidden.shape[1] == length:
+        return source
+    for layer in source.cross.layers:
+        layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+    return SourceKV(source.encoder_hidden[:, :length], source.cross)
 
 
 def _cache_of(kv: list[torch.Tensor]) -> DynamicCache:

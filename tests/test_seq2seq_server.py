@@ -126,3 +126,13 @@ def test_chat_and_echo_are_refused_by_name(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="echo"):
         complete(client, "Summary:", echo=True)
+
+
+def test_explain_tells_whether_the_source_is_held_and_how_much_decoder_prefix(server):
+    with server.client() as http:
+        body = {"prompt": SOURCE, "decoder_prompt": "Question: when does the ferry leave in winter?"}
+        held = http.post("/v1/cache/explain", json=body).json()
+        other = http.post("/v1/cache/explain", json=body | {"prompt": "Another source entirely."}).json()
+    assert held["source"]["cached"] and not held["source"]["encoder_would_run"]
+    assert held["cached_tokens"] > 1
+    assert not other["source"]["cached"] and other["cached_tokens"] == 0

@@ -19,6 +19,7 @@ def bench_parser() -> argparse.ArgumentParser:
         packed,
         prefix_listing,
         redis,
+        seq2seq,
         server,
         soak,
         specdec,
@@ -32,6 +33,6 @@ def bench_parser() -> argparse.ArgumentParser:
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
     first = (micro, workloads, redis, specdec, server, fleet, packed, hybrid)
-    for suite in (*first, prefix_listing, constrained, soak, gpu):
+    for suite in (*first, seq2seq, prefix_listing, constrained, soak, gpu):
         suite.add_parser(suites)
     return p

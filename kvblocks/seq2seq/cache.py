@@ -147,6 +147,11 @@ class Seq2SeqCache:
                 self.counters.encoder_reused_tokens += len(source_ids)
         return None if kv is None else hf_seq2seq.trimmed(kv, len(source_ids))
 
+    def holds(self, source_ids: list[int], scope: SourceScope) -> bool:
+        """Whether the whole record of this source is resident (no lock, no counting)."""
+        key = self._key(source_ids)
+        return self.sources.cached_length(key, salt=scope) == len(key)
+
     def encoded(self, tokens: int) -> None:
         """Count one encoder run over `tokens` source tokens."""
         with self._lock:

@@ -186,12 +186,16 @@ async def cache_explain(request: Request):
     else:
         check_chars(s.prompt_chars, chat_chars(body.messages), s.gen.max_context, "messages")
         prompt = [{"role": m.role, "content": m.text()} for m in body.messages]
+    if s.encoder_decoder:
+        return await explain_seq2seq(s, request, body, prompt)
     try:
         ids = await tokenizing(s.tokenize_gate, s.gen.encode, prompt)
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt") from exc
     if s.cache is None:
         raise APIError(400, "this server runs without a prefix cache")
+    if body.decoder_prompt is not None:
+        raise APIError(400, "decoder_prompt is for encoder-decoder models only", param="decoder_prompt")
     salt, everyone = scope_of(request, body.cache_salt), caller(request).admin
     result = await run_in_threadpool(
         lambda: explain(
@@ -199,6 +203,26 @@ async def cache_explain(request: Request):
         )
     )
     return result.as_dict()
+
+
+async def explain_seq2seq(s: Served, request: Request, body: ExplainRequest, prompt) -> dict:
+    """An encoder-decoder request: whether its source's record is held (the encoder then does not
+    run), and the decoder-prefix explanation under that source."""
+    if s.stats_cache is None or body.messages is not None:
+        why = "this server runs without a prefix cache" if s.stats_cache is None else "chat is not served"
+        raise APIError(400, f"{why} (an encoder-decoder model: give 'prompt' and 'decoder_prompt')")
+    try:
+        source = await tokenizing(s.tokenize_gate, s.gen.encode_source, prompt)
+        ids = s.gen.encode(s.gen.decoder_ids(body.decoder_prompt or []))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="prompt") from exc
+    scope = s.stats_cache.scope(source, scope_of(request, body.cache_salt))
+    everyone = caller(request).admin
+    decoder = await run_in_threadpool(
+        lambda: explain(s.cache, s.gen.tokenizer, ids, salt=scope, all_tenants=everyone).as_dict()
+    )
+    held = s.stats_cache.holds(source, scope)
+    return decoder | {"source": {"tokens": len(source), "cached": held, "encoder_would_run": not held}}
 
 
 _gc_pause_lock = threading.Lock()

@@ -245,6 +245,8 @@ class ExplainRequest(_Model):
     cache_salt: str | None = None
     # what the request would ask for that changes how the cache is used
     echo_logprobs: bool = False
+    # encoder-decoder models: the decoder's prefix (`prompt` is the source)
+    decoder_prompt: str | list[int] | None = None
 
 
 # ---- the Responses API (/v1/responses) ---------------------------------------------------------
