@@ -85,6 +85,12 @@ def describe(model) -> tuple[list[LayerSpec], list[LayerSpec]]:
     """Probe a seq2seq model with a one-token source and decoder step: the decoder's self-attention
     specs, and the source record's specs (encoder output first, then each layer's cross-attention)."""
     config = model.config
+    if getattr(config, "attention_type", None) == "block_sparse":
+        raise hf.UnsupportedModelError(
+            f"model type '{config.model_type}' with attention_type='block_sparse' switches its encoder to "
+            "full attention for good on its first short input (kvblocks' one-token probe would change the "
+            "model); load it with attention_type='original_full'"
+        )
     d_model = encode(model, [0]).shape[-1]
     if d_model % 2:
         raise hf.UnsupportedModelError(

@@ -42,6 +42,7 @@ SEQ2SEQ_CONFIGS = {
     "m2m_100": _BART,
     "nllb-moe": dict(_BART, num_experts=2),
     "mvp": _BART,
+    "fsmt": dict(_BART, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, langs=["en", "de"]),
 }
 SEQ2SEQ_FAMILIES = list(SEQ2SEQ_CONFIGS)
 
