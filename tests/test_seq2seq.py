@@ -197,3 +197,13 @@ def test_sampling_with_a_seed_repeats_with_and_without_reuse():
         got = h.generator.generate(prompt, max_new_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
         assert got.token_ids == want
     assert got.encoder_cached_tokens == 30
+
+
+def test_a_tenants_stats_show_its_own_records_and_no_server_wide_encoder_work():
+    from kvblocks import Scope
+
+    h = Harness("bart", torch.float32)
+    h.generator.generate(Seq2SeqPrompt(ids(20, 19), ids(4, 20)), max_new_tokens=2, salt=Scope("acme"))
+    mine, theirs = h.cache.stats(tenant="acme"), h.cache.stats(tenant="other")
+    assert "encoder_runs" not in mine and h.cache.stats()["encoder_runs"] == 1
+    assert mine["source_resident_tokens"] == 20 and theirs["source_resident_tokens"] == 0

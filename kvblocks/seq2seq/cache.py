@@ -174,9 +174,12 @@ class Seq2SeqCache:
         return [*source_ids, *[_END] * (-len(source_ids) % chunk)]
 
     def stats(self, *, tenant: str | None = None) -> dict[str, int]:
-        """The decoder trie's counters, the source records' under `source_`, and encoder work."""
+        """The decoder trie's counters, the source records' under `source_`, and (for the whole
+        server, not one tenant: they are not kept per tenant) the encoder work."""
         out = self.decoder.stats(tenant=tenant)
         out |= {f"source_{k}": v for k, v in self.sources.stats(tenant=tenant).items()}
+        if tenant is not None:
+            return out
         with self._lock:
             out |= {k: getattr(self.counters, k) for k in self.counters.__dataclass_fields__}
         return out
