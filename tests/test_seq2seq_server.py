@@ -136,3 +136,13 @@ def test_explain_tells_whether_the_source_is_held_and_how_much_decoder_prefix(se
     assert held["source"]["cached"] and not held["source"]["encoder_would_run"]
     assert held["cached_tokens"] > 1
     assert not other["source"]["cached"] and other["cached_tokens"] == 0
+
+
+def test_kvblocks_stats_and_explain_show_the_source(server, capsys):
+    from kvblocks.cli.commands import main
+
+    assert main(["stats", "--url", server.url]) == 0
+    out = capsys.readouterr().out
+    assert "source records" in out and "encoder runs / sources reused" in out
+    assert main(["explain", SOURCE, "--decoder-prompt", "Summary:", "--url", server.url]) == 0
+    assert "held: the encoder does not run" in capsys.readouterr().out

@@ -148,6 +148,12 @@ def _stats_table(now: dict, r: dict, title: str):
         "occupancy", f"{r['resident_tokens']:,} / {r['capacity_tokens']:,} tokens ({r['occupancy']:.1%})"
     )
     t.add_row("evicted tokens", f"{r['evicted_tokens']:,}")
+    cache = now.get("cache") or {}
+    if "source_resident_tokens" in cache:  # an encoder-decoder model: its source records
+        held = f"{cache['source_resident_tokens']:,} / {cache['source_capacity_tokens']:,} tokens"
+        t.add_row("source records (encoder output, cross K/V)", held)
+    if "encoder_runs" in cache:
+        t.add_row("encoder runs / sources reused", f"{cache['encoder_runs']:,} / {cache['encoder_reused']:,}")
     if r["snapshots"] is not None:
         t.add_row("state snapshots", f"{r['snapshots']:,} ({r['snapshot_bytes'] / 2**20:,.1f} MiB)")
         t.add_row("lookups short of a snapshot", f"{r['snapshot_misses']:,}")
