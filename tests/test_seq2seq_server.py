@@ -146,3 +146,11 @@ def test_kvblocks_stats_and_explain_show_the_source(server, capsys):
     assert "source records" in out and "encoder runs / sources reused" in out
     assert main(["explain", SOURCE, "--decoder-prompt", "Summary:", "--url", server.url]) == 0
     assert "held: the encoder does not run" in capsys.readouterr().out
+
+
+def test_flush_cache_empties_the_source_records_too(server, client):
+    complete(client, "Summary:")
+    with server.client() as http:
+        assert http.post("/flush_cache").status_code == 200
+        stats = http.get("/v1/cache/stats").json()["cache"]
+    assert stats["source_resident_tokens"] == 0 and stats["resident_tokens"] == 0

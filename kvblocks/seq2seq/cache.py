@@ -162,7 +162,7 @@ class Seq2SeqCache:
         """Keep a source's record (its cross K/V computed); False when the pool could not take all of it."""
         key = self._key(source_ids)
         stored = self.sources.insert(key, hf_seq2seq.padded(kv, len(key)), salt=scope)
-        whole = self.sources.cached_length(key, salt=scope) == len(key)
+        whole = self.holds(source_ids, scope)
         if stored and whole:
             with self._lock:
                 self.counters.sources_stored += 1
@@ -185,6 +185,7 @@ class Seq2SeqCache:
         return out
 
     def clear(self) -> int:
+        """Evict every unlocked, unpinned decoder token and source record (`/flush_cache`)."""
         return self.decoder.clear() + self.sources.clear()
 
     def close(self) -> None:

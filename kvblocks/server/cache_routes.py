@@ -128,10 +128,10 @@ async def cache_stats(request: Request):
         own = (
             None
             if s.cache is None
-            else await run_in_threadpool(lambda: s.stats_cache.stats(tenant=who.tenant))
+            else await run_in_threadpool(lambda: s.full_cache.stats(tenant=who.tenant))
         )
         return {"model": s.config.model_name, "tenant": who.tenant, "cache": own}
-    stats = None if s.cache is None else await run_in_threadpool(s.stats_cache.stats)
+    stats = None if s.cache is None else await run_in_threadpool(s.full_cache.stats)
     return {
         "model": s.config.model_name,
         "uptime_s": time.time() - s.started,
@@ -208,20 +208,20 @@ async def cache_explain(request: Request):
 async def explain_seq2seq(s: Served, request: Request, body: ExplainRequest, prompt) -> dict:
     """An encoder-decoder request: whether its source's record is held (the encoder then does not
     run), and the decoder-prefix explanation under that source."""
-    if s.stats_cache is None or body.messages is not None:
-        why = "this server runs without a prefix cache" if s.stats_cache is None else "chat is not served"
+    if s.full_cache is None or body.messages is not None:
+        why = "this server runs without a prefix cache" if s.full_cache is None else "chat is not served"
         raise APIError(400, f"{why} (an encoder-decoder model: give 'prompt' and 'decoder_prompt')")
     try:
         source = await tokenizing(s.tokenize_gate, s.gen.encode_source, prompt)
         ids = s.gen.encode(s.gen.decoder_ids(body.decoder_prompt or []))
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt") from exc
-    scope = s.stats_cache.scope(source, scope_of(request, body.cache_salt))
+    scope = s.full_cache.scope(source, scope_of(request, body.cache_salt))
     everyone = caller(request).admin
     decoder = await run_in_threadpool(
         lambda: explain(s.cache, s.gen.tokenizer, ids, salt=scope, all_tenants=everyone).as_dict()
     )
-    held = s.stats_cache.holds(source, scope)
+    held = s.full_cache.holds(source, scope)
     return decoder | {"source": {"tokens": len(source), "cached": held, "encoder_would_run": not held}}
 
 

@@ -66,9 +66,9 @@ class Served:
         return hasattr(self.gen, "encode_source")
 
     @property
-    def stats_cache(self):
-        """What the stats report: a seq2seq generator's whole cache (source records, decoder trie,
-        encoder work), else the trie."""
+    def full_cache(self):
+        """What the stats report and a flush empties: a seq2seq generator's whole cache (source
+        records, decoder trie, encoder work), else the trie."""
         return getattr(self.gen, "seq2seq", None) or self.cache
 
     def prefix_pins(self) -> PrefixPins | None:
