@@ -65,6 +65,11 @@ class KVCacheTrie(PrefixCache):
         """
         if capacity_tokens is not None and capacity_bytes is not None:
             raise ValueError("give capacity_tokens or capacity_bytes, not both")
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise hf.UnsupportedModelError(
+                f"model type '{model.config.model_type}' is an encoder-decoder model: its decoder's cache "
+                "depends on the source too; use kvblocks.seq2seq.Seq2SeqCache.for_model"
+            )
         specs, state = hf.describe(model)
         param = next(model.parameters())
         if capacity_tokens is None:

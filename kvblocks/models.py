@@ -88,7 +88,7 @@ def resolve(model: str | None) -> str:
 
 def load(model: str | None = None, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer) in eval mode; `model` is a local path, a hub id or None for the default."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
@@ -100,10 +100,18 @@ def load(model: str | None = None, dtype: str = "float32", device: str = "cpu"):
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        lm = _auto_class(path).from_pretrained(path, dtype=DTYPES[dtype])
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model '{model}': {str(exc).splitlines()[0]}") from exc
     lm.to(device).eval()
     if model in (None, "", "default", "smollm2"):
         lm.config.name_or_path = DEFAULT_MODEL
     return lm, tokenizer
+
+
+def _auto_class(path: str):
+    """`AutoModelForSeq2SeqLM` for an encoder-decoder checkpoint (T5, BART, ...), else `AutoModelForCausalLM`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    encoder_decoder = getattr(AutoConfig.from_pretrained(path), "is_encoder_decoder", False)
+    return AutoModelForSeq2SeqLM if encoder_decoder else AutoModelForCausalLM

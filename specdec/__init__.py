@@ -12,6 +12,7 @@ from .drafters import (
 )
 from .generator import Round, SpecStats, SpeculativeGenerator
 from .rejection import acceptance_probability, residual, verify
+from .seq2seq import Seq2SeqModelDrafter, Seq2SeqSpeculativeGenerator
 
 __all__ = [
     "DraftSession",
@@ -21,6 +22,8 @@ __all__ = [
     "PromptLookupDrafter",
     "Proposal",
     "Round",
+    "Seq2SeqModelDrafter",
+    "Seq2SeqSpeculativeGenerator",
     "SpecStats",
     "SpeculativeGenerator",
     "TrieDrafter",

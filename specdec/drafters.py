@@ -7,7 +7,7 @@ request ends, when only committed tokens go into its trie.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,7 +120,7 @@ class ModelDraftSession(DraftSession):
 
     def rollback(self, length: int) -> None:
         if self.length > length:
-            hf.crop(self.past, length)
+            self.drafter.runner.crop(self.past, length)
             self.length = length
 
     def end(self, committed: list[int]) -> None:
@@ -182,15 +182,21 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def start(self, prompt_ids: list[int], salt: Salt) -> PointMassSession:
-        return PointMassSession(self.lookup)
+        source = getattr(getattr(salt, "source", None), "ids", ())  # a seq2seq request's source
+        return PointMassSession(lambda committed, gamma: self.lookup(committed, gamma, source))
 
-    def lookup(self, committed: list[int], gamma: int) -> list[int]:
+    def lookup(self, committed: list[int], gamma: int, source: Sequence[int] = ()) -> list[int]:
+        """What followed the current n-gram's last earlier occurrence in `committed`, else in the
+        seq2seq `source` (a summary or translation copies from it)."""
         n_total = len(committed)
         for n in range(min(self.max_ngram, n_total - 1), self.min_ngram - 1, -1):
             tail = committed[n_total - n :]
             for start in range(n_total - n - 1, -1, -1):
                 if committed[start : start + n] == tail:
                     return list(committed[start + n : start + n + gamma])
+            for start in range(len(source) - n - 1, -1, -1):
+                if list(source[start : start + n]) == tail:
+                    return list(source[start + n : start + n + gamma])
         return []
 
 

@@ -217,7 +217,7 @@ class SpeculativeGenerator(CachedGenerator):
                 if saved is not None and n < len(drafts):
                     self._rewind(run, saved, feed[: len(feed) - len(drafts) + n])
                 else:
-                    hf.crop(run.past, len(committed) - 1)
+                    self.runner.crop(run.past, len(committed) - 1)
                 run.computed = len(committed) - 1
                 self._snapshot(run)
                 drafter.rollback(len(committed) - 1)

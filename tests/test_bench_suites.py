@@ -144,7 +144,7 @@ def test_server_suite_runs_cache_on_and_off_servers_on_a_tiny_model(tmp_path, ca
     # --decode-heavy: its own report, one turn of 6 tokens per agent on the batched server
     heavy = checks(summary, "server-decode-heavy")
     assert heavy["makespan (median round), kvblocks serve (batched)"] > 0
-    assert 0 < heavy["completion tokens/s, kvblocks serve (batched)"]
+    assert heavy["completion tokens/s, kvblocks serve (batched)"] > 0
 
 
 def test_packed_suite_decodes_the_same_tokens_both_ways_on_a_tiny_model(tmp_path, capsys):

@@ -20,6 +20,7 @@ def bench_parser() -> argparse.ArgumentParser:
         packed,
         prefix_listing,
         redis,
+        seq2seq,
         server,
         soak,
         specdec,
@@ -33,6 +34,6 @@ def bench_parser() -> argparse.ArgumentParser:
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
     first = (micro, workloads, redis, specdec, server, fleet, packed, hybrid)
-    for suite in (*first, prefix_listing, constrained, soak, gpu, blocks):
+    for suite in (*first, seq2seq, prefix_listing, constrained, soak, gpu, blocks):
         suite.add_parser(suites)
     return p

@@ -48,6 +48,11 @@ def add_inspect_parsers(sub) -> None:
     ex.add_argument("--system", default=None, help="system message (chat prompts)")
     ex.add_argument("--raw", action="store_true", help="explain the plain text, without the chat template")
     ex.add_argument("--salt", default=None, help="the request's cache_salt")
+    ex.add_argument(
+        "--decoder-prompt",
+        default=None,
+        help="an encoder-decoder model's decoder prefix (the prompt is then its source; implies --raw)",
+    )
     ex.add_argument("--json", action="store_true", help="print the raw explanation JSON")
     ex.set_defaults(func=cmd_explain)
 
@@ -143,6 +148,12 @@ def _stats_table(now: dict, r: dict, title: str):
         "occupancy", f"{r['resident_tokens']:,} / {r['capacity_tokens']:,} tokens ({r['occupancy']:.1%})"
     )
     t.add_row("evicted tokens", f"{r['evicted_tokens']:,}")
+    cache = now.get("cache") or {}
+    if "source_resident_tokens" in cache:  # an encoder-decoder model: its source records
+        held = f"{cache['source_resident_tokens']:,} / {cache['source_capacity_tokens']:,} tokens"
+        t.add_row("source records (encoder output, cross K/V)", held)
+    if "encoder_runs" in cache:
+        t.add_row("encoder runs / sources reused", f"{cache['encoder_runs']:,} / {cache['encoder_reused']:,}")
     if r["snapshots"] is not None:
         t.add_row("state snapshots", f"{r['snapshots']:,} ({r['snapshot_bytes'] / 2**20:,.1f} MiB)")
         t.add_row("lookups short of a snapshot", f"{r['snapshot_misses']:,}")
@@ -352,8 +363,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     client = Client(args)
-    if args.raw:
+    if args.raw or args.decoder_prompt is not None:
         payload: dict = {"prompt": args.prompt}
+        if args.decoder_prompt is not None:
+            payload["decoder_prompt"] = args.decoder_prompt
     else:
         system = [{"role": "system", "content": args.system}] if args.system else []
         payload = {"messages": [*system, {"role": "user", "content": args.prompt}]}
@@ -363,6 +376,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(json.dumps(e, indent=2))
         return 0
     console = Console(highlight=False)
+    if "source" in e:  # an encoder-decoder model: the source's record, then the decoder prefix
+        held = "held: the encoder does not run" if e["source"]["cached"] else "not held: the encoder runs"
+        console.print(f"source of {e['source']['tokens']} tokens {held}")
     console.print(f"[bold]{e['reason']}[/bold]: {e['detail']}")
     console.print(f"cached {e['cached_tokens']} of {e['prompt_tokens']} prompt tokens")
     if e["divergence"] is not None:

@@ -103,27 +103,42 @@ def load_stack(args: argparse.Namespace):
 
     torch.set_num_threads(max(1, args.threads))
     capacity = parse_capacity(args.capacity)
-    spill = None
-    if args.redis:
-        from kvblocks.spill.redis_tier import RedisTier
-        from kvblocks.spill.sealing import read_secret
-
-        try:
-            secret = read_secret(args.redis_secret_file)
-            ttl = args.redis_ttl if args.redis_ttl > 0 else None
-            spill = RedisTier(args.redis, chunk_tokens=args.redis_chunk_tokens, secret=secret, ttl_s=ttl)
-        except ValueError as exc:
-            raise UserError(f"--redis: {exc}") from exc
-        for warning in spill.server_warnings():
-            print(warning, file=sys.stderr, flush=True)
+    spill = redis_tier(args)
     try:
         model, tokenizer = models.load(args.model, args.dtype, args.device)
-        cache = KVCacheTrie.for_model(
-            model, **capacity, spill=spill, eviction=args.eviction, snapshot_every=args.snapshot_every
-        )
+        if getattr(
+            model.config, "is_encoder_decoder", False
+        ):  # a Seq2SeqCache: source records + decoder trie
+            from kvblocks.seq2seq import Seq2SeqCache
+
+            cache = Seq2SeqCache.for_model(
+                model, **capacity, spill=spill, source_spill=redis_tier(args), eviction=args.eviction
+            )
+        else:
+            cache = KVCacheTrie.for_model(
+                model, **capacity, spill=spill, eviction=args.eviction, snapshot_every=args.snapshot_every
+            )
     except (models.ModelLoadError, UnsupportedModelError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     return model, tokenizer, cache
+
+
+def redis_tier(args: argparse.Namespace):
+    """The spill tier --redis asks for (None without it); one per cache."""
+    if not args.redis:
+        return None
+    from kvblocks.spill.redis_tier import RedisTier
+    from kvblocks.spill.sealing import read_secret
+
+    try:
+        secret = read_secret(args.redis_secret_file)
+        ttl = args.redis_ttl if args.redis_ttl > 0 else None
+        spill = RedisTier(args.redis, chunk_tokens=args.redis_chunk_tokens, secret=secret, ttl_s=ttl)
+    except ValueError as exc:
+        raise UserError(f"--redis: {exc}") from exc
+    for warning in spill.server_warnings():
+        print(warning, file=sys.stderr, flush=True)
+    return spill
 
 
 DEFAULT_BATCH_SIZE = 16  # kvblocks serve without --max-batch-size, where the model has a packed path
@@ -180,9 +195,12 @@ def build_engine(args: argparse.Namespace, gen, keys=None):
 
 
 def build_generator(args: argparse.Namespace, model, tokenizer, cache, on_round=None):
-    """A CachedGenerator, or a SpeculativeGenerator when --draft is given."""
+    """A CachedGenerator, or a SpeculativeGenerator when --draft is given (their seq2seq kinds for
+    an encoder-decoder model)."""
     from kvblocks import CachedGenerator
 
+    if getattr(model.config, "is_encoder_decoder", False):
+        return build_seq2seq_generator(args, model, tokenizer, cache, on_round)
     if not getattr(args, "draft", None):
         return CachedGenerator(model, tokenizer, cache)
     from kvblocks.specdec import SpeculativeGenerator
@@ -207,6 +225,55 @@ def check_kv_mode(gen, kv_mode: str, blend_recompute: float) -> None:
         gen.check_params(GenerationParams(kv_mode=kv_mode, blend_recompute=blend_recompute))
     except ParamError as exc:
         raise UserError(f"--{exc.param.replace('_', '-')}: {exc}") from exc
+
+
+def build_seq2seq_generator(args: argparse.Namespace, model, tokenizer, cache, on_round=None):
+    """`Seq2SeqCachedGenerator`, or with --draft a `Seq2SeqSpeculativeGenerator` drafting by prompt
+    lookup, from the trie or with a seq2seq draft model (a folder); `cache` is a `Seq2SeqCache`."""
+    from kvblocks.seq2seq import Seq2SeqCache, Seq2SeqCachedGenerator
+
+    if not getattr(args, "draft", None):
+        return Seq2SeqCachedGenerator(model, tokenizer, cache)
+    from kvblocks.specdec import (
+        PromptLookupDrafter,
+        Seq2SeqModelDrafter,
+        Seq2SeqSpeculativeGenerator,
+        TrieDrafter,
+    )
+
+    kind, _, arg = args.draft.partition(":")
+    if kind == "lookup" and (not arg or arg.isdigit()):
+        drafter = PromptLookupDrafter(max_ngram=int(arg or 3))
+    elif kind == "trie" and not arg and cache is not None:
+        drafter = TrieDrafter(cache.decoder)
+    elif kind in ("self", "trie", "lookup"):
+        raise UserError(
+            f"--draft {args.draft}: an encoder-decoder target takes lookup[:N], trie (with the cache) or a "
+            "seq2seq draft model folder"
+        )
+    else:
+        draft, _ = load_seq2seq_draft(args.draft, args.dtype, args.device)
+        try:
+            draft_cache = Seq2SeqCache.for_model(draft, **parse_capacity(args.capacity))
+        except ValueError as exc:
+            raise UserError(f"--draft: {exc}") from exc
+        drafter = Seq2SeqModelDrafter(draft, draft_cache)
+    return Seq2SeqSpeculativeGenerator(
+        model, tokenizer, cache, drafter, gamma=args.gamma, adaptive=args.adaptive_gamma, on_round=on_round
+    )
+
+
+def load_seq2seq_draft(path: str, dtype: str, device: str):
+    """A seq2seq draft model, or a UserError naming what is wrong with it."""
+    from kvblocks import models
+
+    try:
+        draft, tokenizer = models.load(path, dtype, device)
+    except models.ModelLoadError as exc:
+        raise UserError(f"--draft: {exc}") from exc
+    if not getattr(draft.config, "is_encoder_decoder", False):
+        raise UserError(f"--draft {path}: an encoder-decoder target needs an encoder-decoder draft model")
+    return draft, tokenizer
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -336,6 +403,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
         raise
     if publisher is not None:
+        if not hasattr(cache, "attach_events"):
+            publisher.close()
+            raise UserError("--kv-events-endpoint: KV events are not published for encoder-decoder models")
         cache.attach_events(publisher)
     gen = build_generator(args, model, tokenizer, None if args.no_cache else cache)
     check_kv_mode(gen, args.kv_mode, args.blend_recompute)

@@ -40,6 +40,10 @@ class GenerationResult:
     snapshot_positions: list[int] = field(repr=False, default_factory=list)
     # a prompt prefilled from KV blocks (`kvblocks.blocks.BlockReport`): what was reused and where
     blocks: Any = None
+    # seq2seq models: source tokens the encoder saw, and how many of them were served from the cache
+    # (all or none: an encoder output depends on the whole source)
+    encoder_tokens: int = 0
+    encoder_cached_tokens: int = 0
 
 
 @dataclass(slots=True)

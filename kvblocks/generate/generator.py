@@ -110,6 +110,10 @@ class ModelRunner:
             out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_arg: past}, **kwargs)
         return out.logits[0, -keep:]
 
+    def crop(self, past, length: int) -> None:
+        """Roll `past` back to its first `length` positions (rejected drafts)."""
+        hf.crop(past, length)
+
 
 class CachedGenerator:
     """Generate with prefix reuse from a `KVCacheTrie` (or with no reuse when `cache` is None)."""
@@ -228,7 +232,7 @@ class CachedGenerator:
         try:
             blocks = self._prefill_blocks(ids, spans, hit, run, params) if params.kv_mode != "exact" else None
             if run.past is None:
-                run.past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
+                run.past = self._new_past(hit, salt)
             prompt_logprobs = None
             if params.prompt_logprobs is not None:
                 prompt_logprobs = self._prompt_logprobs(ids, run, params.prompt_logprobs)
@@ -281,6 +285,10 @@ class CachedGenerator:
             return BlockReport(params.kv_mode, params.blend_recompute, h, recomputed_tokens=len(ids) - h)
         run.past, run.computed, run.reusable = pre.past, pre.computed, pre.reusable
         return pre.report
+
+    def _new_past(self, hit: Hit | None, salt: Salt) -> Any:
+        """The live cache a request decodes into: the hit's prefix, or an empty one."""
+        return hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
 
     def _pieces(
         self, tokens: Iterator[int], run: DecodeState, out: Decoding, output_logits: bool

@@ -125,9 +125,13 @@ async def metrics(request: Request):
 async def cache_stats(request: Request):
     s, who = served(request), caller(request)
     if not who.admin:  # a tenant sees its own counters only, nothing of the others' traffic
-        own = None if s.cache is None else await run_in_threadpool(lambda: s.cache.stats(tenant=who.tenant))
+        own = (
+            None
+            if s.cache is None
+            else await run_in_threadpool(lambda: s.full_cache.stats(tenant=who.tenant))
+        )
         return {"model": s.config.model_name, "tenant": who.tenant, "cache": own}
-    stats = None if s.cache is None else await run_in_threadpool(s.cache.stats)
+    stats = None if s.cache is None else await run_in_threadpool(s.full_cache.stats)
     return {
         "model": s.config.model_name,
         "uptime_s": time.time() - s.started,
@@ -182,12 +186,16 @@ async def cache_explain(request: Request):
     else:
         check_chars(s.prompt_chars, chat_chars(body.messages), s.gen.max_context, "messages")
         prompt = [{"role": m.role, "content": m.text()} for m in body.messages]
+    if s.encoder_decoder:
+        return await explain_seq2seq(s, request, body, prompt)
     try:
         ids = await tokenizing(s.tokenize_gate, s.gen.encode, prompt)
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt") from exc
     if s.cache is None:
         raise APIError(400, "this server runs without a prefix cache")
+    if body.decoder_prompt is not None:
+        raise APIError(400, "decoder_prompt is for encoder-decoder models only", param="decoder_prompt")
     salt, everyone = scope_of(request, body.cache_salt), caller(request).admin
     result = await run_in_threadpool(
         lambda: explain(
@@ -195,6 +203,26 @@ async def cache_explain(request: Request):
         )
     )
     return result.as_dict()
+
+
+async def explain_seq2seq(s: Served, request: Request, body: ExplainRequest, prompt) -> dict:
+    """An encoder-decoder request: whether its source's record is held (the encoder then does not
+    run), and the decoder-prefix explanation under that source."""
+    if s.full_cache is None or body.messages is not None:
+        why = "this server runs without a prefix cache" if s.full_cache is None else "chat is not served"
+        raise APIError(400, f"{why} (an encoder-decoder model: give 'prompt' and 'decoder_prompt')")
+    try:
+        source = await tokenizing(s.tokenize_gate, s.gen.encode_source, prompt)
+        ids = s.gen.encode(s.gen.decoder_ids(body.decoder_prompt or []))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="prompt") from exc
+    scope = s.full_cache.scope(source, scope_of(request, body.cache_salt))
+    everyone = caller(request).admin
+    decoder = await run_in_threadpool(
+        lambda: explain(s.cache, s.gen.tokenizer, ids, salt=scope, all_tenants=everyone).as_dict()
+    )
+    held = s.full_cache.holds(source, scope)
+    return decoder | {"source": {"tokens": len(source), "cached": held, "encoder_would_run": not held}}
 
 
 _gc_pause_lock = threading.Lock()

@@ -92,13 +92,21 @@ async def completions(request: Request):
     if echo and body.logprobs is not None and body.stream:
         raise APIError(400, "echo with logprobs is not supported when streaming", param="echo")
     segments = None
+    decoder = decoder_prompt(s, body)
+    if decoder is not None and (echo or body.prompt_blocks is not None):
+        what = "echo" if echo else "prompt_blocks"
+        raise APIError(
+            400,
+            f"{what} is not supported for an encoder-decoder model (the prompt is its source)",
+            param=what,
+        )
     if body.prompt_blocks is not None:
         check_fanout(s, 1, best_of)
         segments = await tokenizing(s.tokenize_gate, kv_blocks.completion_block_segments, s, body)
         prompts = [kv_blocks.flat(segments)]
     else:
         check_fanout(s, len(split_prompts(body.prompt)), best_of)
-        prompts = await encode_prompts(s, body.prompt)
+        prompts = await encode_prompts(s, body.prompt, s.gen.encode_source if decoder is not None else None)
     base = kv_blocks.with_kv_mode(s, sampling(s, body, 1), body, segments is not None)
     logprobs = body.logprobs
     if best_of > n:  # candidates are ranked by their cumulative log-probability
@@ -106,11 +114,13 @@ async def completions(request: Request):
     prompt_logprobs = body.logprobs if echo and body.logprobs is not None else None
     branches = []
     for p, ids in enumerate(prompts):
-        limit = budget(s, ids, body.max_tokens, none_is_all=True)
+        limit = budget(
+            s, ids if decoder is None else [s.gen.start_id, *decoder], body.max_tokens, none_is_all=True
+        )
         params = replace(base, max_new_tokens=limit, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         check_params(s, params)
         branches += [
-            Branch(p * n + i, ids, with_seed(params, i), prompt=p, segments=segments) for i in range(best_of)
+            Branch(p * n + i, ids, with_seed(params, i), p, decoder, segments) for i in range(best_of)
         ]
     call = Call(
         request, "cmpl", chat=False, echo=echo, report_logprobs=body.logprobs is not None,
@@ -237,13 +247,33 @@ def check_fanout(s: Served, prompts: int, per_prompt: int) -> None:
 
 async def bounded_plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
     """`plan_chat` once the messages could fit the context and a tokenising place is free."""
+    if s.encoder_decoder:
+        raise APIError(
+            400,
+            f"'{s.config.model_name}' is an encoder-decoder model: it serves /v1/completions (prompt = the "
+            "source, decoder_prompt = the decoder's prefix), not chat",
+            param="messages",
+        )
     check_chars(s.prompt_chars, chat_chars(body.messages), s.gen.max_context, "messages")
     return await tokenizing(s.tokenize_gate, plan_chat, s, body)
 
 
-async def encode_prompts(s: Served, prompt) -> list[list[int]]:
+def decoder_prompt(s: Served, body: CompletionRequest) -> list[int] | None:
+    """An encoder-decoder model's decoder prefix ids (`decoder_prompt`, checked; [] when not given);
+    None for a decoder-only model, which refuses the field."""
+    if not s.encoder_decoder:
+        if body.decoder_prompt is not None:
+            raise APIError(400, "decoder_prompt is for encoder-decoder models only", param="decoder_prompt")
+        return None
+    try:
+        return s.gen.encode(s.gen.decoder_ids(body.decoder_prompt or []))[1:]
+    except ValueError as exc:
+        raise APIError(400, f"decoder_prompt: {exc}", param="decoder_prompt") from exc
+
+
+async def encode_prompts(s: Served, prompt, encode=None) -> list[list[int]]:
     """Completions accept a string, a list of strings, a list of ids or a list of id lists. Every
-    prompt is checked against the length bound before any is tokenised."""
+    prompt is checked against the length bound before any is tokenised (by `encode`)."""
     prompts = split_prompts(prompt)
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt")
@@ -254,7 +284,7 @@ async def encode_prompts(s: Served, prompt) -> list[list[int]]:
     out = []
     for p, name in zip(prompts, where):
         try:
-            out.append(await tokenizing(s.tokenize_gate, s.gen.encode, p))
+            out.append(await tokenizing(s.tokenize_gate, encode or s.gen.encode, p))
         except ValueError as exc:
             raise APIError(400, f"{name}: {exc}", param=name) from exc
     return out
@@ -346,9 +376,10 @@ class Branch:
     """One engine request: choice `index` of prompt `prompt`."""
 
     index: int
-    ids: list[int]
+    ids: list[int]  # an encoder-decoder model's source
     params: GenerationParams
     prompt: int = 0
+    decoder: list[int] | None = None  # an encoder-decoder model's decoder prompt
     segments: list | None = None  # the prompt as id segments with KV blocks (`kv_blocks`)
 
 
@@ -446,8 +477,13 @@ def submit_all(s: Served, call: Call, branches: list[Branch]) -> list[Submitted]
     return [Submitted(handle, inbox) for handle, inbox in zip(handles, inboxes)]
 
 
-def prompt_of(b: Branch) -> list:
-    """What the engine prefills: the id segments when KV blocks are reused, else the flat ids."""
+def prompt_of(b: Branch):
+    """What the engine prefills: the id segments when KV blocks are reused, a (source, decoder
+    prompt) request for an encoder-decoder model, else the flat ids."""
+    if b.decoder is not None:
+        from kvblocks.seq2seq.generator import Seq2SeqPrompt
+
+        return Seq2SeqPrompt(b.ids, b.decoder)
     return b.segments if b.segments is not None and b.params.kv_mode != "exact" else b.ids
 
 
@@ -579,16 +615,17 @@ def usage(results: list[GenerationResult], prompts_counted: int = 1) -> dict:
     """Prompt tokens count once per distinct prompt (its branches share its prefill)."""
     per_prompt = len(results) // max(1, prompts_counted)
     firsts = results[::per_prompt] if per_prompt else results
-    prompt = sum(r.prompt_tokens for r in firsts)
+    prompt = sum(r.prompt_tokens + r.encoder_tokens for r in firsts)
     completion = sum(len(r.token_ids) for r in results)
+    details = {"cached_tokens": sum(r.cached_tokens + r.encoder_cached_tokens for r in firsts)}
+    if any(r.encoder_tokens for r in firsts):  # an encoder-decoder model: source and decoder reuse apart
+        details["encoder_cached_tokens"] = sum(r.encoder_cached_tokens for r in firsts)
+        details["decoder_cached_tokens"] = sum(r.cached_tokens for r in firsts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {
-            "cached_tokens": sum(r.cached_tokens for r in firsts),
-            **kv_blocks.usage_details(firsts),
-        },
+        "prompt_tokens_details": details | kv_blocks.usage_details(firsts),
     }
 
 

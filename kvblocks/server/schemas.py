@@ -259,6 +259,8 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    # kvblocks extension, encoder-decoder models only: the decoder's prefix (`prompt` is the source)
+    decoder_prompt: str | list[int] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -275,6 +277,8 @@ class ExplainRequest(_Model):
     cache_salt: str | None = None
     # what the request would ask for that changes how the cache is used
     echo_logprobs: bool = False
+    # encoder-decoder models: the decoder's prefix (`prompt` is the source)
+    decoder_prompt: str | list[int] | None = None
 
 
 # ---- the Responses API (/v1/responses) ---------------------------------------------------------

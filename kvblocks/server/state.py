@@ -62,6 +62,17 @@ class Served:
     def cache(self):
         return self.engine.generator.cache
 
+    @property
+    def encoder_decoder(self) -> bool:
+        """Whether the served model is an encoder-decoder one: a completion's prompt is its source."""
+        return hasattr(self.gen, "encode_source")
+
+    @property
+    def full_cache(self):
+        """What the stats report and a flush empties: a seq2seq generator's whole cache (source
+        records, decoder trie, encoder work), else the trie."""
+        return getattr(self.gen, "seq2seq", None) or self.cache
+
     def prefix_pins(self) -> PrefixPins | None:
         if self.pins is None and self.cache is not None:
             self.pins = PrefixPins(self.cache)

@@ -147,7 +147,7 @@ async def flush_cache(request: Request, spill: bool = False):
         raise APIError(400, "this server runs without a prefix cache")
     if spill and s.cache.spill is None:
         raise APIError(400, "this server has no spill tier to flush (it runs without --redis)", param="spill")
-    flushed = await run_in_threadpool(s.cache.clear)
+    flushed = await run_in_threadpool(s.full_cache.clear)
     deleted = None
     if spill:
         try:
