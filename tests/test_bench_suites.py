@@ -16,7 +16,7 @@ from server_proc import smollm2_dir, tiny_model_dir
 
 from kvblocks.bench import fixtures, specdec
 from kvblocks.bench import server as loadtest
-from kvblocks.bench.server import Sent
+from kvblocks.bench.server_agents import Sent
 from kvblocks.cli.commands import main
 
 QUIET = ["--warmup", "0", "--no-progress", "--no-plots", "--no-fail"]  # tiny models miss targets

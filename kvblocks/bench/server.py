@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvblocks.bench import server_decode as decode_heavy
 from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, fmt_seconds, ints
+from kvblocks.bench.server_agents import Load, Sent, agent, p50_p99, ttfts, wave
 from kvblocks.errors import UserError
 
 _TOOLS = (
@@ -94,38 +94,6 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         model=True,
         options=OPTIONS,
     )
-
-
-@dataclass(slots=True)
-class Sent:
-    """One request as the client saw it."""
-
-    agent: int
-    turn: int
-    prompt_ids: list[int]
-    submitted: float
-    first: float = 0.0
-    done: float = 0.0
-    text: str = ""
-    reply_ids: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-
-    @property
-    def ttft(self) -> float:
-        return self.first - self.submitted
-
-
-@dataclass(slots=True)
-class Load:
-    """One server (its URL and served model id) and what it was sent: every request, the timed
-    rounds' requests and their wall times."""
-
-    url: str
-    model: str = ""
-    sent: list[Sent] = field(default_factory=list)
-    timed: list[Sent] = field(default_factory=list)
-    spans: list[float] = field(default_factory=list)
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
@@ -219,79 +187,6 @@ async def drive(opts: BenchOptions, args, tokenizer, system: str, urls: dict[str
     return loads, cold, heavy
 
 
-async def wave(
-    client, load: Load, tokenizer, system: str, args, tag: str, turns: int, bar, max_tokens: int | None = None
-) -> list[Sent]:
-    """All agents at once, each a conversation of `turns` requests; returns the requests sent."""
-    results = await asyncio.gather(
-        *(
-            agent(client, load, tokenizer, system, args, tag, a, turns, bar, max_tokens)
-            for a in range(args.agents)
-        )
-    )
-    return [s for convo in results for s in convo]
-
-
-async def agent(
-    client,
-    load: Load,
-    tokenizer,
-    system: str,
-    args,
-    tag: str,
-    index: int,
-    turns: int,
-    bar=None,
-    max_tokens: int | None = None,
-) -> list[Sent]:
-    from kvblocks.generate.text import encode_prompt
-
-    messages = [{"role": "system", "content": system}]
-    sent = []
-    for turn in range(turns):
-        order = 1000 + 37 * index + turn
-        text = f"[{tag}] Customer {index} says: my order {order} has not arrived yet (message {turn + 1}). "
-        text += "What should I do?"
-        messages.append({"role": "user", "content": text})
-        s = Sent(index, turn, encode_prompt(tokenizer, messages), time.perf_counter())
-        load.sent.append(s)
-        await chat(client, load, messages, max_tokens or args.max_tokens, s)
-        s.reply_ids = tokenizer(s.text, add_special_tokens=False)["input_ids"]
-        messages.append({"role": "assistant", "content": s.text})
-        sent.append(s)
-        if bar is not None:
-            bar.update()
-    return sent
-
-
-async def chat(client, load: Load, messages: list[dict], max_tokens: int, s: Sent) -> None:
-    """One streaming chat completion; fills in `s` (first content chunk, text, usage)."""
-    url = load.url
-    body = {"model": load.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
-    body |= {"stream": True, "stream_options": {"include_usage": True}}
-    s.submitted = time.perf_counter()
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread()).decode()}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: ") :])
-            if "error" in event:
-                raise RuntimeError(f"{url} streamed an error: {event['error']}")
-            if event.get("usage"):
-                s.prompt_tokens = event["usage"]["prompt_tokens"]
-                details = event["usage"].get("prompt_tokens_details") or {}  # transformers serve has none
-                s.cached_tokens = details.get("cached_tokens") or 0
-            for choice in event["choices"]:
-                content = choice["delta"].get("content")
-                if content:
-                    s.first = s.first or time.perf_counter()
-                    s.text += content
-    s.done = time.perf_counter()
-    s.first = s.first or s.done
-
-
 def ideal_hits(sent: list[Sent], in_flight: bool = True) -> dict[int, int]:
     """Per request (by id): the longest prompt prefix an earlier-submitted request computed.
 
@@ -318,14 +213,6 @@ def ideal_hits(sent: list[Sent], in_flight: bool = True) -> dict[int, int]:
 ON, OFF, COLD = "cache on", "cache off (--no-cache)", "cache on, cold start (first wave)"
 PEER = "transformers serve --continuous-batching"
 LLAMA_NAME = "llama.cpp llama-server"
-
-
-def ttfts(sent: list[Sent]) -> list[float]:
-    return [s.ttft for s in sent]
-
-
-def p50_p99(ttft: list[float]) -> tuple[float, float]:
-    return float(np.median(ttft)), float(np.percentile(ttft, 99))
 
 
 @dataclass(slots=True, frozen=True)

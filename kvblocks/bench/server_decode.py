@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from kvblocks.bench.harness import Check, Report
+from kvblocks.bench.server_agents import Load, p50_p99, ttfts, wave
 
 KVBLOCKS = "kvblocks serve (batched)"
 NAMES = {
@@ -32,8 +33,6 @@ def servers(args, urls: dict[str, str]) -> list[str]:
 async def drive(client, loads: dict, tokenizer, system: str, args, bar) -> dict:
     """Rounds of the decode-heavy wave, rotated between the servers; returns a fresh `Load` per
     server holding only these requests."""
-    from kvblocks.bench.server import Load, wave
-
     keys = servers(args, {key: load.url for key, load in loads.items()})
     heavy = {key: Load(loads[key].url, loads[key].model) for key in keys}
     for r in range(args.rounds):
@@ -48,8 +47,6 @@ async def drive(client, loads: dict, tokenizer, system: str, args, bar) -> dict:
 
 
 def report(args, heavy: dict, llama_slots: int) -> Report:
-    from kvblocks.bench.server import p50_p99, ttfts
-
     samples = {NAMES[key]: ttfts(load.timed) for key, load in heavy.items()}
     params = {"agents": args.agents, "turns": 1, "max_tokens": args.decode_heavy, "rounds": args.rounds}
     params |= {"system_prompt_tokens": args.system_tokens, "clock": "wall (client side, streaming)"}
