@@ -137,6 +137,12 @@ class SpeculativeGenerator(CachedGenerator):
         """Logits processing is refused: a round verifies up to gamma positions at once against
         distributions that the processors would rewrite token by token."""
         super().check_params(params)
+        if params.kv_mode != "exact":
+            raise ParamError(
+                "kv_mode",
+                f"speculative decoding serves kv_mode 'exact' only, not {params.kv_mode!r}; use a plain "
+                "CachedGenerator (a server without --draft) for KV blocks",
+            )
         if params.logit_processors:
             raise ParamError(
                 params.logit_processors[0],

@@ -431,3 +431,16 @@ def test_drafter_with_a_larger_vocabulary_never_feeds_unknown_ids_to_the_target(
         if temperature == 0.0:
             ref = CachedGenerator(target, TOK, None).generate(prompt, max_new_tokens=12, ignore_eos=True)
             assert r.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("mode", ["blend", "concat"])
+def test_kv_blocks_modes_are_refused_by_name(target, mode):
+    """Block reuse is proven for one-request decoding only: a speculative generator refuses it."""
+    from kvblocks.generate.params import ParamError
+
+    sg = SpeculativeGenerator(
+        target, TOK, KVCacheTrie.for_model(target, capacity_tokens=CAPACITY), PromptLookupDrafter()
+    )
+    with pytest.raises(ParamError, match="kv_mode 'exact' only") as info:
+        sg.generate(PROMPTS[0], max_new_tokens=2, kv_mode=mode)
+    assert info.value.param == "kv_mode"
