@@ -183,6 +183,31 @@ def test_a_block_sparse_encoder_is_refused_by_name_and_left_as_it_was():
     assert model.config.attention_type == "block_sparse"
 
 
+def test_prophetnet_is_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match=r"prophetnet.*length 1"):
+        Seq2SeqCache.for_model(tiny_seq2seq("prophetnet"), 64, source_capacity_tokens=64)
+
+
+@torch.inference_mode()
+def test_plain_prophetnet_cannot_continue_a_cached_decoder_by_more_than_one_token():
+    model = tiny_seq2seq("prophetnet")
+    src = torch.tensor([ids(20, 21)])
+    encoded = model.get_encoder()(input_ids=src, attention_mask=torch.ones_like(src), return_dict=True)
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    model(encoder_outputs=encoded, decoder_input_ids=torch.tensor([[START, 5]]), cache=cache, use_cache=True)
+    with pytest.raises(AssertionError, match="length 1"):
+        model(encoder_outputs=encoded, decoder_input_ids=torch.tensor([[6, 7]]), cache=cache, use_cache=True)
+
+
+@torch.inference_mode()
+def test_plain_prophetnet_gives_nan_logits_in_float64_with_an_attention_mask():
+    model = tiny_seq2seq("prophetnet", torch.float64)
+    src, decoder = torch.tensor([ids(20, 22)]), torch.tensor([[START, 5, 6, 7]])
+    masked = model(input_ids=src, attention_mask=torch.ones_like(src), decoder_input_ids=decoder).logits
+    unmasked = model(input_ids=src, decoder_input_ids=decoder).logits
+    assert masked.isnan().all() and unmasked.isfinite().all()
+
+
 def test_kvcachetrie_refuses_a_seq2seq_model_and_names_the_cache_that_takes_it():
     with pytest.raises(UnsupportedModelError, match="Seq2SeqCache"):
         KVCacheTrie.for_model(model_for("t5", torch.float32), capacity_tokens=64)
