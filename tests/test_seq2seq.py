@@ -9,6 +9,7 @@ the cache, greedy tokens must be identical (float32 and float64) and float64 log
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -181,6 +182,19 @@ def test_a_block_sparse_encoder_is_refused_by_name_and_left_as_it_was():
     with pytest.raises(UnsupportedModelError, match="block_sparse"):
         Seq2SeqCache.for_model(model, 64, source_capacity_tokens=64)
     assert model.config.attention_type == "block_sparse"
+
+
+def test_time_to_first_token_counts_the_encoder_run_and_a_held_source_saves_it():
+    h = Harness("bart", torch.float32)
+    handle = h.model.get_encoder().register_forward_hook(lambda *_: time.sleep(0.3))
+    try:
+        prompt = Seq2SeqPrompt(ids(30, 23), ids(4, 24))
+        encoded, held = (h.generator.generate(prompt, max_new_tokens=2) for _ in range(2))
+    finally:
+        handle.remove()
+    assert encoded.encoder_cached_tokens == 0 and held.encoder_cached_tokens == 30
+    assert encoded.ttft_s >= 0.3 > held.ttft_s
+    assert encoded.total_s >= encoded.ttft_s
 
 
 def test_prophetnet_is_refused_by_name():
