@@ -217,15 +217,14 @@ class CacheCollector(Collector):
         yield hits
         events = "kv_events_batches" in s
         stateful = "snapshots" in s
-        for name, doc, key in (
+        yield from stat_families(
+            s,
             CACHE_COUNTERS
             + (REDIS_COUNTERS if spills else ())
             + (KV_EVENT_COUNTERS if events else ())
-            + (SNAPSHOT_COUNTERS if stateful else ())
-        ):
-            yield CounterMetricFamily(name, doc, value=s[key])
-        for name, doc, key in CACHE_GAUGES + (SNAPSHOT_GAUGES if stateful else ()):
-            yield GaugeMetricFamily(name, doc, value=s[key])
+            + (SNAPSHOT_COUNTERS if stateful else ()),
+            CACHE_GAUGES + (SNAPSHOT_GAUGES if stateful else ()),
+        )
         policy = GaugeMetricFamily(
             "kvblocks_eviction_policy_info", "The pool's eviction policy (value 1).", labels=["policy"]
         )
@@ -275,11 +274,15 @@ class Seq2SeqCollector(Collector):
         self.cache = cache
 
     def collect(self) -> Iterator[Metric]:
-        s = self.cache.stats()
-        for name, doc, key in ENCODER_COUNTERS:
-            yield CounterMetricFamily(name, doc, value=s[key])
-        for name, doc, key in SOURCE_GAUGES:
-            yield GaugeMetricFamily(name, doc, value=s[key])
+        yield from stat_families(self.cache.stats(), ENCODER_COUNTERS, SOURCE_GAUGES)
+
+
+def stat_families(stats: dict[str, int], counters: tuple, gauges: tuple) -> Iterator[Metric]:
+    """One counter or gauge family per (family name, help, stats key) row."""
+    for name, doc, key in counters:
+        yield CounterMetricFamily(name, doc, value=stats[key])
+    for name, doc, key in gauges:
+        yield GaugeMetricFamily(name, doc, value=stats[key])
 
 
 def tenant_families(tenants: dict[str, dict[str, int]], spills: bool) -> Iterator[Metric]:
