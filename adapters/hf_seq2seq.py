@@ -80,11 +80,24 @@ def fresh_past(self_cache: DynamicCache | None, source: SourceKV) -> Seq2SeqPast
     return Seq2SeqPast(EncoderDecoderCache(decoder, cross), source.encoder_hidden)
 
 
+# Families refused by name, with what was measured on plain transformers (docs/SEQ2SEQ.md)
+REFUSED = {
+    "prophetnet": (
+        "runs a cached decoder forward on one token only (transformers asserts that `use_cache` "
+        "supports decoder_input_ids of length 1), so a decoder prompt cannot be prefilled after a cached "
+        "prefix; in float64 its logits are NaN even without kvblocks (an all-ones attention_mask times "
+        "float64's minimum, computed in float32, is 0 x -inf)"
+    ),
+}
+
+
 @torch.inference_mode()
 def describe(model) -> tuple[list[LayerSpec], list[LayerSpec]]:
     """Probe a seq2seq model with a one-token source and decoder step: the decoder's self-attention
     specs, and the source record's specs (encoder output first, then each layer's cross-attention)."""
     config = model.config
+    if config.model_type in REFUSED:
+        raise hf.UnsupportedModelError(f"model type '{config.model_type}' {REFUSED[config.model_type]}")
     if getattr(config, "attention_type", None) == "block_sparse":
         raise hf.UnsupportedModelError(
             f"model type '{config.model_type}' with attention_type='block_sparse' switches its encoder to "

@@ -9,6 +9,7 @@ the cache, greedy tokens must be identical (float32 and float64) and float64 log
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -181,6 +182,44 @@ def test_a_block_sparse_encoder_is_refused_by_name_and_left_as_it_was():
     with pytest.raises(UnsupportedModelError, match="block_sparse"):
         Seq2SeqCache.for_model(model, 64, source_capacity_tokens=64)
     assert model.config.attention_type == "block_sparse"
+
+
+def test_time_to_first_token_counts_the_encoder_run_and_a_held_source_saves_it():
+    h = Harness("bart", torch.float32)
+    handle = h.model.get_encoder().register_forward_hook(lambda *_: time.sleep(0.3))
+    try:
+        prompt = Seq2SeqPrompt(ids(30, 23), ids(4, 24))
+        encoded, held = (h.generator.generate(prompt, max_new_tokens=2) for _ in range(2))
+    finally:
+        handle.remove()
+    assert encoded.encoder_cached_tokens == 0 and held.encoder_cached_tokens == 30
+    assert encoded.ttft_s >= 0.3 > held.ttft_s
+    assert encoded.total_s >= encoded.ttft_s
+
+
+def test_prophetnet_is_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match=r"prophetnet.*length 1"):
+        Seq2SeqCache.for_model(tiny_seq2seq("prophetnet"), 64, source_capacity_tokens=64)
+
+
+@torch.inference_mode()
+def test_plain_prophetnet_cannot_continue_a_cached_decoder_by_more_than_one_token():
+    model = tiny_seq2seq("prophetnet")
+    src = torch.tensor([ids(20, 21)])
+    encoded = model.get_encoder()(input_ids=src, attention_mask=torch.ones_like(src), return_dict=True)
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    model(encoder_outputs=encoded, decoder_input_ids=torch.tensor([[START, 5]]), cache=cache, use_cache=True)
+    with pytest.raises(AssertionError, match="length 1"):
+        model(encoder_outputs=encoded, decoder_input_ids=torch.tensor([[6, 7]]), cache=cache, use_cache=True)
+
+
+@torch.inference_mode()
+def test_plain_prophetnet_gives_nan_logits_in_float64_with_an_attention_mask():
+    model = tiny_seq2seq("prophetnet", torch.float64)
+    src, decoder = torch.tensor([ids(20, 22)]), torch.tensor([[START, 5, 6, 7]])
+    masked = model(input_ids=src, attention_mask=torch.ones_like(src), decoder_input_ids=decoder).logits
+    unmasked = model(input_ids=src, decoder_input_ids=decoder).logits
+    assert masked.isnan().all() and unmasked.isfinite().all()
 
 
 def test_kvcachetrie_refuses_a_seq2seq_model_and_names_the_cache_that_takes_it():

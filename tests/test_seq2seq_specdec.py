@@ -43,8 +43,14 @@ def drafter_for(kind: str, family: str, cache: Seq2SeqCache):
     return PromptLookupDrafter() if kind == "lookup" else TrieDrafter(cache.decoder)
 
 
-@pytest.mark.parametrize("family", ["bart", "t5"])
-@pytest.mark.parametrize("kind", ["model", "target-itself", "lookup", "trie"])
+KINDS = ["model", "target-itself", "lookup", "trie"]
+# the nested-config families draft with everything but a smaller model of their own (no flat layer count)
+GREEDY_CASES = [(f, k) for f in ("bart", "t5") for k in KINDS] + [
+    (f, k) for f in ("t5gemma", "encoder-decoder:bert+gpt2") for k in KINDS[1:]
+]
+
+
+@pytest.mark.parametrize(("family", "kind"), GREEDY_CASES)
 def test_greedy_drafts_give_the_target_only_tokens_and_never_touch_cross_attention(family, kind):
     target = model(family)
     cache = Seq2SeqCache.for_model(target, 4096, source_capacity_tokens=4096)

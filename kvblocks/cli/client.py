@@ -153,7 +153,11 @@ def _stats_table(now: dict, r: dict, title: str):
         held = f"{cache['source_resident_tokens']:,} / {cache['source_capacity_tokens']:,} tokens"
         t.add_row("source records (encoder output, cross K/V)", held)
     if "encoder_runs" in cache:
+        t.add_row("source records held", f"{cache['source_records']:,}")
         t.add_row("encoder runs / sources reused", f"{cache['encoder_runs']:,} / {cache['encoder_reused']:,}")
+        computed, reused = cache["encoder_tokens"], cache["encoder_reused_tokens"]
+        t.add_row("source tokens encoded / reused", f"{computed:,} / {reused:,}")
+        t.add_row("decoder prefix tokens hit", f"{cache['hit_tokens']:,} of {cache['queried_tokens']:,}")
     if r["snapshots"] is not None:
         t.add_row("state snapshots", f"{r['snapshots']:,} ({r['snapshot_bytes'] / 2**20:,.1f} MiB)")
         t.add_row("lookups short of a snapshot", f"{r['snapshot_misses']:,}")

@@ -276,10 +276,35 @@ def load_seq2seq_draft(path: str, dtype: str, device: str):
     return draft, tokenizer
 
 
+def generation_request(args: argparse.Namespace, prompt: str, encoder_decoder: bool):
+    """What `generate` sends: an encoder-decoder model reads the prompt as its source (with
+    --decoder-prompt as the reply's prefix); a decoder-only one reads it raw or as a chat turn."""
+    if not encoder_decoder:
+        if args.decoder_prompt is not None:
+            raise UserError("--decoder-prompt is for encoder-decoder models; this one is decoder-only")
+        return prompt if args.raw else _messages(args.system, prompt)
+    if args.system is not None:
+        raise UserError("--system: an encoder-decoder model has no chat template; the prompt is its source")
+    from kvblocks.seq2seq import Seq2SeqPrompt
+
+    return Seq2SeqPrompt(prompt, args.decoder_prompt or "")
+
+
+def plain_generator(model, tokenizer, cache):
+    """The generator without drafting that a speculative run's speed-up is measured against."""
+    from kvblocks import CachedGenerator
+    from kvblocks.seq2seq import Seq2SeqCachedGenerator
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        return Seq2SeqCachedGenerator(model, tokenizer, cache)
+    return CachedGenerator(model, tokenizer, cache)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvblocks import CachedGenerator, PromptError
+    from kvblocks import PromptError
 
     model, tokenizer, cache = load_stack(args)
+    encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
     show = DraftPainter(tokenizer) if args.show_drafts and args.draft else None
     gen = build_generator(args, model, tokenizer, cache, on_round=show)
     prompts = list(args.prompt)
@@ -288,7 +313,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise UserError("give a prompt as an argument or on stdin")
         prompts = [sys.stdin.read()]
     for prompt in prompts:
-        request = prompt if args.raw else _messages(args.system, prompt)
+        request = generation_request(args, prompt, encoder_decoder)
         try:
             stream = gen.stream(
                 request,
@@ -309,7 +334,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise UserError(str(exc)) from exc
         sys.stdout.write("\n")
         if result.spec is not None:
-            baseline = CachedGenerator(model, tokenizer, cache).generate(
+            baseline = plain_generator(model, tokenizer, cache).generate(
                 request, max_new_tokens=len(result.token_ids), temperature=args.temperature, seed=args.seed
             )
             print(_spec_line(result, baseline), file=sys.stderr)
@@ -321,6 +346,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "total_ms": round(result.total_s * 1e3, 1),
             "finish_reason": result.finish_reason,
         }
+        if encoder_decoder:
+            summary |= {"source_tokens": result.encoder_tokens, "source_cached": result.encoder_cached_tokens}
         print(json.dumps(summary) if args.json else _summary_line(summary), file=sys.stderr)
     return 0
 
@@ -506,9 +533,17 @@ def _messages(system: str | None, prompt: str) -> list[dict]:
     return [*msgs, {"role": "user", "content": prompt}]
 
 
+def _source_part(s: dict) -> str:
+    if "source_tokens" not in s:
+        return ""
+    held = "held" if s["source_cached"] else "encoded"
+    return f"source of {s['source_tokens']} tokens {held}; decoder: "
+
+
 def _summary_line(s: dict) -> str:
     return (
-        f"[{s['prompt_tokens']} prompt tokens, {s['cached_tokens']} cached, {s['completion_tokens']} generated; "
+        f"[{_source_part(s)}{s['prompt_tokens']} prompt tokens, {s['cached_tokens']} cached, "
+        f"{s['completion_tokens']} generated; "
         f"ttft {s['ttft_ms']} ms, total {s['total_ms']} ms, {s['finish_reason']}]"
     )
 
@@ -527,6 +562,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="*", help="one or more prompts, run in order against one shared cache")
     add_model_args(g)
     g.add_argument("--system", default=None, help="system message (chat prompts)")
+    g.add_argument(
+        "--decoder-prompt",
+        default=None,
+        help="an encoder-decoder model's decoder prefix (the prompt is then its source)",
+    )
     g.add_argument(
         "--raw", action="store_true", help="send the prompt as plain text, without the chat template"
     )

@@ -34,7 +34,7 @@ from kvblocks.engine.sequence import Sequence
 from kvblocks.engine.serial import SerialRunner
 from kvblocks.engine.slots import SlotManager
 from kvblocks.generate.generator import CachedGenerator
-from kvblocks.telemetry.metrics import CacheCollector, Metrics
+from kvblocks.telemetry.metrics import CacheCollector, Metrics, Seq2SeqCollector
 
 __all__ = ["Engine", "EngineError", "Load", "QueueFullError", "Request"]
 
@@ -57,6 +57,8 @@ class Engine:
         self.metrics = metrics or Metrics()
         if generator.cache is not None:
             self.metrics.register(CacheCollector(generator.cache))
+        if getattr(generator, "seq2seq", None) is not None:
+            self.metrics.register(Seq2SeqCollector(generator.seq2seq))
         self.max_active = max_active
         self.room = WaitingRoom(
             limits, limits_of, lambda: self.metrics.inc("kvblocks_requests_cancelled_total")

@@ -77,6 +77,7 @@ class Seq2SeqCache:
         self.sources = sources
         self.counters = EncoderCounters()
         self._lock = threading.Lock()
+        self._stored: dict[SourceScope, list[int]] = {}  # records stored and maybe still resident
 
     @classmethod
     def for_model(
@@ -166,7 +167,14 @@ class Seq2SeqCache:
         if stored and whole:
             with self._lock:
                 self.counters.sources_stored += 1
+                self._stored[replace(scope, source=None)] = list(source_ids)
         return whole
+
+    def records(self) -> int:
+        """Source records resident whole (a scrape's gauge); records evicted since are forgotten."""
+        with self._lock:  # never taken while the source pool's own lock is held, so no deadlock
+            self._stored = {scope: ids for scope, ids in self._stored.items() if self.holds(ids, scope)}
+            return len(self._stored)
 
     def _key(self, source_ids: list[int]) -> list[int]:
         """The source's ids padded with `_END` to whole spill chunks."""
@@ -175,11 +183,12 @@ class Seq2SeqCache:
 
     def stats(self, *, tenant: str | None = None) -> dict[str, int]:
         """The decoder trie's counters, the source records' under `source_`, and (for the whole
-        server, not one tenant: they are not kept per tenant) the encoder work."""
+        server, not one tenant: they are not kept per tenant) the encoder work and `source_records`."""
         out = self.decoder.stats(tenant=tenant)
         out |= {f"source_{k}": v for k, v in self.sources.stats(tenant=tenant).items()}
         if tenant is not None:
             return out
+        out["source_records"] = self.records()
         with self._lock:
             out |= {k: getattr(self.counters, k) for k in self.counters.__dataclass_fields__}
         return out

@@ -8,6 +8,7 @@ is the model's decoder start token followed by the decoder prompt.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -117,8 +118,10 @@ class Seq2SeqCachedGenerator(CachedGenerator):
         looked up (or its encoder run) first, then the decoder runs under the source's scope."""
         if not isinstance(prompt, Seq2SeqPrompt):
             prompt = Seq2SeqPrompt(prompt)
+        began = time.perf_counter()
         source_ids = self.encode_source(prompt.source)
         scope = self.open_source(source_ids, salt)
+        source_s = time.perf_counter() - began  # the decoder's clock starts after the encoder ran
         pieces = super().stream(
             self.decoder_ids(prompt.decoder), params, salt=scope, output_logits=output_logits, **options
         )
@@ -127,6 +130,8 @@ class Seq2SeqCachedGenerator(CachedGenerator):
                 if piece.result is not None:
                     piece.result.encoder_tokens = len(source_ids)
                     piece.result.encoder_cached_tokens = len(source_ids) if scope.source.cached else 0
+                    piece.result.ttft_s += source_s
+                    piece.result.total_s += source_s
                 yield piece
         finally:
             pieces.close()

@@ -19,8 +19,9 @@ from kvblocks.telemetry.vllm_metrics import VllmCollector, VllmHistograms
 
 if TYPE_CHECKING:
     from kvblocks.adapters.hf_trie import KVCacheTrie
+    from kvblocks.seq2seq.cache import Seq2SeqCache
 
-__all__ = ["CONTENT_TYPE_LATEST", "CacheCollector", "Metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "CacheCollector", "Metrics", "Seq2SeqCollector"]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -216,21 +217,72 @@ class CacheCollector(Collector):
         yield hits
         events = "kv_events_batches" in s
         stateful = "snapshots" in s
-        for name, doc, key in (
+        yield from stat_families(
+            s,
             CACHE_COUNTERS
             + (REDIS_COUNTERS if spills else ())
             + (KV_EVENT_COUNTERS if events else ())
-            + (SNAPSHOT_COUNTERS if stateful else ())
-        ):
-            yield CounterMetricFamily(name, doc, value=s[key])
-        for name, doc, key in CACHE_GAUGES + (SNAPSHOT_GAUGES if stateful else ()):
-            yield GaugeMetricFamily(name, doc, value=s[key])
+            + (SNAPSHOT_COUNTERS if stateful else ()),
+            CACHE_GAUGES + (SNAPSHOT_GAUGES if stateful else ()),
+        )
         policy = GaugeMetricFamily(
             "kvblocks_eviction_policy_info", "The pool's eviction policy (value 1).", labels=["policy"]
         )
         policy.add_metric([self.cache.eviction_policy], 1)
         yield policy
         yield from tenant_families(self.cache.tenant_counters(), spills)
+
+
+# encoder-decoder models only: the encoder's work and the source records (`Seq2SeqCache.stats()`);
+# the decoder trie is the cache `CacheCollector` reads, so `kvblocks_prefix_cache_*` count decoder prefixes
+ENCODER_COUNTERS = (
+    ("kvblocks_encoder_runs", "Encoder forwards (one per source not served from the cache).", "encoder_runs"),
+    ("kvblocks_encoder_computed_tokens", "Source tokens the encoder computed.", "encoder_tokens"),
+    (
+        "kvblocks_encoder_reused_sources",
+        "Requests whose source's encoder output and cross-attention K/V came from the cache.",
+        "encoder_reused",
+    ),
+    (
+        "kvblocks_encoder_reused_tokens",
+        "Source tokens whose encoder output and cross-attention K/V came from the cache.",
+        "encoder_reused_tokens",
+    ),
+    ("kvblocks_source_records_stored", "Source records stored whole in the source pool.", "sources_stored"),
+    (
+        "kvblocks_source_cache_evicted_tokens",
+        "Source tokens evicted from the source pool.",
+        "source_evicted_tokens",
+    ),
+)
+SOURCE_GAUGES = (
+    ("kvblocks_source_records", "Source records resident whole in the source pool.", "source_records"),
+    (
+        "kvblocks_source_cache_resident_tokens",
+        "Source tokens resident in the source pool (padding included).",
+        "source_resident_tokens",
+    ),
+    ("kvblocks_source_cache_capacity_tokens", "Source pool capacity in tokens.", "source_capacity_tokens"),
+)
+
+
+class Seq2SeqCollector(Collector):
+    """An encoder-decoder model's encoder work and source records, read at scrape time beside the
+    decoder trie's `CacheCollector`."""
+
+    def __init__(self, cache: Seq2SeqCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        yield from stat_families(self.cache.stats(), ENCODER_COUNTERS, SOURCE_GAUGES)
+
+
+def stat_families(stats: dict[str, int], counters: tuple, gauges: tuple) -> Iterator[Metric]:
+    """One counter or gauge family per (family name, help, stats key) row."""
+    for name, doc, key in counters:
+        yield CounterMetricFamily(name, doc, value=stats[key])
+    for name, doc, key in gauges:
+        yield GaugeMetricFamily(name, doc, value=stats[key])
 
 
 def tenant_families(tenants: dict[str, dict[str, int]], spills: bool) -> Iterator[Metric]:
