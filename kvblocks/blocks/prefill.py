@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.generate.generator import ModelRunner
 
-__all__ = ["BLOCK_TAG", "BlockPrefill", "Prefilled", "block_scope"]
+__all__ = ["BLOCK_TAG", "BlockPrefill", "Prefilled", "Promotions", "block_scope", "kv_deviation"]
 
 # A block's KV lives in the prefix cache under its tenant, in a salt of its own: computed from
 # position 0 alone, it is a different thing from the same ids inside a prompt.
@@ -38,6 +38,9 @@ BLOCK_TAG = "\0block\0"
 BLEND_LEAD = 2
 # The layer whose fresh K/V a blend compares with the reused one (the second, as CacheBlend).
 PROBE_LAYER = 1
+# An exact request's block longer than this share of the trie's capacity is not promoted: storing it
+# would evict most of what the cache holds for one document.
+PROMOTE_SHARE = 0.25
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -59,6 +62,17 @@ class Prefilled:
     report: BlockReport
 
 
+@dataclass(slots=True)
+class Promotions:
+    """Blocks marked in `exact` requests and stored in the block store since the start, and those
+    skipped for being over `PROMOTE_SHARE` of the capacity."""
+
+    blocks: int = 0
+    tokens: int = 0  # tokens computed to store them (a block found in Redis costs none)
+    skipped_blocks: int = 0
+    skipped_tokens: int = 0
+
+
 class BlockPrefill:
     """Prefills prompts with KV blocks for one model and its cache (None: blocks are not stored)."""
 
@@ -66,6 +80,7 @@ class BlockPrefill:
         self.model, self.runner, self.cache = model, runner, cache
         self.rope = RopeShift(model)
         self.specs = list(cache.specs) if cache is not None else hf.describe_layers(model)
+        self.promotions = Promotions()
         if any(spec.kind != "full" for spec in self.specs):
             raise UnsupportedModelError(
                 f"model type '{model.config.model_type}' has sliding-window or KV-sharing layers: KV blocks "
@@ -94,6 +109,7 @@ class BlockPrefill:
             reused[span.start : span.end] = True
             reused[chosen[i]] = False
             report.blocks[i].reused = span.end - span.start - len(chosen[i])
+            report.add_tiers(_tiers(report.blocks[i], reused[span.start : span.end]))
         past = self._recompute(ids, base, reused, first, end)
         report.reused_tokens = int(reused.sum())
         report.recomputed_tokens = len(ids) - h - report.reused_tokens
@@ -101,20 +117,37 @@ class BlockPrefill:
 
     # ---- block store -----------------------------------------------------------------------
 
-    def block_kv(self, block: tuple[int, ...], salt: Salt) -> tuple[KV, int]:
-        """A block's keys and values `[n, H, D]` per layer, computed from position 0 on its own, and
-        how many of its tokens the store held (the rest are computed now and stored)."""
+    def block_kv(self, block: tuple[int, ...], salt: Salt) -> tuple[KV, int, int]:
+        """A block's keys and values `[n, H, D]` per layer, computed from position 0 on its own, how
+        many of its tokens the store held (the rest are computed now and stored), and how many of
+        those the device pool held before the lookup (the others came from Redis)."""
         if self.cache is None:
             past = hf.empty_cache(self.model.config)
             self.runner.forward(list(block), past)
-            return hf.extract(past, self.specs, 0, len(block)), 0
+            return hf.extract(past, self.specs, 0, len(block)), 0, 0
         scope = block_scope(salt)
+        device = self.cache.cached_length(block, salt=scope)
         with self.cache.match(block, salt=scope, whole=True) as hit:
             past = hit.to_hf_cache()
             if hit.length < len(block):
                 self.runner.forward(list(block[hit.length :]), past)
                 self.cache.insert(block, past, salt=scope)
-            return hf.extract(past, self.specs, 0, len(block)), hit.length
+            return hf.extract(past, self.specs, 0, len(block)), hit.length, min(device, hit.length)
+
+    def promote(self, spans: list[BlockSpan], salt: Salt) -> None:
+        """Store the blocks of an `exact` request that the device pool does not hold (fetched from
+        Redis, else computed from position 0 on their own), so a later blend or concat finds them."""
+        assert self.cache is not None
+        limit = PROMOTE_SHARE * self.cache.pool.capacity
+        scope = block_scope(salt)
+        for block in dict.fromkeys(span.ids for span in spans):
+            if len(block) > limit:
+                self.promotions.skipped_blocks += 1
+                self.promotions.skipped_tokens += len(block)
+            elif self.cache.cached_length(block, salt=scope) < len(block):
+                _, stored, _ = self.block_kv(block, salt)
+                self.promotions.blocks += 1
+                self.promotions.tokens += len(block) - stored
 
     # ---- steps -------------------------------------------------------------------------------
 
@@ -134,29 +167,30 @@ class BlockPrefill:
         if exact is not None:
             for layer, (k, v) in zip(base, exact):
                 layer[: k.shape[0], 0], layer[: k.shape[0], 1] = k, v
-        fetched: dict[tuple[int, ...], tuple[KV, int]] = {}
+        fetched: dict[tuple[int, ...], tuple[KV, int, int]] = {}
         for span in spans:
             if span.ids not in fetched:
                 fetched[span.ids] = self.block_kv(span.ids, salt)
                 report.block_fill_tokens += len(span.ids) - fetched[span.ids][1]
-            kv, stored = fetched[span.ids]
+            kv, stored, device = fetched[span.ids]
             n = span.end - span.start
             for layer, (k, v) in zip(base, kv):
                 layer[span.start : span.end, 0] = self.rope.shift(k[:n], span.start)
                 layer[span.start : span.end, 1] = v[:n]
-            report.blocks.append(BlockUse(span.start, len(span.ids), stored, n))
+            report.blocks.append(BlockUse(span.start, len(span.ids), stored, n, device))
         return base
 
     def _choose(
         self, ids, spans, exact: KV | None, h: int, base, share: float, report: BlockReport
     ) -> dict[int, list[int]]:
         """Per block, the positions to recompute: its first `BLEND_LEAD` tokens, then those whose
-        fresh layer-1 K/V is furthest from the reused one, `ceil(share * length)` in all."""
+        fresh layer-1 K/V is furthest from the reused one (`kv_deviation`), `ceil(share * length)`
+        in all."""
         end = base[0].shape[0]
         fresh = self._probe(ids[h:end], exact, h)
         report.probe_tokens = end - h
         layer = min(PROBE_LAYER, len(self.specs) - 1)
-        deviation = (fresh[h:end] - base[layer][h:end]).double().pow(2).sum(dim=(1, 2, 3))
+        deviation = kv_deviation(fresh[h:end], base[layer][h:end])
         chosen: dict[int, list[int]] = {}
         for i, span in enumerate(spans):
             n = span.end - span.start
@@ -212,6 +246,30 @@ class BlockPrefill:
             **{self.runner._cache_arg: past},
             **kwargs,
         )
+
+
+def kv_deviation(fresh: torch.Tensor, reused: torch.Tensor) -> torch.Tensor:
+    """Per token of `[T, 2, H, D]` K/V, the squared deviation of the reused rows from the fresh ones,
+    per K/V and head relative to that head's mean squared fresh norm, summed. Raw squared distances
+    rank by the keys of the loudest head only: keys are an order of magnitude larger than values,
+    and a few heads larger than the rest."""
+    fresh = fresh.double()
+    error = (fresh - reused.double()).pow(2).sum(dim=-1)
+    scale = fresh.pow(2).sum(dim=-1).mean(dim=0, keepdim=True)
+    return (error / scale.clamp_min(torch.finfo(torch.float64).tiny)).sum(dim=(1, 2))
+
+
+def _tiers(use: BlockUse, reused: torch.Tensor) -> dict[str, int]:
+    """Where the KV of a block's reused tokens (`reused`, per placed token) came from: the device
+    pool, Redis, or computed by this request to store the block ("fill")."""
+    at = torch.arange(len(reused))
+    device = reused & (at < use.device)
+    redis = reused & (at >= use.device) & (at < use.stored)
+    return {
+        "device": int(device.sum()),
+        "redis": int(redis.sum()),
+        "fill": int(reused.sum()) - int(device.sum()) - int(redis.sum()),
+    }
 
 
 def _reusable(spans: list[BlockSpan], h: int, last: int) -> list[BlockSpan]:

@@ -5,18 +5,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BlockReport", "BlockUse"]
+__all__ = ["TIERS", "BlockReport", "BlockUse"]
+
+# Where a reused block token's KV came from (the `tier` label of `kvblocks_block_reused_tokens_total`).
+TIERS = ("device", "redis", "fill")
 
 
 @dataclass(slots=True)
 class BlockUse:
     """One block of the prompt: where it starts, its length, how many of its tokens the block store
-    (device or Redis) already held, and how many had their stored KV reused at this position."""
+    already held (`device` of them in the device pool, the rest in Redis), and how many had their
+    stored KV reused at this position."""
 
     start: int
     length: int
     stored: int
     reused: int
+    device: int = 0
 
 
 @dataclass(slots=True)
@@ -32,6 +37,12 @@ class BlockReport:
     probe_tokens: int = 0  # tokens run through the first two layers to choose what to recompute
     block_fill_tokens: int = 0  # tokens computed to store blocks the store did not hold yet
     blocks: list[BlockUse] = field(default_factory=list)
+    # reused tokens by where their KV came from: "device" pool, "redis", or "fill" (computed now)
+    reused_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+
+    def add_tiers(self, counts: dict[str, int]) -> None:
+        for tier, n in counts.items():
+            self.reused_by_tier[tier] += n
 
     def explain(self) -> list[str]:
         """One line per block: where it was placed and what of it was reused."""
@@ -41,7 +52,8 @@ class BlockReport:
         ]
         for i, b in enumerate(self.blocks):
             lines.append(
-                f"block {i}: {b.length} tokens at offset {b.start}, {b.stored} found stored, "
+                f"block {i}: {b.length} tokens at offset {b.start}, {b.stored} found stored "
+                f"({b.device} on the device, {b.stored - b.device} in Redis), "
                 f"{b.reused} reused, {b.length - b.reused} recomputed"
             )
         return lines

@@ -53,6 +53,17 @@ def add_inspect_parsers(sub) -> None:
         default=None,
         help="an encoder-decoder model's decoder prefix (the prompt is then its source; implies --raw)",
     )
+    ex.add_argument(
+        "--block",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a KV block (a document, a tool output) placed before the prompt, in order; repeatable",
+    )
+    ex.add_argument(
+        "--kv-mode", choices=("exact", "blend", "concat"), default=None, help="how blocks are reused"
+    )
+    ex.add_argument("--blend-recompute", type=float, default=None, help="blend's recomputed share (0-1)")
     ex.add_argument("--json", action="store_true", help="print the raw explanation JSON")
     ex.set_defaults(func=cmd_explain)
 
@@ -367,14 +378,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     client = Client(args)
-    if args.raw or args.decoder_prompt is not None:
-        payload: dict = {"prompt": args.prompt}
-        if args.decoder_prompt is not None:
-            payload["decoder_prompt"] = args.decoder_prompt
-    else:
-        system = [{"role": "system", "content": args.system}] if args.system else []
-        payload = {"messages": [*system, {"role": "user", "content": args.prompt}]}
-    payload["cache_salt"] = args.salt
+    payload = _explain_payload(args)
     e = client.call("POST", "/v1/cache/explain", json=payload)
     if args.json:
         print(json.dumps(e, indent=2))
@@ -391,4 +395,38 @@ def cmd_explain(args: argparse.Namespace) -> int:
         console.print(f"  before     {show(e['before'])}")
         console.print(f"  prompt  -> [red]{show(e['prompt_side'])}[/red]")
         console.print(f"  cached  -> [green]{show(e['cached_side'])}[/green]")
+    if "blocks" in e:
+        console.print(f"kv_mode {e['kv_mode']} (blend_recompute {e['blend_recompute']:g}):")
+        for i, b in enumerate(e["blocks"]):
+            held = "held" if b["held"] else "not held"
+            console.print(
+                f"  block {i}: {b['length']} tokens at offset {b['offset']}, {held} "
+                f"({b['device_tokens']} on the device, {b['redis_tokens']} in Redis), "
+                f"{b['reused_tokens']} would be reused: {b['note']}"
+            )
     return 0
+
+
+def _explain_payload(args: argparse.Namespace) -> dict:
+    """The request: a plain prompt or a chat, with the `--block`s as KV blocks before the prompt."""
+    if args.raw or args.decoder_prompt is not None:
+        if args.block:
+            blocks = [{"text": b, "block": True} for b in args.block]
+            payload: dict = {"prompt_blocks": [*blocks, {"text": args.prompt}]}
+        else:
+            payload = {"prompt": args.prompt}
+        if args.decoder_prompt is not None:
+            payload["decoder_prompt"] = args.decoder_prompt
+    else:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        content: str | list[dict] = args.prompt
+        if args.block:
+            blocks = [{"type": "text", "text": b, "kvblocks_block": True} for b in args.block]
+            content = [*blocks, {"type": "text", "text": args.prompt}]
+        payload = {"messages": [*system, {"role": "user", "content": content}]}
+    payload["cache_salt"] = args.salt
+    if args.kv_mode is not None:
+        payload["kv_mode"] = args.kv_mode
+    if args.blend_recompute is not None:
+        payload["blend_recompute"] = args.blend_recompute
+    return payload

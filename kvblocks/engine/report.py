@@ -35,7 +35,8 @@ class Reporter:
         m.inc("kvblocks_cached_prompt_tokens_total", r.cached_tokens)
         m.inc("kvblocks_generation_tokens_total", len(r.token_ids))
         if r.blocks is not None:
-            m.inc("kvblocks_block_reused_tokens_total", r.blocks.reused_tokens)
+            for tier, n in r.blocks.reused_by_tier.items():
+                m.inc("kvblocks_block_reused_tokens_total", n, tier=tier)
             m.inc("kvblocks_block_recomputed_tokens_total", r.blocks.recomputed_tokens)
             m.inc("kvblocks_block_fill_tokens_total", r.blocks.block_fill_tokens)
         if r.spec is not None:

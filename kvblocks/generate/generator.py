@@ -260,6 +260,8 @@ class CachedGenerator:
             finally:
                 if hit is not None:
                     hit.release()
+        if spans and params.kv_mode == "exact":
+            self._promote_blocks(spans, salt)
         # Committed before the result is handed over: a consumer that stops at the result piece
         # (without exhausting the stream) holds no lock, and its next turn hits this one.
         yield final
@@ -285,6 +287,17 @@ class CachedGenerator:
             return BlockReport(params.kv_mode, params.blend_recompute, h, recomputed_tokens=len(ids) - h)
         run.past, run.computed, run.reusable = pre.past, pre.computed, pre.reusable
         return pre.report
+
+    def _promote_blocks(self, spans: list[BlockSpan], salt: Salt) -> None:
+        """Store the blocks an exact request marked (`BlockPrefill.promote`), where the model can
+        reuse blocks at all; an exact request never fails for it."""
+        if self.cache is None:
+            return
+        try:
+            prefill = self.block_prefill()
+        except ParamError:
+            return
+        prefill.promote(spans, salt)
 
     def _new_past(self, hit: Hit | None, salt: Salt) -> Any:
         """The live cache a request decodes into: the hit's prefix, or an empty one."""

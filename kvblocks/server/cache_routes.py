@@ -15,10 +15,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from kvblocks.blocks.explain import explain_blocks as block_explanation
+from kvblocks.blocks.segments import flatten
 from kvblocks.cache.explain import explain
 from kvblocks.cache.inspection import inspect_prefixes
 from kvblocks.engine.admission import QueueFullError
 from kvblocks.generate.params import GenerationParams
+from kvblocks.server import kv_blocks
 from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.guard import error_response
@@ -177,8 +180,10 @@ async def cache_prefixes(
 async def cache_explain(request: Request):
     s = served(request)
     body = await parse_request(request, ExplainRequest, s.config.lenient)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+    if sum(p is not None for p in (body.prompt, body.messages, body.prompt_blocks)) != 1:
+        raise APIError(400, "give exactly one of 'prompt', 'messages' or 'prompt_blocks'", param="prompt")
+    if body.prompt_blocks is not None or kv_blocks.has_block_parts(body):
+        return await explain_blocks(s, request, body)
     if body.messages is None:
         prompt = body.prompt
         if isinstance(prompt, str):
@@ -203,6 +208,30 @@ async def cache_explain(request: Request):
         )
     )
     return result.as_dict()
+
+
+async def explain_blocks(s: Served, request: Request, body: ExplainRequest) -> dict:
+    """A prompt with KV blocks: the exact prefix explanation of its ids (tokenised segment by
+    segment, as a request is), and per block what the block store holds and `kv_mode` would reuse."""
+    if s.encoder_decoder or s.cache is None:
+        why = "an encoder-decoder model" if s.encoder_decoder else "a server without a prefix cache"
+        raise APIError(400, f"KV blocks cannot be explained on {why}", param="prompt_blocks")
+    if body.messages is None:
+        segments = await tokenizing(s.tokenize_gate, kv_blocks.completion_block_segments, s, body)
+    else:
+        check_chars(s.prompt_chars, chat_chars(body.messages), s.gen.max_context, "messages")
+        roles = [{"role": m.role} for m in body.messages]
+        segments = await tokenizing(s.tokenize_gate, kv_blocks.marked_segments, s, body.messages, roles)
+    ids, spans = flatten(s.gen.tokenizer, segments)
+    mode, share = kv_blocks.kv_mode_of(s, body, True)
+    salt, everyone = scope_of(request, body.cache_salt), caller(request).admin
+
+    def both() -> dict:
+        exact = explain(s.cache, s.gen.tokenizer, ids, salt=salt, all_tenants=everyone)
+        per_block = block_explanation(s.cache, ids, spans, exact.cached_tokens, salt, mode, share)
+        return exact.as_dict() | {"kv_mode": mode, "blend_recompute": share, "blocks": per_block}
+
+    return await run_in_threadpool(both)
 
 
 async def explain_seq2seq(s: Served, request: Request, body: ExplainRequest, prompt) -> dict:

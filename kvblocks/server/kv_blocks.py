@@ -15,26 +15,42 @@ from kvblocks.blocks.segments import Block, block_marker, chat_segments, flatten
 from kvblocks.generate.params import GenerationParams, ParamError
 from kvblocks.generate.text import PromptError
 from kvblocks.server.errors import APIError
-from kvblocks.server.schemas import ChatCompletionRequest, CompletionRequest, PromptSegment
+from kvblocks.server.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ExplainRequest,
+    PromptSegment,
+)
 from kvblocks.server.state import Served
 
 Segments = list[list[int] | Block]
 
 
-def has_block_parts(body: ChatCompletionRequest) -> bool:
-    return any(p.kvblocks_block for m in body.messages for p in m.parts())
+def has_block_parts(body: ChatCompletionRequest | ExplainRequest) -> bool:
+    return any(p.kvblocks_block for m in body.messages or [] for p in m.parts())
 
 
 def chat_block_segments(s: Served, body: ChatCompletionRequest, messages: list[dict]) -> Segments:
     """The rendered chat as id segments, each `kvblocks_block` part a `Block` (tools are refused: their
     rendering is not the chat template's alone)."""
-    if body.tools or any(m.role == "tool" or m.tool_calls for m in body.messages):
+    if body.tools:
+        raise APIError(
+            400, "kvblocks_block parts cannot be combined with tools or tool turns", param="messages"
+        )
+    return marked_segments(s, body.messages, messages)
+
+
+def marked_segments(s: Served, chat: list[ChatMessage], messages: list[dict]) -> Segments:
+    """`chat` rendered by the chat template as id segments, each `kvblocks_block` part a `Block`;
+    `messages` are the same turns as the template takes them (their roles are used)."""
+    if any(m.role == "tool" or m.tool_calls for m in chat):
         raise APIError(
             400, "kvblocks_block parts cannot be combined with tools or tool turns", param="messages"
         )
     blocks: list[str] = []
     marked = []
-    for message, raw in zip(body.messages, messages):
+    for message, raw in zip(chat, messages):
         if not message.parts():
             marked.append({"role": raw["role"], "content": message.text()})
             continue
@@ -56,7 +72,7 @@ def chat_block_segments(s: Served, body: ChatCompletionRequest, messages: list[d
         raise APIError(400, str(exc), param="messages") from exc
 
 
-def completion_block_segments(s: Served, body: CompletionRequest) -> Segments:
+def completion_block_segments(s: Served, body: CompletionRequest | ExplainRequest) -> Segments:
     """`prompt_blocks` as id segments: text tokenised per segment (special tokens only at the start)."""
     parts = [_segment(p) for p in body.prompt_blocks or []]
     try:
@@ -84,10 +100,15 @@ def flat(segments: Segments) -> list[int]:
     return [t for seg in segments for t in (seg.content if isinstance(seg, Block) else seg)]
 
 
-def with_kv_mode(s: Served, params: GenerationParams, body, blocks: bool) -> GenerationParams:
-    """`params` with the request's (or the server's) kv_mode; a prompt without blocks is exact."""
+def kv_mode_of(s: Served, body, blocks: bool) -> tuple[str, float]:
+    """The request's (or the server's) kv_mode and blend_recompute; a prompt without blocks is exact."""
     mode = (body.kv_mode or s.config.kv_mode) if blocks else "exact"
-    share = s.config.blend_recompute if body.blend_recompute is None else body.blend_recompute
+    return mode, s.config.blend_recompute if body.blend_recompute is None else body.blend_recompute
+
+
+def with_kv_mode(s: Served, params: GenerationParams, body, blocks: bool) -> GenerationParams:
+    """`params` with the request's (or the server's) kv_mode (`kv_mode_of`)."""
+    mode, share = kv_mode_of(s, body, blocks)
     try:
         return replace(params, kv_mode=mode, blend_recompute=share)
     except ParamError as exc:

@@ -274,6 +274,11 @@ class CompletionRequest(_Sampling):
 class ExplainRequest(_Model):
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
+    # kvblocks extension: a prompt with KV blocks (`kvblocks_block` parts in `messages`, or this),
+    # explained per block under `kv_mode` / `blend_recompute` (None: the server's defaults)
+    prompt_blocks: Annotated[list[PromptSegment], Field(min_length=1)] | None = None
+    kv_mode: Literal["exact", "blend", "concat"] | None = None
+    blend_recompute: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     cache_salt: str | None = None
     # what the request would ask for that changes how the cache is used
     echo_logprobs: bool = False

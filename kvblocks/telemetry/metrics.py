@@ -36,13 +36,16 @@ COUNTERS = {
     "kvblocks_prompt_tokens_total": "Prompt tokens of finished requests.",
     "kvblocks_cached_prompt_tokens_total": "Prompt tokens served from the prefix cache.",
     "kvblocks_generation_tokens_total": "Generated tokens.",
-    "kvblocks_block_reused_tokens_total": "Prompt tokens whose KV came from a KV block at a new position (blended).",
+    "kvblocks_block_reused_tokens_total": "Prompt tokens whose KV came from a KV block at a new position "
+    "(blended), by the tier the block's KV came from: device pool, redis, or fill (computed by the request).",
     "kvblocks_block_recomputed_tokens_total": "Prompt tokens recomputed in requests that reused KV blocks.",
     "kvblocks_block_fill_tokens_total": "Tokens computed to store KV blocks the block store did not hold.",
     "kvblocks_spec_drafted_tokens_total": "Speculative draft tokens proposed.",
     "kvblocks_spec_accepted_tokens_total": "Speculative draft tokens accepted.",
     "kvblocks_spec_rounds_total": "Speculative draft/verify rounds (target calls).",
 }
+# Counters with labels, and every value each label takes (exported at 0 from the start).
+LABELLED = {"kvblocks_block_reused_tokens_total": ("tier", ("device", "redis", "fill"))}
 HISTOGRAMS = {
     "kvblocks_time_to_first_token_seconds": "Time from request arrival to its first token, queueing included.",
     "kvblocks_inter_token_seconds": "Time between consecutive tokens of a stream.",
@@ -55,7 +58,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._counters = {name: Counter(name, doc, registry=self.registry) for name, doc in COUNTERS.items()}
+        self._counters = {name: _counter(name, doc, self.registry) for name, doc in COUNTERS.items()}
         self._histograms = {
             name: Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
             for name, doc in HISTOGRAMS.items()
@@ -69,8 +72,9 @@ class Metrics:
         self.vllm = VllmHistograms(self.registry, model_name)
         self.register(VllmCollector(model_name, lambda: self.counters, load, cache))
 
-    def inc(self, name: str, value: float = 1) -> None:
-        self._counters[name].inc(value)
+    def inc(self, name: str, value: float = 1, **labels: str) -> None:
+        counter = self._counters[name]
+        (counter.labels(**labels) if labels else counter).inc(value)
         if name == "kvblocks_requests_cancelled_total" and self.vllm is not None:
             self.vllm.finished("abort")
 
@@ -92,15 +96,16 @@ class Metrics:
 
     @property
     def counters(self) -> dict[str, int | float]:
-        """The engine's counter values by their exposed name (`kvblocks_requests_total`); whole counts
-        as ints, so that `/v1/cache/stats` shows `2`, not prometheus_client's `2.0`."""
-        return {
-            sample.name: int(sample.value) if sample.value.is_integer() else sample.value
-            for counter in self._counters.values()
-            for family in counter.collect()
-            for sample in family.samples
-            if sample.name.endswith("_total")
-        }
+        """The engine's counter values by their exposed name (`kvblocks_requests_total`), a labelled
+        counter's summed over its labels; whole counts as ints, so that `/v1/cache/stats` shows `2`,
+        not prometheus_client's `2.0`."""
+        totals: dict[str, float] = {}
+        for counter in self._counters.values():
+            for family in counter.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+        return {name: int(v) if v.is_integer() else v for name, v in totals.items()}
 
     def samples(self) -> dict[str, float]:
         """Every sample in the registry by name, labels left out: histograms' `_count` and `_sum` included."""
@@ -109,6 +114,16 @@ class Metrics:
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format (`CONTENT_TYPE_LATEST`)."""
         return generate_latest(self.registry)
+
+
+def _counter(name: str, doc: str, registry: CollectorRegistry) -> Counter:
+    if name not in LABELLED:
+        return Counter(name, doc, registry=registry)
+    label, values = LABELLED[name]
+    counter = Counter(name, doc, [label], registry=registry)
+    for value in values:
+        counter.labels(value)
+    return counter
 
 
 # The cache's stats as exposed: (family name, help, key in `KVCacheTrie.stats()`). Counter families
