@@ -149,6 +149,16 @@ def test_a_repeated_source_runs_the_encoder_zero_times():
     assert h.cache.stats()["encoder_runs"] == 1
 
 
+@pytest.mark.parametrize("mode", ["blend", "concat"])
+def test_kv_blocks_modes_are_refused_by_name(mode):
+    from kvblocks.generate.params import ParamError
+
+    h = Harness("bart", torch.float32)
+    with pytest.raises(ParamError, match="kv_mode 'exact' only") as info:
+        h.generator.generate(Seq2SeqPrompt(ids(20, 10), ids(3, 11)), max_new_tokens=2, kv_mode=mode)
+    assert info.value.param == "kv_mode"
+
+
 def test_the_source_record_survives_redis_into_a_second_cache(tmp_path):
     server = RedisServer(tmp_path / "redis").start()  # must start: a missing Redis fails this test
     try:

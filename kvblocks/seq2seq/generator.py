@@ -19,7 +19,7 @@ from kvblocks.adapters.hf_seq2seq import Seq2SeqPast, SourceKV
 from kvblocks.cache.trie import Hit, Salt
 from kvblocks.generate.decoding import Piece
 from kvblocks.generate.generator import CachedGenerator, DecodeState, ModelRunner, PromptTooLongError
-from kvblocks.generate.params import GenerationParams
+from kvblocks.generate.params import GenerationParams, ParamError
 from kvblocks.generate.text import Prompt, PromptError, encode_prompt
 from kvblocks.seq2seq.cache import Seq2SeqCache, SourceScope, SourceUse
 
@@ -87,6 +87,14 @@ class Seq2SeqCachedGenerator(CachedGenerator):
         self.runner = Seq2SeqRunner(self.model)
         self.start_id = decoder_start(self.model)
         self.max_source = source_context(self.model.config)
+
+    def check_params(self, params: GenerationParams) -> None:
+        """KV blocks re-rotate a decoder-only model's cached keys: refused here by name."""
+        if params.kv_mode != "exact":
+            raise ParamError(
+                "kv_mode", f"an encoder-decoder model serves kv_mode 'exact' only, not {params.kv_mode!r}"
+            )
+        super().check_params(params)
 
     def encode_source(self, source: Prompt) -> list[int]:
         ids = encode_prompt(self.tokenizer, source)
