@@ -143,14 +143,7 @@ def test_crop_refuses_to_roll_back_a_sliding_layer_without_recorded_past(gemma3)
 
 @pytest.mark.parametrize(
     "config_name",
-    [
-        "BambaConfig",
-        "RecurrentGemmaConfig",
-        "Qwen3_5MoeTextConfig",
-        "RwkvConfig",
-        "KimiLinearConfig",
-        "MiniMaxConfig",
-    ],
+    ["RecurrentGemmaConfig", "RwkvConfig", "KimiLinearConfig", "MiniMaxConfig", "xLSTMConfig"],
 )
 def test_unproven_recurrent_configs_are_refused_before_any_forward(config_name):
     import transformers
@@ -162,7 +155,10 @@ def test_unproven_recurrent_configs_are_refused_before_any_forward(config_name):
 
 @pytest.mark.parametrize(
     "config_name",
-    ["JambaConfig", "Qwen3NextConfig", "FalconH1Config", "Lfm2Config", "Zamba2Config", "MambaConfig"],
+    [
+        *("JambaConfig", "Qwen3NextConfig", "FalconH1Config", "Lfm2Config", "Zamba2Config", "MambaConfig"),
+        *("BambaConfig", "Qwen3_5MoeTextConfig", "OlmoHybridConfig"),
+    ],
 )
 def test_stateful_families_pass_the_check(config_name):
     import transformers

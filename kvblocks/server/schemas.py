@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails
 
 # OpenAI parameters this server does not implement, with the reason their 400 gives.
 REFUSED = {
@@ -266,8 +276,11 @@ class CompletionRequest(_Sampling):
     def _one_prompt(self) -> CompletionRequest:
         if self.prompt_blocks is not None and self.prompt not in (None, ""):
             raise ValueError("give 'prompt' or 'prompt_blocks', not both")
-        if self.prompt_blocks is None and self.prompt is None:
-            raise ValueError("'prompt' is required")
+        if (
+            self.prompt_blocks is None and self.prompt is None
+        ):  # as pydantic says it, so the 400 names `prompt`
+            missing = InitErrorDetails(type="missing", loc=("prompt",), input=None)
+            raise ValidationError.from_exception_data(type(self).__name__, [missing])
         return self
 
 
