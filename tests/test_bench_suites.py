@@ -259,3 +259,9 @@ def test_blocks_suite_compares_every_kv_mode_and_blend_one_is_the_exact_path(tmp
     assert set(report["samples_s"]) == {
         "full prefill", "prefix only", "blend 0", "blend 0.05", "blend 0.15", "blend 0.3", "blend 1", "concat",
     }  # fmt: skip
+
+
+def test_the_decode_heavy_load_needs_the_batched_server(capsys):
+    args = ["bench", "server", "--model", str(tiny_model_dir()), "--decode-heavy", "8", "--batch-size", "1"]
+    assert main([*args, *QUIET]) == 2
+    assert "--decode-heavy runs on the batched server" in capsys.readouterr().err

@@ -111,6 +111,8 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
         raise UserError(str(exc)) from exc
     if args.llama_server and args.model:
         raise UserError("--llama-server runs the default model's GGUF: leave --model out")
+    if args.decode_heavy and args.batch_size <= 1:
+        raise UserError("--decode-heavy runs on the batched server: give --batch-size 2 or more")
     system = system_prompt(tokenizer, args.system_tokens)
     common = ["--threads", str(opts.threads), *args.server_arg]
     if args.model:

@@ -35,7 +35,7 @@ async def drive(client, loads: dict, tokenizer, system: str, args, bar) -> dict:
     server holding only these requests."""
     keys = servers(args, {key: load.url for key, load in loads.items()})
     heavy = {key: Load(loads[key].url, loads[key].model) for key in keys}
-    for r in range(args.rounds):
+    for r in range(args.rounds if keys else 0):
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             t0 = time.perf_counter()
             done = await wave(
