@@ -288,6 +288,7 @@ def test_instructor_partial_streaming_yields_growing_objects(server, traffic):
 def test_smolagents_tool_calling_agent_parses_every_call(server, traffic):
     from smolagents import OpenAIServerModel, Tool, ToolCallingAgent
     from smolagents.memory import ActionStep
+    from smolagents.utils import AgentMaxStepsError
 
     class Flip(Tool):
         name = "flip"
@@ -310,10 +311,15 @@ def test_smolagents_tool_calling_agent_parses_every_call(server, traffic):
         def forward(self, answer: bool) -> bool:
             return answer
 
-    model = OpenAIServerModel(MODEL, api_base=f"{server.url}/v1", api_key=API_KEY, **SERIAL)
+    model = OpenAIServerModel(MODEL, api_base=f"{server.url}/v1", api_key=API_KEY, **SERIAL, temperature=0)
     agent = ToolCallingAgent(tools=[Flip(), FinalAnswer()], model=model, max_steps=3, verbosity_level=0)
     agent.run("Flip the coin, then answer whether it was heads.")
-    steps = [step for step in agent.memory.steps if isinstance(step, ActionStep)]
+    # a 135M model may not finish within max_steps: that step's error is not a parse failure
+    steps = [
+        step
+        for step in agent.memory.steps
+        if isinstance(step, ActionStep) and not isinstance(step.error, AgentMaxStepsError)
+    ]
     assert steps
     for step in steps:
         assert step.error is None, step.error
