@@ -108,3 +108,25 @@ def test_live_and_free_slots_always_partition_the_pool(capacity, ops):
         assert pool.num_free == capacity - len(live)
     rest = pool.alloc(pool.num_free).tolist()
     assert sorted(rest + sorted(live)) == list(range(capacity))
+
+
+@pytest.mark.parametrize("shapes", [((2, 4), (0, 0), (2, 4), (2, 4)), SHAPES], ids=["stacked", "mixed"])
+def test_gather_all_equals_one_gather_per_layer(shapes):
+    pool = KVPool(KVLayout.from_shapes(torch.float32, shapes), 16, "cpu")
+    assert pool.stacked == (len({s for s in shapes if s[0]}) == 1)
+    for t in pool.layers:
+        if t is not None:
+            t.normal_()
+    index = pool.index(np.array([7, 0, 15, 3, 3]))
+    every = pool.gather_all(index, fused=True)
+    assert [t is None for t in every] == [t is None for t in pool.layers]
+    for layer, t in enumerate(pool.layers):
+        if t is not None:
+            assert torch.equal(every[layer], pool.gather(layer, index))
+
+
+def test_stacked_layers_are_separate_memory():
+    pool = KVPool(KVLayout.from_shapes(torch.float32, ((2, 4), (2, 4))), 4, "cpu")
+    pool.layers[0].fill_(1.0)
+    pool.layers[1].fill_(2.0)
+    assert pool.layers[0].is_contiguous() and float(pool.layers[0].sum()) == 4 * 2 * 2 * 4

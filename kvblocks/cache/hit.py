@@ -49,6 +49,10 @@ class Hit:
     def _kv(self) -> list[torch.Tensor | None]:
         """Each layer's KV of the last hit tokens it holds (a sliding window holds fewer)."""
         pool, length = self.trie.pool, self.length
+        held = {spec.tokens_held(length) for spec in self.trie.specs if spec.kind != "none"}
+        if len(held) == 1 and 0 not in held:  # every layer reads the same slots: one gather for all
+            (n,) = held
+            return pool.gather_all(pool.index(self._slots[length - n : length]))
         kv: list[torch.Tensor | None] = []
         indices: dict[int, torch.Tensor] = {}
         for layer, spec in enumerate(self.trie.specs):

@@ -1,8 +1,12 @@
 """Preallocated device KV pool: one slot tensor per layer, slots handed out from a free list.
 
 Layer `l` is a tensor `[capacity, 2, H_l, D_l]` (K at index 0, V at 1) on the model's device and
-dtype, so re-attaching a prefix is a single `index_select` per layer and storing is a single
-`index_copy_`. Slot bookkeeping is two int32 arrays; there is no Python object per token.
+dtype, so storing is a single `index_copy_` per layer. Where every layer that keeps KV has the same
+shape, the layers are views of one `[layers, capacity, 2, H, D]` tensor and re-attaching a prefix
+of every layer is one `index_select` over its flat `[layers * capacity, ...]` view (`gather_all`):
+on a GPU one launch instead of one per layer, which for small rows (2 KB per token and layer on a
+Llama-1B shape) is what bounds the bandwidth. Slot bookkeeping is two int32 arrays; there is no
+Python object per token.
 
 A slot can also hold bytes of a recurrent-state snapshot (`write_blob` / `read_blob`): a snapshot
 of B bytes takes `slots_for(B)` slots, laid across the same memory as their KV would be, so
@@ -29,7 +33,13 @@ class KVPool:
         self.capacity = capacity_tokens
         self.dtype = layout.dtype
         self.device = torch.device(device)
-        self.layers: list[torch.Tensor | None] = layout.empty(capacity_tokens, self.device)
+        self._stack, self.layers = _allocate(layout, capacity_tokens, self.device)
+        # where each stacked layer starts in the flat view (index offsets of `gather_all`)
+        self._offsets = (
+            None
+            if self._stack is None
+            else torch.arange(self._stack.shape[0], device=self.device)[:, None] * capacity_tokens
+        )
         self.arena = (
             torch.empty(capacity_tokens, arena_bytes, dtype=torch.uint8, device=self.device)
             if arena_bytes
@@ -42,6 +52,11 @@ class KVPool:
         self.slot_bytes = sum(v.shape[1] for v in self._bytes)
         self._free = np.arange(capacity_tokens - 1, -1, -1, dtype=SLOT_DTYPE)
         self._num_free = capacity_tokens
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the layers are views of one tensor (`gather_all` is then one call)."""
+        return self._stack is not None
 
     @property
     def num_free(self) -> int:
@@ -73,6 +88,20 @@ class KVPool:
         """KV of `index` slots for one layer as `[n, 2, H, D]`."""
         return self.layers[layer].index_select(0, index)
 
+    def gather_all(self, index: torch.Tensor, fused: bool | None = None) -> list[torch.Tensor | None]:
+        """KV of `index` slots for every layer (None where a layer keeps none), each `[n, 2, H, D]`.
+        `fused` (the default off the CPU, where a launch per layer bounds small rows): one
+        `index_select` over the stacked layers where they share a shape; else one per layer (on a CPU
+        the fused call's larger index costs more than the calls it saves)."""
+        if fused is None:
+            fused = self.device.type != "cpu"
+        if self._stack is None or not fused:
+            return [None if t is None else t.index_select(0, index) for t in self.layers]
+        layers, n = self._stack.shape[0], index.shape[0]
+        flat = self._stack.view(layers * self.capacity, *self._stack.shape[2:])
+        rows = iter(flat.index_select(0, (self._offsets + index).view(-1)).view(layers, n, *flat.shape[1:]))
+        return [None if t is None else next(rows) for t in self.layers]
+
     def scatter(self, layer: int, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store `[n, H, D]` keys and values into `index` slots of one layer."""
         self.layers[layer].index_copy_(0, index, torch.stack((keys, values), dim=1).to(self.dtype))
@@ -100,3 +129,18 @@ class KVPool:
         index = self.index(slots)
         rows = torch.cat([view.index_select(0, index) for view in self._bytes], dim=1)
         return rows.reshape(-1)[:nbytes].clone()
+
+
+def _allocate(
+    layout: KVLayout, capacity: int, device: torch.device
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """The per-layer slot tensors: views of one `[layers, capacity, 2, H, D]` tensor when every layer
+    that keeps KV has the same shape (so `gather_all` is one call), else separate tensors."""
+    shapes = {shape for shape in layout.shapes if shape[0]}
+    if len(shapes) != 1:
+        return None, layout.empty(capacity, device)
+    heads, dim = shapes.pop()
+    kept = sum(1 for shape in layout.shapes if shape[0])
+    stack = torch.empty(kept, capacity, 2, heads, dim, dtype=layout.dtype, device=device)
+    views = iter(stack.unbind(0))
+    return stack, [next(views) if shape[0] else None for shape in layout.shapes]

@@ -162,7 +162,4 @@ class Resident:
 
     def gather(self, slots: np.ndarray) -> list[torch.Tensor | None]:
         """Each layer's KV `[n, 2, H, D]` at `slots` (None where a layer caches nothing)."""
-        index = self.pool.index(slots)
-        return [
-            None if s.kind == "none" else self.pool.gather(i, index) for i, s in enumerate(self.layout.layers)
-        ]
+        return self.pool.gather_all(self.pool.index(slots))

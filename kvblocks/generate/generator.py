@@ -14,6 +14,7 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvblocks.adapters import hf
@@ -130,8 +131,10 @@ class CachedGenerator:
 
     def encode(self, prompt: Prompt) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt)
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
+        array = np.asarray(ids)
+        outside = np.flatnonzero((array < 0) | (array >= self.vocab_size))
+        if len(outside):
+            bad = ids[outside[0]]
             raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if context_room(self.max_context, len(ids)) <= 0:
             raise PromptTooLongError(

@@ -31,13 +31,27 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
             raise PromptError("this tokenizer has no chat template; pass a string or token ids")
         text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    elif isinstance(prompt, Sequence) and all(isinstance(t, int | np.integer) for t in prompt):
-        ids = [int(t) for t in prompt]
+    elif isinstance(prompt, Sequence) and (ids := _int_ids(prompt)) is not None:
+        pass
     else:
         raise PromptError("prompt must be a string, a list of chat messages or a list of token ids")
     if not ids:
         raise PromptError("prompt is empty")
     return list(ids)
+
+
+def _int_ids(prompt: Sequence) -> list[int] | None:
+    """`prompt` as a list of ints when every item is an integer, else None. One numpy conversion
+    instead of a Python check per token: a 4,000-token prompt costs microseconds, not milliseconds."""
+    if not prompt:
+        return []
+    try:
+        array = np.asarray(prompt)
+    except (ValueError, OverflowError):  # ragged or out of every integer type
+        return None
+    if array.ndim != 1 or array.dtype.kind not in "iub":
+        return None
+    return array.astype(np.int64).tolist()
 
 
 class StopTextAssembler:
