@@ -97,13 +97,14 @@ def both(model, prompts, params, capacity=4096, cancel=None, **batch) -> tuple[l
         batched.stop()
 
 
+@pytest.mark.parametrize("attention", [None, "grouped", "per-segment"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
-def test_batched_requests_equal_one_at_a_time_with_chunked_prefill_and_queueing(arch):
+def test_batched_requests_equal_one_at_a_time_with_chunked_prefill_and_queueing(arch, attention):
     model = tiny_model(arch, torch.float64)
     prompts = workload()
     params = [GenerationParams(max_new_tokens=6)] * len(prompts)
     alone, batched, engine = both(
-        model, prompts, params, max_batch_size=4, max_batch_tokens=16, join_min_tokens=4
+        model, prompts, params, max_batch_size=4, max_batch_tokens=16, join_min_tokens=4, attention=attention
     )
     assert summary(batched) == summary(alone)
     no_leaks(engine.cache)
@@ -351,6 +352,10 @@ def test_bad_settings_and_unsupported_models_are_refused():
                     max_batch_tokens=4)  # fmt: skip
     with pytest.raises(ValueError, match="needs a prefix cache"):
         BatchEngine(CachedGenerator(model, IdTokenizer(), None))
+    with pytest.raises(ValueError, match="attention mode must be one of cascade, grouped, per-segment"):
+        BatchEngine(
+            CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, 64)), attention="flash"
+        )
     bloom = tiny_model("bloom")
     with pytest.raises(ValueError, match=r"kvblocks\.engine\.paged supports"):
         BatchEngine(CachedGenerator(bloom, IdTokenizer(), KVCacheTrie.for_model(bloom, 64)))

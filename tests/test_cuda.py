@@ -136,12 +136,19 @@ def test_bfloat16_flips_are_reported_with_their_margins(arch):
             f.write(json.dumps(line | {"flips": [asdict(x) for x in flips]}) + "\n")
 
 
-def test_packed_engine_gives_one_request_per_forward_tokens_on_the_device():
+@pytest.mark.parametrize(
+    "attention", [None, "cascade", "per-segment"], ids=["default", "cascade", "per-segment"]
+)
+def test_packed_engine_gives_one_request_per_forward_tokens_on_the_device(attention):
+    """The device's default (decodes grouped into one call per layer), cascade attention (a stored
+    prefix of 48 tokens read in place and merged by log-sum-exp) and one call per request: each gives
+    every request the tokens of one request per forward, in float32."""
     model = model_on_device("llama", torch.float32)
-    prompts = workload(seed=3, n=8)
+    shared = random_ids(48, seed=11)
+    prompts = workload(seed=3, n=4) + [shared + random_ids(3 + i, seed=20 + i) for i in range(5)]
     params = [GenerationParams(max_new_tokens=NEW_TOKENS, ignore_eos=True) for _ in prompts]
     results = {}
-    for name, make in (("packed", _packed), ("one-at-a-time", _one_at_a_time)):
+    for name, make in (("packed", lambda m: _packed(m, attention)), ("one-at-a-time", _one_at_a_time)):
         engine = make(model).start()
         try:
             results[name] = [r["tokens"] for r in run_all(engine, prompts, params)]
@@ -151,9 +158,10 @@ def test_packed_engine_gives_one_request_per_forward_tokens_on_the_device():
     assert all(len(t) == NEW_TOKENS for t in results["packed"])
 
 
-def _packed(model) -> BatchEngine:
+def _packed(model, attention: str | None = None) -> BatchEngine:
     trie = KVCacheTrie.for_model(model, capacity_tokens=2048)
-    return BatchEngine(CachedGenerator(model, IdTokenizer(), trie), max_batch_size=4, max_batch_tokens=24)
+    generator = CachedGenerator(model, IdTokenizer(), trie)
+    return BatchEngine(generator, max_batch_size=4, max_batch_tokens=24, attention=attention)
 
 
 def _one_at_a_time(model) -> Engine:

@@ -268,3 +268,19 @@ def test_reserve_evicts_what_it_may_and_refuses_what_is_locked():
         assert hit.length == 12
         with pytest.raises(PoolFullError, match="1 slots asked for, 0 free"):
             trie.reserve(1)
+
+
+def test_stacked_query_heads_attend_as_grouped_query_attention():
+    """The off-CPU segment path (query heads of a K/V head stacked along the rows, the mask repeated
+    to match) gives what SDPA with `enable_gqa` gives, here on the CPU in float64."""
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, n, length, dim = 8, 2, 5, 13, 4
+    q = torch.randn(heads, n, dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(kv_heads, length, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+    groups = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, scale=0.5, enable_gqa=True
+    )[0].transpose(0, 1)
+    stacked = paged._stacked_heads_attention(q, k, v, mask.repeat(groups, 1), 0.5, groups)
+    assert torch.allclose(stacked, expected, atol=1e-12, rtol=0)

@@ -80,3 +80,25 @@ def test_uneven_own_keys_and_widths_give_each_request_its_solo_logits_in_float64
         ref_rows, ref_tokens = solo(model, p)
         assert t == ref_tokens[: len(t)]
         assert max(float((a - b).abs().max()) for a, b in zip(r, ref_rows)) < 1e-10
+
+
+@torch.inference_mode()
+def test_a_request_alone_reads_its_stored_prefix_in_place_and_gets_its_solo_logits():
+    """A lone request whose own slots do not continue its stored prefix's run (the usual case once
+    the pool has turned over) is cut at the run's end like a batched one: the run is a view, only its
+    own keys are gathered, and its rows equal the request alone within 1e-10 in float64."""
+    model = tiny_model("llama", torch.float64)
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(0, VOCAB, 40).tolist()
+    prompt = prefix + rng.integers(0, VOCAB, 6).tolist()
+    pool = _pool(model)
+    runner = PagedRunner(model, pool, cascade=True, cascade_min=32)
+    (slots,) = _shared_slots(pool, len(prefix), [len(prompt) - len(prefix)])
+    runner.forward([Segment(prefix, slots[: len(prefix)])])
+    segment = Segment(prompt[len(prefix) :], slots)
+    plan = paged.PagedBatch(pool, [segment], cascade_min=32).cascade
+    assert [r.keys for r in plan.runs] == [slice(int(slots[0]), int(slots[0]) + len(prefix))]
+    assert plan.plain == [] and [o.length for o in plan.own] == [6]
+    (logits,) = runner.forward([segment])
+    ref_rows, _ = solo(model, prompt)
+    assert float((logits[-1] - ref_rows[0]).abs().max()) < 1e-10

@@ -64,6 +64,7 @@ class BatchEngine(Engine):
         watermark: float = 0.01,
         limits: RoomLimits | None = None,
         limits_of: LimitsOf = no_limits,
+        attention: str | None = None,
     ) -> None:
         cache = generator.cache
         if cache is None or not paged.supports(generator.model):
@@ -76,7 +77,7 @@ class BatchEngine(Engine):
                 f"the batched engine runs per-token decoding or speculative rounds, not {type(generator)}"
             )
         scratch = cache.reserve(paged.MIN_ROWS - 1) if invariant else None  # held for the engine's life
-        runner = PackedRunner(generator.model, cache.pool, invariant, chunk, scratch)
+        runner = PackedRunner(generator.model, cache.pool, invariant, chunk, scratch, attention)
         batch = BatchLimits(
             max_batch_size,
             max_batch_tokens,

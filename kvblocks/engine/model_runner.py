@@ -20,8 +20,18 @@ Batch = list[tuple[Sequence, int]]
 
 
 class PackedRunner:
-    def __init__(self, model, pool, invariant: bool, chunk: int, scratch: np.ndarray | None) -> None:
-        self.paged = paged.PagedRunner(model, pool, invariant, chunk, scratch)
+    def __init__(
+        self,
+        model,
+        pool,
+        invariant: bool,
+        chunk: int,
+        scratch: np.ndarray | None,
+        attention: str | None = None,
+    ) -> None:
+        self.paged = paged.PagedRunner(
+            model, pool, invariant, chunk, scratch, **paged.attention_mode(attention)
+        )
         self.invariant = invariant
         self.chunk = chunk
 

@@ -21,11 +21,12 @@ several running requests' keys begin with the same pool slots (a system prompt t
 their queries attend those shared keys together in one fused call reading the slots in place (on
 CPU the flash kernel, which also returns each row's log-sum-exp), and the requests' own keys in one
 batched call per number of new tokens (gathered once per layer, masks made once per forward); the
-two results are merged exactly by their log-sum-exp. Where no other request of the batch shares a
-request's leading run, it attends all of its keys in one fused call, as before. Within 1e-10 of
-one request alone in fp64 (tests/test_paged.py, tests/test_paged_cascade.py); the split depends on
-the batch, so logits differ from a request alone in the last bits of fp32 (greedy tokens agree in the
-tests and benchmarks); `--batch-invariant` keeps one call per request.
+two results are merged exactly by their log-sum-exp. A request alone is cut the same way (where its
+cut depends on its own slots only), so a decode step after a long cached prompt reads that prompt in
+place rather than copying it with the request's own keys every layer. Within 1e-10 of one request
+alone in fp64 (tests/test_paged.py, tests/test_paged_cascade.py); the batched calls differ from a
+request alone in the last bits of fp32 (greedy tokens agree in the tests and benchmarks);
+`--batch-invariant` keeps one call per request.
 
 Batch invariance (`PagedRunner(..., invariant=True)`, `kvblocks serve --batch-invariant`): a row of
 a packed forward rounds the same whatever else is in the batch. CPU BLAS computes a row of a matrix
@@ -142,6 +143,7 @@ class PagedBatch:
         self._starts = [s.start for s in segments]
         self._align = align
         self._views: dict[int | None, list[tuple[torch.Tensor | slice, torch.Tensor]]] = {}
+        self._stacked: dict[tuple[int | None, int, int], torch.Tensor] = {}
         short = [i for i, s in enumerate(segments) if len(s.token_ids) <= GROUP_MAX_TOKENS]
         self.grouped = short if grouped and len(short) > 1 else []  # segments read in one call per layer
         self.alone = sorted(set(range(len(segments))) - set(self.grouped))
@@ -166,6 +168,17 @@ class PagedBatch:
                 out.append((_reader(self.pool, slots[first:]), allowed))
             self._views[window] = out
         return self._views[window]
+
+    def segment_mask(self, window: int | None, segment: int, groups: int) -> torch.Tensor:
+        """The mask `_segment_attention` takes for `views(window)[segment]`: as it is on a CPU or
+        without grouped query heads; else repeated for the `groups` query heads of a K/V head stacked
+        along the rows (row `j * new + i` is head `j`'s row `i`), made once per forward."""
+        if groups == 1 or self.pool.device.type == "cpu":
+            return self.views(window)[segment][1]
+        key = (window, segment, groups)
+        if key not in self._stacked:
+            self._stacked[key] = self.views(window)[segment][1].repeat(groups, 1)
+        return self._stacked[key]
 
     def keep_rows(self) -> torch.Tensor:
         """Rows of the packed sequence whose logits are returned, segment by segment."""
@@ -270,13 +283,14 @@ class Own:
 class Cascade:
     """The plan of a cascade forward on layers without a window. A segment's keys are cut at the end
     of its leading run of consecutive slots (before its first new token, if at least `cascade_min`
-    long), so requests that share a prefix the trie stored in one piece are cut at the same slots, and
-    a cut is kept only where another segment of the batch shares it. `runs` are the shared parts: every
-    segment cut at the same slots attends them in one fused call reading the slots in place. `own` are
-    the rest of each segment's keys: segments with the same number of new tokens and similar key
-    counts (padded at most `OWN_PAD`-fold) in one batched call. A row's two results are merged exactly
-    by log-sum-exp. Segments with no cut (`plain`) need no merge: they attend all their keys in one
-    fused call each, as without cascade."""
+    long), so requests that share a prefix the trie stored in one piece are cut at the same slots. The
+    cut depends on the segment's own slots only, never on the rest of the batch: a request alone is cut
+    where it is cut in a batch, and its run is read in place instead of copied with its own keys.
+    `runs` are the leading runs: every segment cut at the same slots attends them in one fused call
+    reading the slots in place. `own` are the rest of each segment's keys: segments with the same
+    number of new tokens and similar key counts (padded at most `OWN_PAD`-fold) in one batched call. A
+    row's two results are merged exactly by log-sum-exp. Segments with no cut (`plain`: no leading run
+    of `cascade_min` slots) need no merge: they attend all their keys in one fused call each."""
 
     runs: list[Part]
     own: list[Own]
@@ -290,9 +304,6 @@ class Cascade:
         for i, n in enumerate(cuts):
             if n:
                 by_run.setdefault((int(batch._slots[i][0]), n), []).append(i)
-        for members in [m for m in by_run.values() if len(m) == 1]:  # nothing to share: one fused call
-            cuts[members[0]] = 0
-        by_run = {run: members for run, members in by_run.items() if len(members) > 1}
         runs = [
             Part(slice(first, first + n), _rows(batch, members, device))
             for (first, n), members in by_run.items()
@@ -418,7 +429,8 @@ def _paged_attention(
         alone = range(len(batch.segments))
     views = batch.views(sliding_window)
     for i in alone:
-        (a, b), (index, mask) = batch.bounds[i], views[i]
+        (a, b), (index, _) = batch.bounds[i], views[i]
+        mask = batch.segment_mask(sliding_window, i, groups if softcap is None else 1)
         out[a:b] = _segment_attention(
             pool.layers[layer], query[0, :, a:b], index, mask, scale, groups, softcap
         )
@@ -438,16 +450,32 @@ def _segment_attention(
     kv = (pool_layer[index] if isinstance(index, slice) else pool_layer.index_select(0, index)).to(q.dtype)
     k = kv[:, 0].transpose(0, 1)  # [Hkv, L, D]
     v = kv[:, 1].transpose(0, 1)
-    if softcap is None:
+    if softcap is None and (groups == 1 or q.device.type == "cpu"):
         # 4-D inputs: SDPA takes its fused CPU kernel (3-D with a mask and GQA is 2-3x slower)
         return F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=groups > 1
         )[0].transpose(0, 1)
+    if softcap is None:
+        return _stacked_heads_attention(q, k, v, mask, scale, groups)
     k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
     scores = torch.matmul(q, k.transpose(1, 2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1)
+
+
+def _stacked_heads_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, groups: int
+) -> torch.Tensor:
+    """`[n, Hq, D]` from `q [Hq, n, D]` over `k, v [Hkv, L, D]`, the query heads of a K/V head stacked
+    along the rows, `mask [groups * n, L]` stacked so (`PagedBatch.segment_mask`). Off the CPU a
+    masked call with `enable_gqa` takes SDPA's math fallback, which repeats K/V per head; this one
+    can take the memory-efficient kernel."""
+    heads, n, dim = q.shape
+    o = F.scaled_dot_product_attention(
+        q.reshape(1, k.shape[0], groups * n, dim), k[None], v[None], attn_mask=mask, scale=scale
+    )
+    return o.reshape(heads, n, dim).transpose(0, 1)
 
 
 def _grouped_attention(
@@ -478,7 +506,8 @@ def _cascade_attention(
     lse = torch.empty(tokens, heads, dtype=_lse_dtype(query.dtype), device=query.device)
     views = batch.views(None) if plan.plain else []
     for i in plan.plain:
-        (a, b), (index, mask) = batch.bounds[i], views[i]
+        (a, b), (index, _) = batch.bounds[i], views[i]
+        mask = batch.segment_mask(None, i, groups)
         out[a:b] = _segment_attention(pool_layer, query[0, :, a:b], index, mask, scale, groups, None)
     for own in plan.own:
         out[own.rows], lse[own.rows] = _own_attention(pool_layer, query, own, scale, groups)
@@ -620,6 +649,19 @@ def probe_row_invariance(device: torch.device | str, dtype: torch.dtype, width: 
         other = x[:64].clone()
         other[1:] = torch.randn(63, width, generator=g).to(device, dtype)
         return torch.equal(F.linear(other, w)[0], ref[0])
+
+
+ATTENTION_MODES = ("cascade", "grouped", "per-segment")
+
+
+def attention_mode(name: str | None) -> dict[str, bool]:
+    """`PagedRunner`'s `grouped` / `cascade` for an attention mode by name; None: the device's default
+    (grouped on CUDA, cascade elsewhere, one call per request when batch-invariant)."""
+    if name is None:
+        return {}
+    if name not in ATTENTION_MODES:
+        raise ValueError(f"attention mode must be one of {', '.join(ATTENTION_MODES)}, got {name!r}")
+    return {"grouped": name == "grouped", "cascade": name == "cascade"}
 
 
 class PagedRunner:
