@@ -102,3 +102,18 @@ def test_a_request_alone_reads_its_stored_prefix_in_place_and_gets_its_solo_logi
     (logits,) = runner.forward([segment])
     ref_rows, _ = solo(model, prompt)
     assert float((logits[-1] - ref_rows[0]).abs().max()) < 1e-10
+
+
+def test_the_matrix_product_attention_used_off_the_cpu_equals_the_cpu_flash_kernel():
+    """`_fused` off the CPU is `_attend` (matrix products and a log-sum-exp): the same outputs and
+    log-sum-exps as the CPU flash kernel, masked and not, in float64."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 6, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, 11, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    bias = torch.zeros(2, 1, 6, 11, dtype=torch.float64)
+    bias[0, 0, :, 7:] = float("-inf")
+    for mask in (None, bias):
+        flash_out, flash_lse = paged._fused(q, k, v, 0.3, mask)[:2]
+        out, lse = paged._attend(q, k.transpose(-1, -2), v, 0.3, mask)
+        assert torch.allclose(out, flash_out, atol=1e-12, rtol=0)
+        assert torch.allclose(lse, flash_lse, atol=1e-12, rtol=0)
