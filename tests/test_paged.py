@@ -284,3 +284,8 @@ def test_stacked_query_heads_attend_as_grouped_query_attention():
     )[0].transpose(0, 1)
     stacked = paged._stacked_heads_attention(q, k, v, mask.repeat(groups, 1), 0.5, groups)
     assert torch.allclose(stacked, expected, atol=1e-12, rtol=0)
+    bias = paged.stacked_bias(mask, groups, torch.float64)  # what a GPU forward passes, made once
+    assert bias.shape == (groups * n, length) and bias.stride(0) % 8 == 0
+    assert torch.allclose(
+        paged._stacked_heads_attention(q, k, v, bias, 0.5, groups), expected, atol=1e-12, rtol=0
+    )

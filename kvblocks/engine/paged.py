@@ -143,7 +143,7 @@ class PagedBatch:
         self._starts = [s.start for s in segments]
         self._align = align
         self._views: dict[int | None, list[tuple[torch.Tensor | slice, torch.Tensor]]] = {}
-        self._stacked: dict[tuple[int | None, int, int], torch.Tensor] = {}
+        self._stacked: dict[tuple[int | None, int, int, torch.dtype], torch.Tensor] = {}
         short = [i for i, s in enumerate(segments) if len(s.token_ids) <= GROUP_MAX_TOKENS]
         self.grouped = short if grouped and len(short) > 1 else []  # segments read in one call per layer
         self.alone = sorted(set(range(len(segments))) - set(self.grouped))
@@ -169,15 +169,17 @@ class PagedBatch:
             self._views[window] = out
         return self._views[window]
 
-    def segment_mask(self, window: int | None, segment: int, groups: int) -> torch.Tensor:
-        """The mask `_segment_attention` takes for `views(window)[segment]`: as it is on a CPU or
-        without grouped query heads; else repeated for the `groups` query heads of a K/V head stacked
-        along the rows (row `j * new + i` is head `j`'s row `i`), made once per forward."""
-        if groups == 1 or self.pool.device.type == "cpu":
+    def segment_mask(self, window: int | None, segment: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """The mask `_segment_attention` takes for `views(window)[segment]`: on a CPU as it is; else
+        an additive bias in `dtype` (0 or -inf) repeated for the `groups` query heads of a K/V head
+        stacked along the rows (row `j * new + i` is head `j`'s row `i`), its rows 8-element aligned,
+        made once per forward: SDPA then neither converts a boolean mask nor pads the bias for the
+        memory-efficient kernel in every layer (each a kernel launch, which bound a GPU's prefill)."""
+        if self.pool.device.type == "cpu":
             return self.views(window)[segment][1]
-        key = (window, segment, groups)
+        key = (window, segment, groups, dtype)
         if key not in self._stacked:
-            self._stacked[key] = self.views(window)[segment][1].repeat(groups, 1)
+            self._stacked[key] = stacked_bias(self.views(window)[segment][1], groups, dtype)
         return self._stacked[key]
 
     def keep_rows(self) -> torch.Tensor:
@@ -429,11 +431,13 @@ def _paged_attention(
         alone = range(len(batch.segments))
     views = batch.views(sliding_window)
     for i in alone:
-        (a, b), (index, _) = batch.bounds[i], views[i]
-        mask = batch.segment_mask(sliding_window, i, groups if softcap is None else 1)
-        out[a:b] = _segment_attention(
-            pool.layers[layer], query[0, :, a:b], index, mask, scale, groups, softcap
-        )
+        (a, b), (index, mask) = batch.bounds[i], views[i]
+        if softcap is None:
+            mask = batch.segment_mask(sliding_window, i, groups, query.dtype)
+        o = _segment_attention(pool.layers[layer], query[0, :, a:b], index, mask, scale, groups, softcap)
+        if len(batch.segments) == 1:  # the only segment: its output is the layer's (no copy)
+            return o[None], None
+        out[a:b] = o
     return out[None], None
 
 
@@ -450,7 +454,7 @@ def _segment_attention(
     kv = (pool_layer[index] if isinstance(index, slice) else pool_layer.index_select(0, index)).to(q.dtype)
     k = kv[:, 0].transpose(0, 1)  # [Hkv, L, D]
     v = kv[:, 1].transpose(0, 1)
-    if softcap is None and (groups == 1 or q.device.type == "cpu"):
+    if softcap is None and q.device.type == "cpu":
         # 4-D inputs: SDPA takes its fused CPU kernel (3-D with a mask and GQA is 2-3x slower)
         return F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=groups > 1
@@ -464,13 +468,23 @@ def _segment_attention(
     return torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1)
 
 
+def stacked_bias(allowed: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """`allowed [n, L]` as an additive bias `[groups * n, L]` in `dtype` (0 where allowed, -inf
+    elsewhere), repeated for `groups` query heads stacked along the rows; its row stride is a
+    multiple of 8 elements, the alignment SDPA's memory-efficient kernel takes without padding."""
+    allowed = allowed.repeat(groups, 1)
+    rows, length = allowed.shape
+    aligned = torch.full((rows, -(-length // 8) * 8), float("-inf"), dtype=dtype, device=allowed.device)
+    return aligned[:, :length].masked_fill_(allowed, 0.0)
+
+
 def _stacked_heads_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, groups: int
 ) -> torch.Tensor:
     """`[n, Hq, D]` from `q [Hq, n, D]` over `k, v [Hkv, L, D]`, the query heads of a K/V head stacked
-    along the rows, `mask [groups * n, L]` stacked so (`PagedBatch.segment_mask`). Off the CPU a
-    masked call with `enable_gqa` takes SDPA's math fallback, which repeats K/V per head; this one
-    can take the memory-efficient kernel."""
+    along the rows, `mask [groups * n, L]` (boolean or additive) stacked so (`PagedBatch.segment_mask`).
+    Off the CPU a masked call with `enable_gqa` takes SDPA's math fallback, which repeats K/V per head;
+    this one can take the memory-efficient kernel."""
     heads, n, dim = q.shape
     o = F.scaled_dot_product_attention(
         q.reshape(1, k.shape[0], groups * n, dim), k[None], v[None], attn_mask=mask, scale=scale
@@ -507,7 +521,7 @@ def _cascade_attention(
     views = batch.views(None) if plan.plain else []
     for i in plan.plain:
         (a, b), (index, _) = batch.bounds[i], views[i]
-        mask = batch.segment_mask(None, i, groups)
+        mask = batch.segment_mask(None, i, groups, query.dtype)
         out[a:b] = _segment_attention(pool_layer, query[0, :, a:b], index, mask, scale, groups, None)
     for own in plan.own:
         out[own.rows], lse[own.rows] = _own_attention(pool_layer, query, own, scale, groups)
