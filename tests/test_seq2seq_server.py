@@ -12,6 +12,7 @@ import openai
 import pytest
 import torch
 from server_proc import SMOLLM2_TOKENIZER_FILES, smollm2_dir, start_server, stop_cleanly
+from tiny_seq2seq import BART
 from transformers import AutoTokenizer
 
 from kvblocks.seq2seq import Seq2SeqCachedGenerator, Seq2SeqPrompt
@@ -26,15 +27,8 @@ def bart_dir(path: Path) -> Path:
 
     torch.manual_seed(0)
     config = BartConfig(
+        **(BART | {"max_position_embeddings": 1024}),
         vocab_size=49152,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=1024,
         pad_token_id=0,
         bos_token_id=None,
         eos_token_id=None,

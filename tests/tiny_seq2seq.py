@@ -8,7 +8,7 @@ VOCAB = 160
 START = 1  # decoder start token; no EOS, so a random model never stops early
 
 _T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4)
-_BART = dict(
+BART = dict(
     d_model=32,
     encoder_layers=2,
     decoder_layers=2,
@@ -24,25 +24,25 @@ SEQ2SEQ_CONFIGS = {
     "umt5": _T5,
     "longt5": _T5,
     "switch_transformers": dict(_T5, num_experts=2, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1),
-    "bart": _BART,
-    "mbart": _BART,
-    "marian": dict(_BART, decoder_vocab_size=VOCAB),
-    "pegasus": _BART,
-    "pegasus_x": dict(_BART, block_size=8, num_global_tokens=4),
-    "blenderbot": _BART,
-    "blenderbot-small": _BART,
+    "bart": BART,
+    "mbart": BART,
+    "marian": dict(BART, decoder_vocab_size=VOCAB),
+    "pegasus": BART,
+    "pegasus_x": dict(BART, block_size=8, num_global_tokens=4),
+    "blenderbot": BART,
+    "blenderbot-small": BART,
     "led": dict(
-        _BART,
+        BART,
         max_encoder_position_embeddings=256,
         max_decoder_position_embeddings=256,
         attention_window=[8, 8],
     ),
-    "bigbird_pegasus": dict(_BART, attention_type="original_full"),
-    "plbart": _BART,
-    "m2m_100": _BART,
-    "nllb-moe": dict(_BART, num_experts=2),
-    "mvp": _BART,
-    "fsmt": dict(_BART, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, langs=["en", "de"]),
+    "bigbird_pegasus": dict(BART, attention_type="original_full"),
+    "plbart": BART,
+    "m2m_100": BART,
+    "nllb-moe": dict(BART, num_experts=2),
+    "mvp": BART,
+    "fsmt": dict(BART, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, langs=["en", "de"]),
 }
 _GEMMA = dict(
     vocab_size=VOCAB,
