@@ -16,8 +16,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvblocks.cache.radix import common_prefix_len
 from kvblocks.cache.trie import PoolFullError
 from kvblocks.engine import paged
@@ -158,9 +156,9 @@ class Scheduler:
         """Whether `s` waits for a running request that is computing a prompt `s` shares beyond what
         is cached (at least `join_min_tokens` more): once that prompt is committed, `s` hits it
         instead of computing it a second time."""
-        ids = np.asarray(s.sequence)
+        ids = s.token_array()
         return any(
-            common_prefix_len(np.asarray(r.ids), ids) - cached >= self.limits.join_min_tokens
+            common_prefix_len(r.token_array()[: len(r.ids)], ids) - cached >= self.limits.join_min_tokens
             for r in self.running
             if not r.committed_prompt and r.salt == s.salt
         )

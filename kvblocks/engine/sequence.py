@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvblocks.cache.trie import Hit, Salt
+from kvblocks.cache.trie import Hit, Salt, as_token_array
 from kvblocks.engine import speculative
 from kvblocks.engine.request import Request
 from kvblocks.generate.decoding import Decoding
@@ -44,6 +44,15 @@ class Sequence:
     spec: SpecStats | None = None
     gamma: int = 0
     proposal: tuple = ()  # this step's (drafts, q, tail_q), settled after the forward
+    _array: np.ndarray | None = field(default=None, repr=False)
+
+    def token_array(self) -> np.ndarray:
+        """`sequence` as the trie's token array, converted once per length (`sequence` only grows):
+        the trie's lookups, adoption and the scheduler's joins take it without converting a long
+        prompt's list each time."""
+        if self._array is None or len(self._array) != len(self.sequence):
+            self._array = as_token_array(self.sequence)
+        return self._array
 
     @classmethod
     def of(

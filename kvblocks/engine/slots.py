@@ -35,12 +35,12 @@ class SlotManager:
         return tokens <= self.capacity - self.cache.pinned_tokens
 
     def cached_length(self, s: Sequence) -> int:
-        return self.cache.cached_length(s.sequence, salt=s.salt)
+        return self.cache.cached_length(s.token_array(), salt=s.salt)
 
     def lock_prefix(self, s: Sequence) -> None:
         """Lock the longest cached prefix of `s` (a failed lookup is a miss); its KV is computed there."""
         assert s.hit is None and len(s.slots) == 0, "a sequence locks its prefix once per admission"
-        s.hit = self.cache.match_or_miss(s.sequence, salt=s.salt)
+        s.hit = self.cache.match_or_miss(s.token_array(), salt=s.salt)
         if not s.started:
             s.cached_tokens = s.hit.length
             s.started = True
@@ -70,8 +70,9 @@ class SlotManager:
         s.committed_prompt = True
         n = min(s.computed, len(s.sequence))
         beyond = s.slots[n:]  # a speculative round's accepted drafts: still the sequence's own
-        self.cache.adopt(s.sequence[:n], s.slots[:n], s.start, salt=s.salt)
-        held = self.cache.hold(s.sequence[:n], salt=s.salt)
+        ids = s.token_array()[:n]
+        self.cache.adopt(ids, s.slots[:n], s.start, salt=s.salt)
+        held = self.cache.hold(ids, salt=s.salt)
         s.hit.release()
         s.hit = held
         s.slots = np.concatenate([held.slots, beyond])
@@ -83,7 +84,7 @@ class SlotManager:
         n = min(s.computed, len(s.sequence))
         self.trim(s, max(n, s.start))  # KV of drafts accepted past the token that ended it
         if n > s.start:
-            self.cache.adopt(s.sequence[:n], s.slots[:n], s.start, salt=s.salt)
+            self.cache.adopt(s.token_array()[:n], s.slots[:n], s.start, salt=s.salt)
             s.slots = s.slots[: s.start]  # all passed to the trie
         self.release(s)
 
