@@ -2,7 +2,9 @@
 
 Tokens are chosen and finished by the per-token rule (`kvblocks.generate.decoding`), the same one
 the one-request path uses; here only what the engine adds around it: the prompt's KV passes to the
-trie at the first token, a finished sequence's KV when it ends, then its result is recorded and sent.
+trie at the first token (right after that token is sent: every admission and lookup runs on this
+thread, so none can miss it), a finished sequence's KV when it ends, then its result is recorded and
+sent.
 """
 
 from __future__ import annotations
@@ -41,13 +43,16 @@ class Postprocessor:
     def _accept(self, s: Sequence, token: int, logits: torch.Tensor) -> bool:
         """Append `token` (chosen from `logits`), emit its piece; True when it ends the request."""
         now = self.report.observe(s.request, 1)
-        if not s.generated:
-            self.slots.commit_prompt(s)
+        prompt = None if s.generated else len(s.sequence)  # the first token: the prompt is committed
         piece = s.out.push(token, logits, now)
         s.sequence.append(token)
         if s.out.finish is None:
             s.request.emit(piece)
+            if prompt is not None:  # after the piece is out: every lookup runs on this thread, later
+                self.slots.commit_prompt(s, prompt)
             return False
+        if prompt is not None:
+            self.slots.commit_prompt(s, prompt)
         self.scheduler.remove(s)
         self.slots.complete(s)
         if s.draft is not None:

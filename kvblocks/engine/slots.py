@@ -60,15 +60,16 @@ class SlotManager:
             self.cache.release_slots(s.slots[end:])
             s.slots = s.slots[:end]
 
-    def commit_prompt(self, s: Sequence) -> None:
+    def commit_prompt(self, s: Sequence, length: int | None = None) -> None:
         """The prompt's slots pass to the trie as soon as it is computed; `s` keeps them locked (a
         fresh lock over the whole prompt: the trie's slots from now on, which are other slots where
-        another request stored the same tokens meanwhile)."""
+        another request stored the same tokens meanwhile). `length`: the positions that count as the
+        prompt (the sequence's length before its first token was appended)."""
         if s.committed_prompt:
             return
         assert s.hit is not None, "only a running sequence commits"
         s.committed_prompt = True
-        n = min(s.computed, len(s.sequence))
+        n = min(s.computed, len(s.sequence) if length is None else length)
         beyond = s.slots[n:]  # a speculative round's accepted drafts: still the sequence's own
         ids = s.token_array()[:n]
         self.cache.adopt(ids, s.slots[:n], s.start, salt=s.salt)
