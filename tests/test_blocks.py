@@ -231,3 +231,18 @@ def test_blend_recomputing_every_block_token_out_of_order_equals_full_prefill(mo
     assert result.blocks.reused_tokens == 0 and result.blocks.probe_tokens > 0
     assert result.token_ids == full.token_ids
     assert all((a - b).abs().max() < 1e-10 for a, b in zip(result.logits, full.logits))
+
+
+@pytest.mark.parametrize("share", [0.05, 0.3, 0.7])
+def test_blend_of_blocks_whose_stored_kv_is_exact_equals_full_prefill_at_every_share(model, share):
+    """A block at offset 0 computed alone is the full prefill's own KV there: whatever share is
+    recomputed, the masked forward (each recomputed token attends causally to reused and recomputed
+    tokens before it, at its own position) must give the full prefill back."""
+    prompt = [Block(DOC_A), QUESTION]
+    full = run(generator(model, cache=False), flat(prompt))
+    gen = generator(model)
+    run(gen, prompt, kv_mode="concat")  # the block stored
+    result = run(gen, prompt, kv_mode="blend", blend_recompute=share)
+    assert 0 < result.blocks.reused_tokens < len(DOC_A)
+    assert result.token_ids == full.token_ids
+    assert all((a - b).abs().max() < 1e-10 for a, b in zip(result.logits, full.logits))

@@ -55,8 +55,26 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
             Option("--docs", positive_int, 3, "documents per RAG prompt (default 3)"),
             Option("--turns", positive_int, 3, "agent loop turns (default 3)"),
             Option("--seed", int, 0, "workload seed (default 0)"),
+            Option(
+                "--shares",
+                blend_shares,
+                SHARES,
+                "blend_recompute shares to compare, comma-separated (default 0,0.05,0.15,0.3,1; "
+                f"{TARGET_SHARE:g} and 1 are always run: the targets check them)",
+            ),
         ],
     )
+
+
+def blend_shares(text: str) -> tuple[float, ...]:
+    """`--shares`: comma-separated shares in [0, 1], with the two the targets check added."""
+    try:
+        shares = {float(x) for x in text.split(",")}
+    except ValueError:
+        shares = {-1.0}
+    if not all(0 <= s <= 1 for s in shares):
+        raise argparse.ArgumentTypeError(f"expected comma-separated shares in [0, 1], got '{text}'")
+    return tuple(sorted(shares | {TARGET_SHARE, 1.0}))
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
@@ -68,11 +86,13 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     reports = []
     if "model" in only:
         title = args.model or models.DEFAULT_MODEL
-        reports.append(bench_blocks("blocks-model", title, model, tokenizer, tasks, opts))
+        reports.append(bench_blocks("blocks-model", title, model, tokenizer, tasks, opts, args.shares))
     if "tiny" in only:
         tiny = tiny_llama(len(tokenizer))
         reports.append(
-            bench_blocks("blocks-tiny", "a tiny random llama", tiny, tokenizer, tasks, opts, False)
+            bench_blocks(
+                "blocks-tiny", "a tiny random llama", tiny, tokenizer, tasks, opts, args.shares, False
+            )
         )
     return reports
 
@@ -89,14 +109,21 @@ def tiny_llama(vocab: int):
     return LlamaForCausalLM(config).eval()
 
 
-def variants() -> list[tuple[str, str, float]]:
+def variants(shares: tuple[float, ...] = SHARES) -> list[tuple[str, str, float]]:
     """(name, kv_mode, blend_recompute); full prefill and prefix-only first."""
-    blends = [(f"blend {s:g}", "blend", s) for s in SHARES]
+    blends = [(f"blend {s:g}", "blend", s) for s in shares]
     return [(FULL, "exact", 0.0), (PREFIX, "exact", 0.0), *blends, ("concat", "concat", 0.0)]
 
 
 def bench_blocks(
-    name: str, title: str, model, tokenizer, tasks: list[Task], opts: BenchOptions, targets: bool = True
+    name: str,
+    title: str,
+    model,
+    tokenizer,
+    tasks: list[Task],
+    opts: BenchOptions,
+    shares: tuple[float, ...] = SHARES,
+    targets: bool = True,
 ) -> Report:
     from kvblocks import CachedGenerator, KVCacheTrie
     from kvblocks.blocks import Block, flatten
@@ -107,7 +134,7 @@ def bench_blocks(
     blended = CachedGenerator(model, tokenizer, trie())  # blend < 1 and concat: only exact parts committed
     gens = {FULL: CachedGenerator(model, tokenizer, None), PREFIX: CachedGenerator(model, tokenizer, trie())}
     gens["blend 1"] = CachedGenerator(model, tokenizer, trie())  # the ordinary prefill: commits whole prompts
-    table = variants()
+    table = variants(shares)
     layers = model.config.num_hidden_layers
     for task in tasks:  # warm: every document seen before, in the reverse order
         blocks = [s for s in task.segments if isinstance(s, Block)][::-1]
