@@ -4,6 +4,8 @@ reused block tokens by the tier their KV came from."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from server_proc import scrape, start_server, stop_cleanly, tiny_model_dir, wait_idle
@@ -118,3 +120,32 @@ def test_metrics_count_reused_block_tokens_by_the_tier_they_came_from(http):
     end = tiers(http)
     assert end["device"] - filled["device"] == again["usage"]["prompt_tokens_details"]["blended_tokens"] > 0
     assert end["fill"] == filled["fill"] and end["redis"] == start["redis"] == 0
+
+
+def test_a_block_marked_in_an_exact_request_is_promoted_once_the_batched_engine_is_idle(http):
+    """The default server batches: an exact chat with a block part runs in the packed batch, and its
+    block reaches the block store after the reply, where explain and a concat request find it."""
+    doc = "Supplier register, page 3. The code of Vendor M5 is 7710. Vendor M5 is based in Porto.\n\n"
+    question = "What is the code of Vendor M5?"
+    body = [{"role": "user", "content": [{"type": "text", "text": doc, "kvblocks_block": True},
+                                         {"type": "text", "text": question}]}]  # fmt: skip
+    explain = {"messages": body, "kv_mode": "concat"}
+    assert [b["held"] for b in post(http, "/v1/cache/explain", explain)["blocks"]] == [False]
+    exact = post(
+        http, "/v1/chat/completions", {"model": "m", "messages": body, "max_tokens": 2, "temperature": 0}
+    )
+    assert "blended_tokens" not in exact["usage"]["prompt_tokens_details"]
+    deadline = time.monotonic() + 30
+    while not post(http, "/v1/cache/explain", explain)["blocks"][0]["held"]:
+        assert time.monotonic() < deadline, "the marked block was never promoted"
+        time.sleep(0.1)
+    moved = [
+        {"role": "user", "content": [{"type": "text", "text": "Read this first.\n\n"}, *body[0]["content"]]}
+    ]
+    before = tiers(http)
+    concat = {"model": "m", "messages": moved, "max_tokens": 2, "kv_mode": "concat"}
+    blended = post(http, "/v1/chat/completions", concat)["usage"]["prompt_tokens_details"]["blended_tokens"]
+    after = tiers(http)
+    assert blended > 0 and after["device"] - before["device"] == blended  # the promoted KV, at a new offset
+    assert after["fill"] == before["fill"]  # nothing computed for it now
+    assert scrape(http)['kvblocks_block_promotions_total{outcome="done"}'] >= 1

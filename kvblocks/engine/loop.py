@@ -27,6 +27,7 @@ from kvblocks.engine import speculative
 from kvblocks.engine.admission import LimitsOf, QueueFullError, RoomLimits, WaitingRoom, no_limits
 from kvblocks.engine.model_runner import Batch, PackedRunner
 from kvblocks.engine.postprocess import Postprocessor
+from kvblocks.engine.promotion import BlockPromotions
 from kvblocks.engine.report import Reporter, trace_ended, trace_submitted
 from kvblocks.engine.request import Emit, EngineError, Load, Options, Request
 from kvblocks.engine.scheduler import BatchLimits, Scheduler
@@ -65,6 +66,7 @@ class Engine:
         )
         self.report = Reporter(self.metrics)
         self.serial = SerialRunner(generator, self.report, max_active)
+        self.promotions = BlockPromotions(generator, self.metrics)
         self.runner: PackedRunner | None = None
         self.scheduler: Scheduler | None = None
         self.rounds = generator if isinstance(generator, speculative.Rounds) else None
@@ -72,7 +74,7 @@ class Engine:
             self.runner, batch_limits = packed
             self.slots = SlotManager(generator.cache)
             self.scheduler = Scheduler(self.room, self.slots, batch_limits, self._fail)
-            self.output = Postprocessor(self.report, self.scheduler, self.slots, self.rounds)
+            self.output = Postprocessor(self.report, self.scheduler, self.slots, self.rounds, self.promotions)
         self.one_at_a_time = 0  # requests that took the serial path beside a packed one
         self._ids = itertools.count(1)
         self._stop = threading.Event()
@@ -173,7 +175,7 @@ class Engine:
 
     def step(self) -> None:
         """Admit; schedule → run → postprocess the packed batch; one stream step per serial request."""
-        if not self.active:
+        if not self.active and not (len(self.room) == 0 and self.promotions.run_one()):
             self.room.wait(0.5)
         self._admit()
         self._step_packed()

@@ -4,7 +4,7 @@ Tokens are chosen and finished by the per-token rule (`kvblocks.generate.decodin
 the one-request path uses; here only what the engine adds around it: the prompt's KV passes to the
 trie at the first token (right after that token is sent: every admission and lookup runs on this
 thread, so none can miss it), a finished sequence's KV when it ends, then its result is recorded and
-sent.
+sent, and the KV blocks it marked wait for an idle step (`kvblocks.engine.promotion`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvblocks.engine import speculative
+from kvblocks.engine.promotion import BlockPromotions
 from kvblocks.engine.report import Reporter
 from kvblocks.engine.scheduler import Scheduler
 from kvblocks.engine.sequence import Sequence
@@ -20,12 +21,18 @@ from kvblocks.engine.slots import SlotManager
 
 class Postprocessor:
     def __init__(
-        self, report: Reporter, scheduler: Scheduler, slots: SlotManager, rounds: speculative.Rounds | None
+        self,
+        report: Reporter,
+        scheduler: Scheduler,
+        slots: SlotManager,
+        rounds: speculative.Rounds | None,
+        promotions: BlockPromotions,
     ) -> None:
         self.report = report
         self.scheduler = scheduler
         self.slots = slots
         self.rounds = rounds
+        self.promotions = promotions
 
     def advance(self, s: Sequence, n: int, logits: torch.Tensor) -> None:
         """The `n` tokens `s` fed hold KV now; the tokens they yield go through the per-token rule."""
@@ -60,4 +67,6 @@ class Postprocessor:
         piece = s.out.conclude(piece, now, cached_tokens=s.cached_tokens, spec=s.spec)
         self.report.record(s.request, piece.result)
         s.request.emit(piece)
+        if s.marked:
+            self.promotions.add(s.marked, s.salt)
         return True

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvblocks.blocks.segments import BlockSpan, flatten, is_segmented
 from kvblocks.cache.trie import Hit, Salt, as_token_array
 from kvblocks.engine import speculative
 from kvblocks.engine.request import Request
@@ -44,6 +45,7 @@ class Sequence:
     spec: SpecStats | None = None
     gamma: int = 0
     proposal: tuple = ()  # this step's (drafts, q, tail_q), settled after the forward
+    marked: list[BlockSpan] = field(default_factory=list)  # KV blocks the client marked (promoted at its end)
     _array: np.ndarray | None = field(default=None, repr=False)
 
     def token_array(self) -> np.ndarray:
@@ -67,11 +69,14 @@ class Sequence:
             return None
         if options.params.kv_mode != "exact":  # KV blocks are placed by the one-request path
             return None
-        out = generator.prepare(request.prompt, options.params, started=request.submitted)
+        prompt, marked = request.prompt, []
+        if is_segmented(prompt):  # exact mode: its blocks count as a prefix, stored once it ends
+            prompt, marked = flatten(generator.tokenizer, prompt)
+        out = generator.prepare(prompt, options.params, started=request.submitted)
         gamma = rounds.max_gamma if rounds is not None else 0
         if not slots.fits(len(out.prompt_ids) + out.max_new_tokens + gamma):
             return None
-        s = cls(request, out, options.salt, list(out.prompt_ids))
+        s = cls(request, out, options.salt, list(out.prompt_ids), marked=marked)
         if rounds is not None:
             speculative.start(rounds, s)
         return s

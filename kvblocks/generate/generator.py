@@ -264,7 +264,7 @@ class CachedGenerator:
                 if hit is not None:
                     hit.release()
         if spans and params.kv_mode == "exact":
-            self._promote_blocks(spans, salt)
+            self.promote_blocks(spans, salt)
         # Committed before the result is handed over: a consumer that stops at the result piece
         # (without exhausting the stream) holds no lock, and its next turn hits this one.
         yield final
@@ -291,9 +291,10 @@ class CachedGenerator:
         run.past, run.computed, run.reusable = pre.past, pre.computed, pre.reusable
         return pre.report
 
-    def _promote_blocks(self, spans: list[BlockSpan], salt: Salt) -> None:
+    def promote_blocks(self, spans: list[BlockSpan], salt: Salt) -> None:
         """Store the blocks an exact request marked (`BlockPrefill.promote`), where the model can
-        reuse blocks at all; an exact request never fails for it."""
+        reuse blocks at all; an exact request never fails for it. The batched engine calls it when
+        idle (`kvblocks.engine.promotion`)."""
         if self.cache is None:
             return
         try:

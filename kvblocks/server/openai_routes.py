@@ -478,13 +478,14 @@ def submit_all(s: Served, call: Call, branches: list[Branch]) -> list[Submitted]
 
 
 def prompt_of(b: Branch):
-    """What the engine prefills: the id segments when KV blocks are reused, a (source, decoder
-    prompt) request for an encoder-decoder model, else the flat ids."""
+    """What the engine prefills: the id segments where the client marked KV blocks (reused in
+    `blend` / `concat`, promoted to the block store in `exact`), a (source, decoder prompt) request
+    for an encoder-decoder model, else the flat ids."""
     if b.decoder is not None:
         from kvblocks.seq2seq.generator import Seq2SeqPrompt
 
         return Seq2SeqPrompt(b.ids, b.decoder)
-    return b.segments if b.segments is not None and b.params.kv_mode != "exact" else b.ids
+    return b.segments if b.segments is not None else b.ids
 
 
 def cancel_all(running: list[Submitted]) -> None:

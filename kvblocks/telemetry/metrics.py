@@ -40,12 +40,17 @@ COUNTERS = {
     "(blended), by the tier the block's KV came from: device pool, redis, or fill (computed by the request).",
     "kvblocks_block_recomputed_tokens_total": "Prompt tokens recomputed in requests that reused KV blocks.",
     "kvblocks_block_fill_tokens_total": "Tokens computed to store KV blocks the block store did not hold.",
+    "kvblocks_block_promotions_total": "Requests whose KV blocks, marked in exact mode on the batched engine, "
+    "were stored when the engine was idle, by outcome: done, dropped (too many waiting) or failed.",
     "kvblocks_spec_drafted_tokens_total": "Speculative draft tokens proposed.",
     "kvblocks_spec_accepted_tokens_total": "Speculative draft tokens accepted.",
     "kvblocks_spec_rounds_total": "Speculative draft/verify rounds (target calls).",
 }
 # Counters with labels, and every value each label takes (exported at 0 from the start).
-LABELLED = {"kvblocks_block_reused_tokens_total": ("tier", ("device", "redis", "fill"))}
+LABELLED = {
+    "kvblocks_block_reused_tokens_total": ("tier", ("device", "redis", "fill")),
+    "kvblocks_block_promotions_total": ("outcome", ("done", "dropped", "failed")),
+}
 HISTOGRAMS = {
     "kvblocks_time_to_first_token_seconds": "Time from request arrival to its first token, queueing included.",
     "kvblocks_inter_token_seconds": "Time between consecutive tokens of a stream.",
