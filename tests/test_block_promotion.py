@@ -81,3 +81,11 @@ def test_promotions_beyond_the_queue_are_dropped_and_a_failed_one_is_counted(eng
     monkeypatch.setattr(queue.generator, "promote_blocks", broken)
     assert queue.run_one() and queue.counts.failed == 1
     assert queue.run_one() and queue.counts.failed == 2
+
+
+def test_a_block_marked_prompt_of_ids_counts_its_tokens_in_the_load_routers_read():
+    from kvblocks import Block
+    from kvblocks.engine.loop import _known_tokens
+
+    assert _known_tokens([[1, 2], Block([3, 4, 5]), [6]]) == 6 == _known_tokens([1, 2, 3, 4, 5, 6])
+    assert _known_tokens(["text", Block([1])]) == 0  # text is tokenised later

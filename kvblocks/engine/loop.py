@@ -22,6 +22,7 @@ import traceback
 from collections import Counter
 from collections.abc import Iterable
 
+from kvblocks.blocks.segments import Block, is_segmented
 from kvblocks.cache.trie import PoolFullError
 from kvblocks.engine import speculative
 from kvblocks.engine.admission import LimitsOf, QueueFullError, RoomLimits, WaitingRoom, no_limits
@@ -104,9 +105,8 @@ class Engine:
         one HTTP request are refused as a whole, never half admitted."""
         requests = []
         for prompt, emit, options in items:
-            ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
             request = Request(
-                prompt, Options.of(**options), emit, next(self._ids), tenant, tokens=len(prompt) if ids else 0
+                prompt, Options.of(**options), emit, next(self._ids), tenant, tokens=_known_tokens(prompt)
             )
             request.emit = _guarded(emit, request)
             trace_submitted(request)
@@ -288,6 +288,18 @@ class Engine:
                 self.output.advance(s, n, logits)
             except Exception as exc:
                 self._fail(s, exc, "sampling")
+
+
+def _known_tokens(prompt) -> int:
+    """How many token ids `prompt` holds where it is ids (flat, or id segments and KV blocks), for the
+    load a router reads; 0 for text, which is tokenised later."""
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if is_segmented(prompt):
+        parts = [p.content if isinstance(p, Block) else p for p in prompt]
+        if all(isinstance(p, list | tuple) for p in parts):
+            return sum(len(p) for p in parts)
+    return 0
 
 
 def _guarded(emit: Emit, request: Request) -> Emit:
