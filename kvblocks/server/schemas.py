@@ -276,9 +276,8 @@ class CompletionRequest(_Sampling):
     def _one_prompt(self) -> CompletionRequest:
         if self.prompt_blocks is not None and self.prompt not in (None, ""):
             raise ValueError("give 'prompt' or 'prompt_blocks', not both")
-        if (
-            self.prompt_blocks is None and self.prompt is None
-        ):  # as pydantic says it, so the 400 names `prompt`
+        if self.prompt_blocks is None and self.prompt is None:
+            # said as pydantic says a missing field, so the 400 names `prompt`
             missing = InitErrorDetails(type="missing", loc=("prompt",), input=None)
             raise ValidationError.from_exception_data(type(self).__name__, [missing])
         return self
