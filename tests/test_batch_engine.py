@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from tiny_models import VOCAB, tiny_model
 
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie
+from kvblocks.engine import paged
 from kvblocks.engine.batch import BatchEngine
 from kvblocks.engine.loop import Engine
 
@@ -167,10 +168,15 @@ def test_a_request_waits_for_room_instead_of_being_admitted_to_preempt_another()
     no_leaks(engine.cache)
 
 
-@pytest.mark.parametrize("arch", PACKED_ARCHS)
-def test_batch_invariant_mode_gives_each_request_the_bits_it_gets_alone(arch):
+@pytest.mark.parametrize(
+    ("arch", "attention"), [(arch, None) for arch in PACKED_ARCHS] + [("llama", "per-segment")]
+)
+def test_batch_invariant_mode_gives_each_request_the_bits_it_gets_alone(arch, attention, monkeypatch):
     """fp32, logprobs compared bit for bit: alone (one request in an empty cache, whole prompt in one
-    step) and together (shared prefixes hit, prompts cut by a small budget among decodes)."""
+    step) and together (shared prefixes hit, prompts cut by a small budget among decodes). The
+    default attention is the invariant cascade, here with blocks of 32 and 16 positions so that these
+    prompts have blocks read in place (a stored prefix) and gathered (a request's own)."""
+    monkeypatch.setattr(paged, "CASCADE_BLOCKS", (32, 16))
     model = tiny_model(arch, torch.float32)
     prompts = [p * 3 for p in workload(seed=8)]  # 27 to 80 tokens: several 16-token chunks each
     params = GenerationParams(max_new_tokens=8, logprobs=3)
@@ -179,8 +185,15 @@ def test_batch_invariant_mode_gives_each_request_the_bits_it_gets_alone(arch):
         cache = KVCacheTrie.for_model(model, capacity_tokens=2048)
         gen = CachedGenerator(model, IdTokenizer(), cache)
         engine = BatchEngine(
-            gen, max_batch_size=3, max_batch_tokens=26, invariant=True, chunk=16, join_min_tokens=4
+            gen,
+            max_batch_size=3,
+            max_batch_tokens=26,
+            invariant=True,
+            chunk=16,
+            join_min_tokens=4,
+            attention=attention,
         )
+        assert (engine.runner.paged.cascade_blocks is None) == (attention == "per-segment")
         return engine.start()
 
     def bits(results: list[dict]) -> list:

@@ -161,8 +161,10 @@ def test_packed_decode_over_a_shared_prefix_reports_where_a_step_goes(tmp_path, 
     args += ["--shared", "32", "--profile", "--only", "decode"]
     found = checks(run_suite(tmp_path, capsys, *args), "packed-decode")
     assert found["requests whose greedy tokens differ"] == 0
-    assert 0 < found["attention (gather + attend) share of a packed step"] < 1
-    assert found["achieved FLOP/s / matmul peak at 64 rows"] > 0
+    assert found["requests whose greedy tokens differ, batch-invariant"] == 0
+    for label in ("a packed step", "a batch-invariant step"):
+        assert 0 < found[f"attention (gather + attend) share of {label}"] < 1
+        assert found[f"achieved FLOP/s / matmul peak at 64 rows, {label}"] > 0
 
 
 def test_packed_engine_suites_run_on_a_tiny_model(tmp_path, capsys):

@@ -117,3 +117,104 @@ def test_the_matrix_product_attention_used_off_the_cpu_equals_the_cpu_flash_kern
         out, lse = paged._attend(q, k.transpose(-1, -2), v, 0.3, mask)
         assert torch.allclose(out, flash_out, atol=1e-12, rtol=0)
         assert torch.allclose(lse, flash_lse, atol=1e-12, rtol=0)
+
+
+def _invariant(model, pool: KVPool) -> PagedRunner:
+    """A batch-invariant runner whose cascade cuts blocks of 32 and 16 positions (prompt chunk 16)."""
+    return PagedRunner(model, pool, invariant=True, chunk=16, cascade_blocks=(32, 16))
+
+
+def _prefill(runner: PagedRunner, ids: list[int], slots: np.ndarray, begin: int = 0) -> torch.Tensor:
+    """`ids[begin:]` in chunks cut at multiples of 16, as the batch-invariant engine cuts prompts;
+    the logits of the last chunk."""
+    for end in paged.chunk_ends(begin, len(ids), 16):
+        (logits,) = runner.forward([Segment(ids[begin:end], slots[:end])])
+        begin = end
+    return logits
+
+
+def test_the_invariant_plan_cuts_blocks_at_fixed_positions_and_reads_stored_runs_in_place():
+    model = tiny_model("llama", torch.float64)
+    pool = _pool(model, 512)
+    stored = pool.alloc(70)  # a prefix the trie stored in one piece
+    pool.alloc(1)
+    own = [pool.alloc(n) for n in (2, 30)]
+    slots = [np.concatenate([stored, own[0]]), np.concatenate([stored[:40], own[1]])]
+    segments = [Segment([1], slots[0]), Segment([1], slots[1]), Segment([1, 2], slots[0], keep=2)]
+    plan = paged.PagedBatch(pool, segments, cascade_blocks=(32, 16)).cascade
+    first = int(stored[0])
+    # request 0 (new token at 71): blocks [0, 32) [32, 64) in place, then its tail [64, 72) padded to 16
+    # request 1 (new token at 69): [0, 32) in place; [32, 64) holds its own slots from 40: gathered
+    runs = {(part.keys.start - first, part.keys.stop - first, n, fold) for part, n, fold in plan.runs}
+    assert runs == {(0, 64, 2, 0), (0, 32, 1, 0)}
+    ((private, target),) = plan.private
+    assert (private.segments, private.length, private.min_rows) == (1, 32, 4)
+    assert target.tolist() == [1 + 1 * 4]  # row 1, fold 1 (the batch packs 4 rows)
+    assert [(o.segments, o.length) for o in plan.tails] == [(2, 16)]
+    assert plan.plain == [2] and plan.depth == 2  # a speculative round keeps its own call
+    # a prompt's last chunk (89 to 90) in one run of slots: two 32-blocks, then a 16-block, in place
+    run = pool.alloc(90)
+    late = paged.PagedBatch(pool, [Segment([1], run)], cascade_blocks=(32, 16)).cascade
+    runs = {
+        (part.keys.start - int(run[0]), part.keys.stop - int(run[0]), n, fold) for part, n, fold in late.runs
+    }
+    assert runs == {(0, 64, 2, 0), (64, 80, 1, 2)} and late.private == [] and late.depth == 3
+
+
+@torch.inference_mode()
+def test_the_invariant_cascade_gives_each_request_its_solo_logits_in_float64():
+    model = tiny_model("qwen2", torch.float64)
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, VOCAB, 37).tolist()
+    ps = [prefix + rng.integers(0, VOCAB, n).tolist() for n in (1, 9, 30, 4)]
+    pool = _pool(model, 512)
+    runner = _invariant(model, pool)
+    slots = _shared_slots(pool, len(prefix), [len(p) - len(prefix) for p in ps])
+    _prefill(runner, prefix, slots[0])
+    outs = [_prefill(runner, p, s, len(prefix)) for p, s in zip(ps, slots)]
+    rows = [[o[-1]] for o in outs]
+    tokens = [[int(o[-1].argmax())] for o in outs]
+    for _ in range(DECODE - 1):
+        slots = [np.concatenate([s, pool.alloc(1)]) for s in slots]
+        for i, o in enumerate(runner.forward([Segment(t[-1:], s) for t, s in zip(tokens, slots)])):
+            rows[i].append(o[-1])
+            tokens[i].append(int(o[-1].argmax()))
+    for p, r, t in zip(ps, rows, tokens):
+        ref_rows, ref_tokens = solo(model, p)
+        assert t == ref_tokens[: len(t)]
+        assert max(float((a - b).abs().max()) for a, b in zip(r, ref_rows)) < 1e-10
+
+
+@torch.inference_mode()
+def test_a_row_has_the_same_bits_read_in_place_alone_or_gathered_in_a_batch():
+    """fp32: the same K/V once in one run of slots, read in place by the request alone, and once
+    scattered over the pool, gathered among other requests: the request's logits are bit-identical."""
+    model = tiny_model("llama", torch.float32)
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, VOCAB, 75).tolist()
+    pool = _pool(model, 1024)
+    runner = _invariant(model, pool)
+    alone = pool.alloc(len(prompt) + 1)
+    _prefill(runner, prompt, alone)
+    assert paged.PagedBatch(pool, [Segment([7], alone)], cascade_blocks=(32, 16)).cascade.private == []
+    (ref,) = runner.forward([Segment([7], alone)])
+    scattered = np.concatenate([pool.alloc(2)[:1] for _ in range(len(prompt) + 1)])
+    for layer in pool.layers:
+        layer[pool.index(scattered[:-1])] = layer[pool.index(alone[:-1])]
+    others = [np.concatenate([alone[:40], pool.alloc(n)]) for n in (3, 25)]
+    for s, n in zip(others, (3, 25)):
+        runner.forward([Segment(rng.integers(0, VOCAB, n).tolist(), s)])
+    segments = [Segment([5], others[0]), Segment([7], scattered), Segment([9], others[1])]
+    plan = paged.PagedBatch(pool, segments, cascade_blocks=(32, 16)).cascade
+    assert plan.runs and sum(own.segments for own, _ in plan.private) >= 2
+    assert torch.equal(runner.forward(segments)[1], ref)
+
+
+def test_what_the_invariant_cascade_relies_on_holds_on_this_cpu():
+    assert paged.probe_blocks_invariance("cpu", torch.float32)
+    assert paged.probe_blocks_invariance("cpu", torch.float64)
+    model = tiny_model("llama", torch.float32)
+    pool = _pool(model)
+    assert PagedRunner(model, pool, invariant=True, chunk=64).cascade_blocks == [256, 64]
+    assert PagedRunner(model, pool, invariant=True, chunk=48, cascade=False).cascade_blocks is None
+    assert PagedRunner(model, pool, invariant=True, chunk=48).cascade_blocks == [288, 96]

@@ -96,14 +96,16 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
 
 PACKED, SOLO = "packed forward", "one request at a time"
 PER_SEGMENT = "packed, one attention call per request"
+INVARIANT = "packed, batch-invariant (the server's default)"
 
 
 class DecodeBoth:
     """B prompts prefilled both ways: into pool slots for the packed runners (the first `shared`
     tokens, common to every prompt, stored once and pointed at by every request, as the trie hands
     out a cached system prompt), and each into its own `DynamicCache`; every step then greedy-decodes
-    one more token per request, per way. Two packed runners read the same slots: cascade attention
-    (the CPU default) and one attention call per request."""
+    one more token per request, per way. Three packed runners read the same slots: cascade attention
+    (the CPU default without batch invariance), one attention call per request, and the
+    batch-invariant cascade (blocks cut at fixed positions, the server's default)."""
 
     def __init__(self, model, prompts: list[list[int]], capacity: int, shared: int = 0) -> None:
         import torch
@@ -112,6 +114,7 @@ class DecodeBoth:
         from kvblocks.cache.layout import KVLayout
         from kvblocks.cache.pool import KVPool
         from kvblocks.engine.paged import PagedRunner, Segment
+        from kvblocks.engine.scheduler import CHUNK
 
         self.model, self.segment = model, Segment
         self.pool = KVPool(
@@ -120,24 +123,25 @@ class DecodeBoth:
         self.runners = {
             PACKED: PagedRunner(model, self.pool),
             PER_SEGMENT: PagedRunner(model, self.pool, cascade=False),
+            INVARIANT: PagedRunner(model, self.pool, invariant=True, chunk=CHUNK),
         }
         common = self.pool.alloc(shared)
         if shared:
             self.runners[PACKED].forward([Segment(prompts[0][:shared], common)])
         self.pool.alloc(1)  # no request's own slots continue the shared run (the trie's tokens would)
         self.slots = [np.concatenate([common, self.pool.alloc(len(p) - shared)]) for p in prompts]
-        self.tokens: dict[str, list[list[int]]] = {PACKED: [], PER_SEGMENT: [], SOLO: []}
+        self.tokens: dict[str, list[list[int]]] = {name: [] for name in (*self.runners, SOLO)}
         self.caches = []
         with torch.inference_mode():
             for i, prompt in enumerate(prompts):
                 first = self.runners[PACKED].forward([Segment(prompt[shared:], self.slots[i])])[0][-1]
-                self.tokens[PACKED].append([int(first.argmax())])
-                self.tokens[PER_SEGMENT].append([int(first.argmax())])
+                for name in self.runners:
+                    self.tokens[name].append([int(first.argmax())])
                 cache = hf.empty_cache(model.config)
                 logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
                 self.tokens[SOLO].append([int(logits[0, -1].argmax())])
                 self.caches.append(cache)
-        self.grown = {PACKED: list(self.slots), PER_SEGMENT: list(self.slots)}
+        self.grown = {name: list(self.slots) for name in self.runners}
 
     def step(self, name: str):
         """One decode step of every request with the packed runner `name` (each way keeps its own
@@ -153,13 +157,18 @@ class DecodeBoth:
 
         return run
 
-    def replay(self) -> None:
-        """The last packed step again (same segments, the same slots rewritten): what the profile times."""
-        segments = [
-            self.segment(tokens[-2:-1], slots)
-            for tokens, slots in zip(self.tokens[PACKED], self.grown[PACKED])
-        ]
-        self.runners[PACKED].forward(segments)
+    def replay(self, name: str = PACKED):
+        """The last step of runner `name` again (same segments, the same slots rewritten): what the
+        profile times."""
+
+        def run() -> None:
+            segments = [
+                self.segment(tokens[-2:-1], slots)
+                for tokens, slots in zip(self.tokens[name], self.grown[name])
+            ]
+            self.runners[name].forward(segments)
+
+        return run
 
     def solo_step(self) -> None:
         import torch
@@ -181,8 +190,8 @@ def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
     common = rng.integers(vocab // 8, vocab // 2, shared).tolist()
     prompts = [common + rng.integers(vocab // 8, vocab // 2, context - shared).tolist() for _ in range(b)]
     steps = 2 * (args.steps + opts.warmup) + 4
-    both = DecodeBoth(model, prompts, capacity=b * (context + steps) + shared + 8, shared=shared)
-    variants = [Variant(PACKED, both.step(PACKED)), Variant(PER_SEGMENT, both.step(PER_SEGMENT))]
+    both = DecodeBoth(model, prompts, capacity=b * (context + 2 * steps) + shared + 8, shared=shared)
+    variants = [Variant(name, both.step(name)) for name in both.runners]
     samples = measure([*variants, Variant(SOLO, both.solo_step)], args.steps, opts, "packed")
     params = {
         "model": args.model or "SmolLM2-135M-Instruct",
@@ -196,39 +205,51 @@ def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
         f" ({shared} shared)" if shared else ""
     )
     report = Report("packed-decode", title, params, samples, baseline=SOLO)
-    differ = sum(p != s for p, s in zip(both.tokens[PACKED], both.tokens[SOLO]))
+    differ = {
+        name: sum(p != s for p, s in zip(both.tokens[name], both.tokens[SOLO])) for name in both.runners
+    }
     report.checks = [
         Check("decode throughput, packed / one at a time", report.ratio(SOLO, PACKED), "x", 2.5, True),
-        Check("requests whose greedy tokens differ", differ, "", 0),
+        Check("decode throughput, batch-invariant / one at a time", report.ratio(SOLO, INVARIANT), "x"),
+        Check(
+            "decode throughput, batch-invariant / one call per request",
+            report.ratio(PER_SEGMENT, INVARIANT),
+            "x",
+        ),
+        Check("requests whose greedy tokens differ", differ[PACKED], "", 0),
+        Check("requests whose greedy tokens differ, batch-invariant", differ[INVARIANT], "", 0),
     ]
     report.notes = [
-        f"tokens/s: packed {b / report.median(PACKED):.1f}, packed one attention call per request "
-        f"{b / report.median(PER_SEGMENT):.1f}, one at a time {b / report.median(SOLO):.1f}",
+        "tokens/s: " + ", ".join(f"{name} {b / report.median(name):.1f}" for name in (*both.runners, SOLO)),
         "packed = kvblocks.engine.paged.PagedRunner (K/V written to and read from pool slots; cascade "
-        "attention: the shared run read once for every request); one at a time = a transformers "
+        "attention: the shared run read once for every request; batch-invariant: cut into blocks at fixed "
+        "positions, each read once for every request that holds it); one at a time = a transformers "
         "DynamicCache per request, one forward per token",
     ]
     if args.profile:
-        profile_checks(report, model, both, b)
+        profile_checks(report, model, both, b, PACKED)
+        profile_checks(report, model, both, b, INVARIANT)
     return report
 
 
-def profile_checks(report: Report, model, both: DecodeBoth, requests: int) -> None:
-    """Where a packed step goes, and its FLOP/s against the model's matmul peak (issue 23's targets)."""
+def profile_checks(report: Report, model, both: DecodeBoth, requests: int, name: str) -> None:
+    """Where a step of runner `name` goes, and its FLOP/s against the model's matmul peak (issue
+    23's targets)."""
     from kvblocks.bench import stepprofile
 
-    profile = stepprofile.profile_step(both.replay)
-    keys = sum(both.grown[PACKED][i].size for i in range(requests))
+    profile = stepprofile.profile_step(both.replay(name))
+    keys = sum(both.grown[name][i].size for i in range(requests))
     flops = stepprofile.step_flops(model, requests, keys)
     peak = stepprofile.matmul_peak(model)
     achieved = flops / profile.seconds
+    label = "a packed step" if name == PACKED else "a batch-invariant step"
     report.checks += [
-        Check("attention (gather + attend) share of a packed step", profile.shares["attention"], "", 0.25),
-        Check("achieved FLOP/s / matmul peak at 64 rows", achieved / peak, "", 0.4, True),
+        Check(f"attention (gather + attend) share of {label}", profile.shares["attention"], "", 0.25),
+        Check(f"achieved FLOP/s / matmul peak at 64 rows, {label}", achieved / peak, "", 0.4, True),
     ]
-    shares = ", ".join(f"{name} {share:.0%}" for name, share in profile.shares.items())
+    shares = ", ".join(f"{part} {share:.0%}" for part, share in profile.shares.items())
     report.notes.append(
-        f"a packed step ({profile.seconds * 1e3:.0f} ms CPU): {shares}; {achieved / 1e9:.1f} GFLOP/s "
+        f"{label} ({profile.seconds * 1e3:.0f} ms CPU): {shares}; {achieved / 1e9:.1f} GFLOP/s "
         f"achieved, matmul peak {peak / 1e9:.1f} GFLOP/s"
     )
 

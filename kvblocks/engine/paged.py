@@ -52,6 +52,7 @@ are refused by name.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,9 @@ CASCADE_MIN_RUN = 32
 # Segments' own keys (after their cut) are attended in batches padded to their longest: a batch's
 # longest own key count is at most this many times its shortest.
 OWN_PAD = 2
+# Batch-invariant cascade: a row's keys are cut into whole blocks of these sizes at fixed positions
+# (each rounded up to a multiple of the prompt chunk), each attended on its own (`Blocks`) ...
+CASCADE_BLOCKS = (256, 64)
 
 _install_lock = threading.Lock()
 _wrapped: dict[str, str] = {}  # dispatcher name -> the implementation it falls back to
@@ -114,6 +118,7 @@ class PagedBatch:
         align: int = 1,
         grouped: bool = False,
         cascade_min: int | None = None,
+        cascade_blocks: Sequence[int] | None = None,
     ) -> None:
         if not segments:
             raise ValueError("a packed forward needs at least one segment")
@@ -148,7 +153,11 @@ class PagedBatch:
         self.grouped = short if grouped and len(short) > 1 else []  # segments read in one call per layer
         self.alone = sorted(set(range(len(segments))) - set(self.grouped))
         self._groups: dict[int | None, Group] = {}
-        self.cascade = None if cascade_min is None else Cascade.plan(self, cascade_min)
+        self.cascade: Cascade | Blocks | None = None
+        if cascade_blocks is not None:
+            self.cascade = Blocks.plan(self, cascade_blocks)
+        elif cascade_min is not None:
+            self.cascade = Cascade.plan(self, cascade_min)
 
     def views(self, window: int | None) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
         """Per segment, the slots its new tokens read and a boolean `[new, read]` mask: causal, and on
@@ -265,11 +274,17 @@ class Own:
     segments: int
     width: int
     length: int
+    min_rows: int = 0  # batch-invariant: each call gets at least this many query rows (zero rows added)
     biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
+    def padding(self, groups: int) -> int:
+        """Zero query rows added to each (segment, K/V head) of the call."""
+        return max(0, self.min_rows - groups * self.width)
+
     def bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """`[segments, 1, groups * width, length]` (0 or -inf), the layout of the batched scores (query
-        heads of a K/V head stacked along the rows); the same for every layer, so built by the first."""
+        """`[segments, 1, groups * width (+ padding), length]` (0 or -inf), the layout of the batched
+        scores (query heads of a K/V head stacked along the rows; padding rows see every key); the
+        same for every layer, so built by the first."""
         if self.allowed is None:
             return None
         key = (groups, dtype)
@@ -277,7 +292,11 @@ class Own:
             allowed = self.allowed[:, None, None].expand(-1, -1, groups, -1, -1)
             bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
             bias.masked_fill_(~allowed, float("-inf"))
-            self.biases[key] = bias.reshape(self.segments, 1, groups * self.width, self.length)
+            bias = bias.reshape(self.segments, 1, groups * self.width, self.length)
+            pad = self.padding(groups)
+            if pad:
+                bias = torch.cat((bias, bias.new_zeros(self.segments, 1, pad, self.length)), dim=2)
+            self.biases[key] = bias
         return self.biases[key]
 
 
@@ -314,6 +333,87 @@ class Cascade:
         return cls(runs, own, [i for i, cut in enumerate(cuts) if not cut])
 
 
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """The plan of a batch-invariant cascade forward on layers without a window: each row's attention
+    is computed the same way whatever else is in the batch and wherever its K/V lie in the pool.
+
+    A row's keys before its segment's first new token are cut into whole blocks at fixed positions:
+    blocks of `sizes[0]` positions up to the last multiple of it, then of `sizes[1]`, and so on (each
+    size a multiple of the next and the last a multiple of the prompt chunk, so no segment spans a
+    cut). Each block is attended on its own over exactly its keys; the rest, from the last cut on (the
+    `tails`), over a length padded to a multiple of the last size. Every call gives each (segment,
+    K/V head) at least `MIN_ROWS` query rows, and a row's results are combined by log-sum-exp in a
+    fixed order: its tail, then its blocks from the first. The positions alone decide the arithmetic.
+
+    Only how blocks are read depends on the batch: `runs` are blocks of one size in consecutive slots
+    (a prefix the trie stored in one piece), which every segment starting with them attends in one
+    call reading the slots in place (the blocks are the call's batch); `private` are the other blocks,
+    gathered, one call per size and width. `plain` segments (speculative rounds, whose rows may span a
+    cut) keep a call each."""
+
+    runs: list[tuple[Part, int, int]]  # the run, its number of blocks, the index of its first in the fold
+    private: list[tuple[Own, torch.Tensor]]  # gathered blocks; where each row's result goes (fold * T + row)
+    tails: list[Own]
+    plain: list[int]
+    depth: int  # the most blocks any row has
+
+    @classmethod
+    def plan(cls, batch: PagedBatch, sizes: Sequence[int]) -> Blocks:
+        device = batch.pool.device
+        last = sizes[-1]
+        runs: dict[tuple[int, int, int, int], list[int]] = {}  # (first slot, size, blocks, fold) -> segments
+        private: dict[
+            tuple[int, int], list[tuple[int, int, int]]
+        ] = {}  # (size, width) -> (segment, position, fold)
+        tails: dict[tuple[int, int], list[int]] = {}  # (width, padded length) -> segments
+        plain, cuts, depth = [], {}, 0
+        for i, (segment, slots, start) in enumerate(zip(batch.segments, batch._slots, batch._starts)):
+            if segment.keep > 1 or start // last != (len(slots) - 1) // last:
+                plain.append(i)
+                continue
+            width = len(segment.token_ids)
+            run = _leading_run(slots, start, 1)
+            position = fold = 0
+            for size in sizes:
+                n = (start // size * size - position) // size
+                shared = min(n, max(0, run - position) // size)
+                if shared:
+                    runs.setdefault((int(slots[position]), size, shared, fold), []).append(i)
+                private.setdefault((size, width), []).extend(
+                    (i, position + j * size, fold + j) for j in range(shared, n)
+                )
+                position, fold = position + n * size, fold + n
+            cuts[i], depth = position, max(depth, fold)
+            padded = -(-(len(slots) - position) // last) * last
+            tails.setdefault((width, padded), []).append(i)
+        return cls(
+            [
+                (Part(slice(first, first + n * size), _rows(batch, members, device)), n, fold)
+                for (first, size, n, fold), members in runs.items()
+            ],
+            [_private(batch, size, width, members) for (size, width), members in private.items() if members],
+            [_own(batch, members, cuts, device, length, MIN_ROWS) for (_, length), members in tails.items()],
+            plain,
+            depth,
+        )
+
+
+def _private(
+    batch: PagedBatch, size: int, width: int, members: Sequence[tuple[int, int, int]]
+) -> tuple[Own, torch.Tensor]:
+    """Blocks `(segment, first position, fold index)` of one `size`, of segments of one `width`,
+    that are not read in place: their slots gathered and attended in one call; and where each row's
+    result goes in the `[depth * T]` rows of the block results (`fold * T + row`)."""
+    device = batch.pool.device
+    reads = np.concatenate([batch._slots[i][p : p + size] for i, p, _ in members])
+    rows = np.concatenate([np.arange(*batch.bounds[i]) for i, _, _ in members])
+    target = np.concatenate([np.arange(*batch.bounds[i]) + f * batch.tokens for i, _, f in members])
+    index = torch.from_numpy(rows).to(device)
+    own = Own(batch.pool.index(reads), index, None, len(members), width, size, MIN_ROWS)
+    return own, torch.from_numpy(target).to(device)
+
+
 def _own_batches(batch: PagedBatch, cuts: Sequence[int]) -> list[list[int]]:
     """The cut segments in batches of one width (new tokens), by their own key counts: a batch's
     longest is at most `OWN_PAD` times its shortest, so padding never dominates the work."""
@@ -344,11 +444,18 @@ def _rows(batch: PagedBatch, members: Sequence[int], device: torch.device) -> to
     return torch.tensor(rows, device=device)
 
 
-def _own(batch: PagedBatch, members: Sequence[int], cuts: Sequence[int], device: torch.device) -> Own:
-    """The keys of `members` (all of one width) after their cuts, padded to one length; a row sees
-    its own segment's keys up to its position."""
+def _own(
+    batch: PagedBatch,
+    members: Sequence[int],
+    cuts: Sequence[int] | dict[int, int],
+    device: torch.device,
+    length: int | None = None,
+    min_rows: int = 0,
+) -> Own:
+    """The keys of `members` (all of one width) after their cuts, padded to one length (their
+    longest, or `length`); a row sees its own segment's keys up to its position."""
     width = len(batch.segments[members[0]].token_ids)
-    length = max(len(batch._slots[i]) - cuts[i] for i in members)
+    length = length or max(len(batch._slots[i]) - cuts[i] for i in members)
     reads = np.empty((len(members), length), dtype=np.int64)
     allowed = np.zeros((len(members), width, length), dtype=bool)
     for m, i in enumerate(members):
@@ -357,9 +464,9 @@ def _own(batch: PagedBatch, members: Sequence[int], cuts: Sequence[int], device:
         k = np.arange(cuts[i], len(slots))[None, :]
         reads[m, : k.shape[1]], reads[m, k.shape[1] :] = slots[cuts[i] :], slots[-1]
         allowed[m, :, : k.shape[1]] = k <= q
-    mask = None if allowed.all() else torch.from_numpy(allowed).to(device)
+    mask = None if allowed.all() and not min_rows else torch.from_numpy(allowed).to(device)
     index = batch.pool.index(reads.reshape(-1))
-    return Own(index, _rows(batch, members, device), mask, len(members), width, length)
+    return Own(index, _rows(batch, members, device), mask, len(members), width, length, min_rows)
 
 
 def _leading_run(slots: np.ndarray, start: int, minimum: int) -> int:
@@ -420,6 +527,8 @@ def _paged_attention(
     pool.layers[layer].index_copy_(0, batch.write_index, new.to(pool.dtype))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     groups = query.shape[1] // key.shape[1]
+    if isinstance(batch.cascade, Blocks) and sliding_window is None and softcap is None:
+        return _blocks_attention(pool.layers[layer], query, batch, scale, groups)[None], None
     if batch.cascade is not None and sliding_window is None and softcap is None:
         return _cascade_attention(pool.layers[layer], query, batch, scale, groups)[None], None
     out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
@@ -531,6 +640,72 @@ def _cascade_attention(
     return out
 
 
+def _blocks_attention(
+    pool_layer: torch.Tensor, query: torch.Tensor, batch: PagedBatch, scale: float, groups: int
+) -> torch.Tensor:
+    """`[T, Hq, D]` by the batch-invariant plan (`Blocks`): each row's tail and its blocks, combined
+    by log-sum-exp in a fixed order. A block a row lacks has the results (0, -inf), which add exact
+    zeros, so one pass over the fold's depth serves every row at once."""
+    plan: Blocks = batch.cascade
+    tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
+    out = torch.zeros(tokens, heads, dim, dtype=query.dtype, device=query.device)
+    lse = torch.zeros(tokens, heads, dtype=_lse_dtype(query.dtype), device=query.device)
+    for own in plan.tails:
+        out[own.rows], lse[own.rows] = _own_attention(pool_layer, query, own, scale, groups)
+    if plan.depth:
+        blocks = torch.zeros(plan.depth, tokens, heads, dim, dtype=query.dtype, device=query.device)
+        sums = torch.full((plan.depth, tokens, heads), float("-inf"), dtype=lse.dtype, device=query.device)
+        for part, n, fold in plan.runs:
+            o, sum_ = _blocks_run(pool_layer, query, part, n, scale, groups)
+            blocks[fold : fold + n, part.rows], sums[fold : fold + n, part.rows] = o, sum_
+        for own, target in plan.private:
+            o, sum_ = _own_attention(pool_layer, query, own, scale, groups)
+            blocks.view(-1, heads, dim)[target], sums.view(-1, heads)[target] = o, sum_
+        out = _combine(out, lse, blocks, sums)
+    if plan.plain:
+        views = batch.views(None)
+        for i in plan.plain:
+            (a, b), (index, _) = batch.bounds[i], views[i]
+            mask = batch.segment_mask(None, i, groups, query.dtype)
+            out[a:b] = _segment_attention(pool_layer, query[0, :, a:b], index, mask, scale, groups, None)
+    return out
+
+
+def _combine(out: torch.Tensor, lse: torch.Tensor, blocks: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of disjoint key sets from each set's output and log-sum-exp: `out
+    [T, H, D]` / `lse [T, H]` first, then `blocks [N, T, H, D]` / `sums [N, T, H]` in order. Each
+    step is one elementwise operation over every row (mul and add kept apart: no fused rounding)."""
+    top = torch.maximum(lse, sums.amax(dim=0))
+    weight = (lse - top).exp_()
+    weights = (sums - top).exp_()
+    total = weight.clone()
+    acc = out * weight[..., None]  # in the log-sum-exp's dtype (at least float32)
+    for b in range(len(blocks)):
+        acc += blocks[b] * weights[b, ..., None]
+        total += weights[b]
+    return acc.div_(total[..., None]).to(out.dtype)
+
+
+def _blocks_run(
+    pool_layer: torch.Tensor, query: torch.Tensor, part: Part, n: int, scale: float, groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `n` whole blocks of a run, each attended on its own by the run's rows, in one fused call
+    over the run's slots read in place (the blocks are its batch): `([n, R, Hq, D], [n, R, Hq])`.
+    The query heads of a K/V head are stacked along the rows, at least `MIN_ROWS` of them."""
+    kv = pool_layer[part.keys].to(query.dtype)  # [n * block, 2, Hkv, D], a view
+    kv = kv.view(n, -1, *kv.shape[1:])
+    q = query[0][:, part.rows]  # [Hq, R, D]
+    heads, rows, dim = q.shape
+    kv_heads = kv.shape[3]
+    q = q.reshape(1, kv_heads, groups * rows, dim)
+    if groups * rows < MIN_ROWS:
+        q = torch.cat((q, q.new_zeros(1, kv_heads, MIN_ROWS - groups * rows, dim)), dim=2)
+    q = q.expand(n, -1, -1, -1)
+    o, sums = _fused(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), scale)
+    o = o[:, :, : groups * rows].reshape(n, heads, rows, dim).transpose(1, 2)
+    return o, sums[:, :, : groups * rows].reshape(n, heads, rows).transpose(1, 2)
+
+
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """Log-sum-exps are kept in at least float32 (what the fused kernel returns for half types)."""
     return torch.promote_types(dtype, torch.float32)
@@ -563,9 +738,20 @@ def _own_attention(
     heads, _, dim = q.shape
     kv_heads = k.shape[1]
     q = q.view(kv_heads, groups, s, width, dim).permute(2, 0, 1, 3, 4).reshape(s, kv_heads, -1, dim)
+    pad = own.padding(groups)
+    if pad:
+        q = torch.cat((q, q.new_zeros(s, kv_heads, pad, dim)), dim=2)
     o, sums = _fused(q, k, v, scale, own.bias(groups, query.dtype))
-    o = o.view(s, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(s * width, heads, dim)
-    return o, sums.view(s, kv_heads, groups, width).permute(0, 3, 1, 2).reshape(s * width, heads)
+    rows = groups * width
+    o = (
+        o[:, :, :rows]
+        .reshape(s, kv_heads, groups, width, dim)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(s * width, heads, dim)
+    )
+    return o, sums[:, :, :rows].reshape(s, kv_heads, groups, width).permute(0, 3, 1, 2).reshape(
+        s * width, heads
+    )
 
 
 def _fused(
@@ -665,6 +851,29 @@ def probe_row_invariance(device: torch.device | str, dtype: torch.dtype, width: 
         return torch.equal(F.linear(other, w)[0], ref[0])
 
 
+def probe_blocks_invariance(device: torch.device | str, dtype: torch.dtype, dim: int = 64) -> bool:
+    """Whether what the batch-invariant cascade (`Blocks`) relies on holds on `device` in `dtype`: a
+    row of the fused attention call comes out the same for every row count from `MIN_ROWS` up and in
+    any batch, and exp / log give an element the same bits wherever it lies in a tensor."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, dim, generator=g).to(device, dtype) for n in (200, 300, 300))
+    with torch.inference_mode():
+        ref = _fused(q[:1, :, :MIN_ROWS], k[:1], v[:1], 0.125)
+        for rows in (MIN_ROWS + 1, 2 * MIN_ROWS + 3, 48, 200):
+            o, lse = _fused(q[:, :, :rows], k, v, 0.125)
+            if not (torch.equal(o[:1, :, :MIN_ROWS], ref[0]) and torch.equal(lse[:1, :, :MIN_ROWS], ref[1])):
+                return False
+        x = -torch.rand(4099, generator=g).to(device, _lse_dtype(dtype)) * 30
+        for fn in (torch.exp, lambda t: torch.log(-t)):
+            whole = fn(x)
+            if not all(
+                torch.equal(fn(x[a : a + n]), whole[a : a + n])
+                for a, n in ((0, 1), (3, 7), (5, 33), (64, 97))
+            ):
+                return False
+    return True
+
+
 ATTENTION_MODES = ("cascade", "grouped", "per-segment")
 
 
@@ -695,6 +904,7 @@ class PagedRunner:
         grouped: bool | None = None,
         cascade: bool | None = None,
         cascade_min: int = CASCADE_MIN_RUN,
+        cascade_blocks: Sequence[int] | None = None,
     ) -> None:
         install(model)
         if invariant and pool.device.type != "cpu":
@@ -716,13 +926,20 @@ class PagedRunner:
         self.grouped = pool.device.type == "cuda" and not invariant if grouped is None else grouped
         if self.grouped and invariant:
             raise ValueError("grouped attention calls are not batch-invariant")
-        # cascade attention: the default on CPU; not in invariant mode (padded calls' key lengths and
-        # a shared run's row count depend on the batch); on CUDA the grouped path stays the default
-        # until cascade is measured there
-        self.cascade = (not self.grouped and not invariant) if cascade is None else cascade
-        if self.cascade and (invariant or self.grouped):
-            raise ValueError("cascade attention is neither batch-invariant nor combined with grouped calls")
+        # cascade attention: the default on CPU, cut at fixed block multiples in invariant mode (where
+        # `probe_blocks_invariance` holds); on CUDA the grouped path stays the default (cascade
+        # measured 17x slower there)
+        if cascade is None:
+            cascade = not self.grouped and (not invariant or probe_blocks_invariance(pool.device, pool.dtype))
+        self.cascade = cascade
+        if self.cascade and self.grouped:
+            raise ValueError("cascade attention does not combine with grouped calls")
         self.cascade_min = cascade_min
+        # invariant cascade cuts at multiples of a block that is a multiple of the prompt chunk
+        sizes = sorted({-(-size // chunk) * chunk for size in cascade_blocks or CASCADE_BLOCKS}, reverse=True)
+        if any(a % b for a, b in itertools.pairwise(sizes)):
+            raise ValueError(f"each cascade block size must be a multiple of the next, got {sizes}")
+        self.cascade_blocks = sizes if invariant and cascade else None
         self.scratch = np.zeros(0, dtype=np.int32)  # slots of the padding rows' K/V
         if invariant:
             self.scratch = pool.alloc(MIN_ROWS - 1) if scratch is None else scratch
@@ -744,6 +961,7 @@ class PagedRunner:
             self.chunk if self.invariant else 1,
             self.grouped,
             self.cascade_min if self.cascade else None,
+            self.cascade_blocks,
         )
         with self.lock:
             out = self.model(
