@@ -8,6 +8,7 @@ shared run in place, and every logit row equals the request alone within 1e-10 i
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from test_paged import DECODE, solo
 from tiny_models import VOCAB, tiny_model
@@ -143,22 +144,25 @@ def test_the_invariant_plan_cuts_blocks_at_fixed_positions_and_reads_stored_runs
     segments = [Segment([1], slots[0]), Segment([1], slots[1]), Segment([1, 2], slots[0], keep=2)]
     plan = paged.PagedBatch(pool, segments, cascade_blocks=(32, 16)).cascade
     first = int(stored[0])
-    # request 0 (new token at 71): blocks [0, 32) [32, 64) in place, then its tail [64, 72) padded to 16
-    # request 1 (new token at 69): [0, 32) in place; [32, 64) holds its own slots from 40: gathered
+    # 32-blocks stop one block early (recent keys in finer blocks), 16-blocks up to the last multiple:
+    # request 0 (new token at 71): [0, 32) | [32, 48) [48, 64) all in its stored run, read in place,
+    # then its tail [64, 72) padded to 16; request 1 (new token at 69): [0, 32) in place with request
+    # 0's, then [32, 48) and [48, 64), which hold its own slots from 40 on: gathered
     runs = {(part.keys.start - first, part.keys.stop - first, n, fold) for part, n, fold in plan.runs}
-    assert runs == {(0, 64, 2, 0), (0, 32, 1, 0)}
+    assert runs == {(0, 32, 1, 0), (32, 64, 2, 1)}
+    assert [len(range(*part.rows.indices(4))) for part, n, _ in plan.runs if n == 1] == [2]  # both requests
     ((private, target),) = plan.private
-    assert (private.segments, private.length, private.min_rows) == (1, 32, 4)
-    assert target.tolist() == [1 + 1 * 4]  # row 1, fold 1 (the batch packs 4 rows)
+    assert (private.segments, private.length, private.min_rows) == (2, 16, 4)
+    assert target.tolist() == [1 + 1 * 4, 1 + 2 * 4]  # row 1, folds 1 and 2 (the batch packs 4 rows)
     assert [(o.segments, o.length) for o in plan.tails] == [(2, 16)]
-    assert plan.plain == [2] and plan.depth == 2  # a speculative round keeps its own call
-    # a prompt's last chunk (89 to 90) in one run of slots: two 32-blocks, then a 16-block, in place
+    assert plan.plain == [2] and plan.depth == 3  # a speculative round keeps its own call
+    # a prompt's last token (89) in one run of slots: [0, 32), then three 16-blocks, all in place
     run = pool.alloc(90)
     late = paged.PagedBatch(pool, [Segment([1], run)], cascade_blocks=(32, 16)).cascade
     runs = {
         (part.keys.start - int(run[0]), part.keys.stop - int(run[0]), n, fold) for part, n, fold in late.runs
     }
-    assert runs == {(0, 64, 2, 0), (64, 80, 1, 2)} and late.private == [] and late.depth == 3
+    assert runs == {(0, 32, 1, 0), (32, 80, 3, 1)} and late.private == [] and late.depth == 4
 
 
 @torch.inference_mode()
@@ -210,7 +214,7 @@ def test_a_row_has_the_same_bits_read_in_place_alone_or_gathered_in_a_batch():
     assert torch.equal(runner.forward(segments)[1], ref)
 
 
-def test_what_the_invariant_cascade_relies_on_holds_on_this_cpu():
+def test_what_the_invariant_cascade_relies_on_holds_on_this_cpu(monkeypatch):
     assert paged.probe_blocks_invariance("cpu", torch.float32)
     assert paged.probe_blocks_invariance("cpu", torch.float64)
     model = tiny_model("llama", torch.float32)
@@ -218,3 +222,13 @@ def test_what_the_invariant_cascade_relies_on_holds_on_this_cpu():
     assert PagedRunner(model, pool, invariant=True, chunk=64).cascade_blocks == [256, 64]
     assert PagedRunner(model, pool, invariant=True, chunk=48, cascade=False).cascade_blocks is None
     assert PagedRunner(model, pool, invariant=True, chunk=48).cascade_blocks == [288, 96]
+    assert PagedRunner(model, pool, invariant=True, chunk=40).cascade_blocks == [320, 80]
+    assert PagedRunner(model, pool, invariant=True, chunk=16, cascade_blocks=(48, 32)).cascade_blocks == [
+        64,
+        32,
+    ]
+    # where the probe fails, invariant mode keeps one call per request and refuses cascade by name
+    monkeypatch.setattr(paged, "probe_blocks_invariance", lambda device, dtype: False)
+    assert PagedRunner(model, pool, invariant=True, chunk=64).cascade_blocks is None
+    with pytest.raises(NotImplementedError, match="batch-invariant cascade attention"):
+        PagedRunner(model, pool, invariant=True, chunk=64, cascade=True)

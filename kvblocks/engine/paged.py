@@ -25,8 +25,16 @@ two results are merged exactly by their log-sum-exp. A request alone is cut the 
 cut depends on its own slots only), so a decode step after a long cached prompt reads that prompt in
 place rather than copying it with the request's own keys every layer. Within 1e-10 of one request
 alone in fp64 (tests/test_paged.py, tests/test_paged_cascade.py); the batched calls differ from a
-request alone in the last bits of fp32 (greedy tokens agree in the tests and benchmarks);
-`--batch-invariant` keeps one call per request.
+request alone in the last bits of fp32 (greedy tokens agree in the tests and benchmarks).
+
+In batch-invariant mode the cascade is cut at fixed positions instead (`Blocks`, the CPU default
+with `--batch-invariant`): a row's keys are split into whole blocks (of 256 positions, then of 64)
+and a tail, each attended on its own over a length that depends on the row's position only, and the
+results combined by log-sum-exp in a fixed order. Requests that hold the same blocks in the same
+slots (a stored system prompt) attend them in one call reading the slots in place; other blocks are
+gathered. How a block is read and with whom never changes a row's bits (`probe_blocks_invariance`
+checks what that relies on: the fused kernel's rows from `MIN_ROWS` up, and exp / log wherever an
+element lies).
 
 Batch invariance (`PagedRunner(..., invariant=True)`, `kvblocks serve --batch-invariant`): a row of
 a packed forward rounds the same whatever else is in the batch. CPU BLAS computes a row of a matrix
@@ -52,7 +60,6 @@ are refused by name.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -84,8 +91,9 @@ CASCADE_MIN_RUN = 32
 # Segments' own keys (after their cut) are attended in batches padded to their longest: a batch's
 # longest own key count is at most this many times its shortest.
 OWN_PAD = 2
-# Batch-invariant cascade: a row's keys are cut into whole blocks of these sizes at fixed positions
-# (each rounded up to a multiple of the prompt chunk), each attended on its own (`Blocks`) ...
+# Batch-invariant cascade: a row's keys are cut into whole blocks of these sizes at fixed positions,
+# each attended on its own (`Blocks`); rounded up, the smallest to a multiple of the prompt chunk and
+# each to a multiple of the next smaller one.
 CASCADE_BLOCKS = (256, 64)
 
 _install_lock = threading.Lock()
@@ -339,9 +347,10 @@ class Blocks:
     is computed the same way whatever else is in the batch and wherever its K/V lie in the pool.
 
     A row's keys before its segment's first new token are cut into whole blocks at fixed positions:
-    blocks of `sizes[0]` positions up to the last multiple of it, then of `sizes[1]`, and so on (each
-    size a multiple of the next and the last a multiple of the prompt chunk, so no segment spans a
-    cut). Each block is attended on its own over exactly its keys; the rest, from the last cut on (the
+    blocks of `sizes[0]` positions up to one block before the last multiple of it, then of `sizes[1]`,
+    and so on, the last size up to the last multiple of it (each size a multiple of the next and the
+    last a multiple of the prompt chunk, so no segment spans a cut). Recent keys stay in the finer
+    blocks, so a block holding both a stored prefix and a request's own tokens (gathered) is small. Each block is attended on its own over exactly its keys; the rest, from the last cut on (the
     `tails`), over a length padded to a multiple of the last size. Every call gives each (segment,
     K/V head) at least `MIN_ROWS` query rows, and a row's results are combined by log-sum-exp in a
     fixed order: its tail, then its blocks from the first. The positions alone decide the arithmetic.
@@ -375,8 +384,8 @@ class Blocks:
             width = len(segment.token_ids)
             run = _leading_run(slots, start, 1)
             position = fold = 0
-            for size in sizes:
-                n = (start // size * size - position) // size
+            for size in sizes:  # each size but the last stops a block early: recent keys in finer blocks
+                n = max(0, start // size - (size != last)) - position // size
                 shared = min(n, max(0, run - position) // size)
                 if shared:
                     runs.setdefault((int(slots[position]), size, shared, fold), []).append(i)
@@ -892,7 +901,9 @@ class PagedRunner:
     `invariant`, matrix products never run on fewer than `MIN_ROWS` rows (padding rows use
     `MIN_ROWS - 1` `scratch` slots, taken from the pool when not given) and windowed layers read
     from the window of the first position of the segment's `chunk` (see the module's docstring);
-    refused where `probe_row_invariance` fails."""
+    refused where `probe_row_invariance` fails. Attention: `cascade` (the CPU default; with
+    `invariant`, cut into `cascade_blocks` at fixed positions where `probe_blocks_invariance` holds,
+    else one call per request), `grouped` (the CUDA default), or neither (one call per request)."""
 
     def __init__(
         self,
@@ -931,15 +942,20 @@ class PagedRunner:
         # measured 17x slower there)
         if cascade is None:
             cascade = not self.grouped and (not invariant or probe_blocks_invariance(pool.device, pool.dtype))
+        elif cascade and invariant and not probe_blocks_invariance(pool.device, pool.dtype):
+            raise NotImplementedError(
+                f"batch-invariant cascade attention: the fused attention kernel or exp / log on {pool.device} "
+                f"in {pool.dtype} round an element differently by where it lies (use one call per request)"
+            )
         self.cascade = cascade
         if self.cascade and self.grouped:
             raise ValueError("cascade attention does not combine with grouped calls")
         self.cascade_min = cascade_min
-        # invariant cascade cuts at multiples of a block that is a multiple of the prompt chunk
-        sizes = sorted({-(-size // chunk) * chunk for size in cascade_blocks or CASCADE_BLOCKS}, reverse=True)
-        if any(a % b for a, b in itertools.pairwise(sizes)):
-            raise ValueError(f"each cascade block size must be a multiple of the next, got {sizes}")
-        self.cascade_blocks = sizes if invariant and cascade else None
+        # invariant cascade blocks: the smallest a multiple of the prompt chunk, each a multiple of the next
+        sizes = [chunk]
+        for size in sorted(cascade_blocks or CASCADE_BLOCKS):
+            sizes.append(-(-size // sizes[-1]) * sizes[-1])
+        self.cascade_blocks = sorted(set(sizes[1:]), reverse=True) if invariant and cascade else None
         self.scratch = np.zeros(0, dtype=np.int32)  # slots of the padding rows' K/V
         if invariant:
             self.scratch = pool.alloc(MIN_ROWS - 1) if scratch is None else scratch
