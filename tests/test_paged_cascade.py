@@ -144,25 +144,23 @@ def test_the_invariant_plan_cuts_blocks_at_fixed_positions_and_reads_stored_runs
     segments = [Segment([1], slots[0]), Segment([1], slots[1]), Segment([1, 2], slots[0], keep=2)]
     plan = paged.PagedBatch(pool, segments, cascade_blocks=(32, 16)).cascade
     first = int(stored[0])
-    # 32-blocks stop one block early (recent keys in finer blocks), 16-blocks up to the last multiple:
-    # request 0 (new token at 71): [0, 32) | [32, 48) [48, 64) all in its stored run, read in place,
-    # then its tail [64, 72) padded to 16; request 1 (new token at 69): [0, 32) in place with request
-    # 0's, then [32, 48) and [48, 64), which hold its own slots from 40 on: gathered
+    # request 0 (new token at 71): 32-blocks [0, 32) [32, 64), both in its stored run, read in place,
+    # then its tail [64, 72) padded to 16; request 1 (new token at 69): [0, 32) in place, with request
+    # 0's first block in the same call, then [32, 64), which holds its own slots from 40 on: gathered
     runs = {(part.keys.start - first, part.keys.stop - first, n, fold) for part, n, fold in plan.runs}
-    assert runs == {(0, 32, 1, 0), (32, 64, 2, 1)}
-    assert [len(range(*part.rows.indices(4))) for part, n, _ in plan.runs if n == 1] == [2]  # both requests
+    assert runs == {(0, 64, 2, 0), (0, 32, 1, 0)}
     ((private, target),) = plan.private
-    assert (private.segments, private.length, private.min_rows) == (2, 16, 4)
-    assert target.tolist() == [1 + 1 * 4, 1 + 2 * 4]  # row 1, folds 1 and 2 (the batch packs 4 rows)
+    assert (private.segments, private.length, private.min_rows) == (1, 32, 4)
+    assert target.tolist() == [1 + 1 * 4]  # row 1, fold 1 (the batch packs 4 rows)
     assert [(o.segments, o.length) for o in plan.tails] == [(2, 16)]
-    assert plan.plain == [2] and plan.depth == 3  # a speculative round keeps its own call
-    # a prompt's last token (89) in one run of slots: [0, 32), then three 16-blocks, all in place
+    assert plan.plain == [2] and plan.depth == 2  # a speculative round keeps its own call
+    # a prompt's last token (89) in one run of slots: 32-blocks to 64, then a 16-block, all in place
     run = pool.alloc(90)
     late = paged.PagedBatch(pool, [Segment([1], run)], cascade_blocks=(32, 16)).cascade
     runs = {
         (part.keys.start - int(run[0]), part.keys.stop - int(run[0]), n, fold) for part, n, fold in late.runs
     }
-    assert runs == {(0, 32, 1, 0), (32, 80, 3, 1)} and late.private == [] and late.depth == 4
+    assert runs == {(0, 64, 2, 0), (64, 80, 1, 2)} and late.private == [] and late.depth == 3
 
 
 @torch.inference_mode()
@@ -212,6 +210,12 @@ def test_a_row_has_the_same_bits_read_in_place_alone_or_gathered_in_a_batch():
     plan = paged.PagedBatch(pool, segments, cascade_blocks=(32, 16)).cascade
     assert plan.runs and sum(own.segments for own, _ in plan.private) >= 2
     assert torch.equal(runner.forward(segments)[1], ref)
+    # read in place together with a 16-token prefill chunk over the same stored blocks: the shared
+    # calls have 2 x 16 + 2 query rows, which the kernel would split 32 + 2 without padding
+    chunk = Segment(rng.integers(0, VOCAB, 16).tolist(), np.concatenate([alone[:64], pool.alloc(16)]))
+    plan = paged.PagedBatch(pool, [chunk, Segment([7], alone)], cascade_blocks=(32, 16)).cascade
+    assert [part.rows for part, _, _ in plan.runs] == [slice(0, 17)]
+    assert torch.equal(runner.forward([chunk, Segment([7], alone)])[1], ref)
 
 
 def test_what_the_invariant_cascade_relies_on_holds_on_this_cpu(monkeypatch):

@@ -282,12 +282,12 @@ class Own:
     segments: int
     width: int
     length: int
-    min_rows: int = 0  # batch-invariant: each call gets at least this many query rows (zero rows added)
+    min_rows: int = 0  # batch-invariant: query rows per call padded (zeros) to a multiple of this
     biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def padding(self, groups: int) -> int:
-        """Zero query rows added to each (segment, K/V head) of the call."""
-        return max(0, self.min_rows - groups * self.width)
+        """Zero query rows added to each (segment, K/V head) of the call (`_row_padding`)."""
+        return _row_padding(groups * self.width, self.min_rows)
 
     def bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
         """`[segments, 1, groups * width (+ padding), length]` (0 or -inf), the layout of the batched
@@ -347,10 +347,9 @@ class Blocks:
     is computed the same way whatever else is in the batch and wherever its K/V lie in the pool.
 
     A row's keys before its segment's first new token are cut into whole blocks at fixed positions:
-    blocks of `sizes[0]` positions up to one block before the last multiple of it, then of `sizes[1]`,
-    and so on, the last size up to the last multiple of it (each size a multiple of the next and the
-    last a multiple of the prompt chunk, so no segment spans a cut). Recent keys stay in the finer
-    blocks, so a block holding both a stored prefix and a request's own tokens (gathered) is small. Each block is attended on its own over exactly its keys; the rest, from the last cut on (the
+    blocks of `sizes[0]` positions up to the last multiple of it, then of `sizes[1]`, and so on (each
+    size a multiple of the next and the last a multiple of the prompt chunk, so no segment spans a
+    cut). Each block is attended on its own over exactly its keys; the rest, from the last cut on (the
     `tails`), over a length padded to a multiple of the last size. Every call gives each (segment,
     K/V head) at least `MIN_ROWS` query rows, and a row's results are combined by log-sum-exp in a
     fixed order: its tail, then its blocks from the first. The positions alone decide the arithmetic.
@@ -384,8 +383,8 @@ class Blocks:
             width = len(segment.token_ids)
             run = _leading_run(slots, start, 1)
             position = fold = 0
-            for size in sizes:  # each size but the last stops a block early: recent keys in finer blocks
-                n = max(0, start // size - (size != last)) - position // size
+            for size in sizes:
+                n = start // size - position // size
                 shared = min(n, max(0, run - position) // size)
                 if shared:
                     runs.setdefault((int(slots[position]), size, shared, fold), []).append(i)
@@ -707,12 +706,20 @@ def _blocks_run(
     heads, rows, dim = q.shape
     kv_heads = kv.shape[3]
     q = q.reshape(1, kv_heads, groups * rows, dim)
-    if groups * rows < MIN_ROWS:
-        q = torch.cat((q, q.new_zeros(1, kv_heads, MIN_ROWS - groups * rows, dim)), dim=2)
+    pad = _row_padding(groups * rows, MIN_ROWS)
+    if pad:
+        q = torch.cat((q, q.new_zeros(1, kv_heads, pad, dim)), dim=2)
     q = q.expand(n, -1, -1, -1)
     o, sums = _fused(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), scale)
     o = o[:, :, : groups * rows].reshape(n, heads, rows, dim).transpose(1, 2)
     return o, sums[:, :, : groups * rows].reshape(n, heads, rows).transpose(1, 2)
+
+
+def _row_padding(rows: int, multiple: int) -> int:
+    """Query rows to add so that a fused call's `rows` become a multiple of `multiple` (0: none). The
+    CPU kernel attends query rows in blocks of 32, 64 or 256 and rounds a row differently in a block
+    of fewer than `MIN_ROWS` rows; with a multiple of `MIN_ROWS` no block is that small."""
+    return -rows % multiple if multiple else 0
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -862,16 +869,21 @@ def probe_row_invariance(device: torch.device | str, dtype: torch.dtype, width: 
 
 def probe_blocks_invariance(device: torch.device | str, dtype: torch.dtype, dim: int = 64) -> bool:
     """Whether what the batch-invariant cascade (`Blocks`) relies on holds on `device` in `dtype`: a
-    row of the fused attention call comes out the same for every row count from `MIN_ROWS` up and in
-    any batch, and exp / log give an element the same bits wherever it lies in a tensor."""
+    row of the fused attention call comes out the same for every row count that is a multiple of
+    `MIN_ROWS`, wherever it lies among the rows and in any batch, and exp / log give an element the
+    same bits wherever it lies in a tensor."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(2, 3, n, dim, generator=g).to(device, dtype) for n in (200, 300, 300))
+    q, k, v = (torch.randn(2, 3, n, dim, generator=g).to(device, dtype) for n in (800, 300, 300))
     with torch.inference_mode():
         ref = _fused(q[:1, :, :MIN_ROWS], k[:1], v[:1], 0.125)
-        for rows in (MIN_ROWS + 1, 2 * MIN_ROWS + 3, 48, 200):
-            o, lse = _fused(q[:, :, :rows], k, v, 0.125)
-            if not (torch.equal(o[:1, :, :MIN_ROWS], ref[0]) and torch.equal(lse[:1, :, :MIN_ROWS], ref[1])):
-                return False
+        for rows in (2 * MIN_ROWS, 36, 48, 68, 200, 260, 772):  # the 4 rows first, and in the last block
+            for first in (0, rows - MIN_ROWS):
+                head = q[:, :, :rows].clone()
+                head[:, :, first : first + MIN_ROWS] = q[:, :, :MIN_ROWS]
+                o, lse = _fused(head, k, v, 0.125)
+                window = slice(first, first + MIN_ROWS)
+                if not (torch.equal(o[:1, :, window], ref[0]) and torch.equal(lse[:1, :, window], ref[1])):
+                    return False
         x = -torch.rand(4099, generator=g).to(device, _lse_dtype(dtype)) * 30
         for fn in (torch.exp, lambda t: torch.log(-t)):
             whole = fn(x)
