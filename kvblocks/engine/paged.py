@@ -33,8 +33,8 @@ and a tail, each attended on its own over a length that depends on the row's pos
 results combined by log-sum-exp in a fixed order. Requests that hold the same blocks in the same
 slots (a stored system prompt) attend them in one call reading the slots in place; other blocks are
 gathered. How a block is read and with whom never changes a row's bits (`probe_blocks_invariance`
-checks what that relies on: the fused kernel's rows from `MIN_ROWS` up, and exp / log wherever an
-element lies).
+checks what that relies on: the fused kernel's rows in calls of any multiple of `MIN_ROWS` rows,
+and exp / log wherever an element lies).
 
 Batch invariance (`PagedRunner(..., invariant=True)`, `kvblocks serve --batch-invariant`): a row of
 a packed forward rounds the same whatever else is in the batch. CPU BLAS computes a row of a matrix
@@ -351,7 +351,7 @@ class Blocks:
     size a multiple of the next and the last a multiple of the prompt chunk, so no segment spans a
     cut). Each block is attended on its own over exactly its keys; the rest, from the last cut on (the
     `tails`), over a length padded to a multiple of the last size. Every call gives each (segment,
-    K/V head) at least `MIN_ROWS` query rows, and a row's results are combined by log-sum-exp in a
+    K/V head) a multiple of `MIN_ROWS` query rows, and a row's results are combined by log-sum-exp in a
     fixed order: its tail, then its blocks from the first. The positions alone decide the arithmetic.
 
     Only how blocks are read depends on the batch: `runs` are blocks of one size in consecutive slots
@@ -699,7 +699,7 @@ def _blocks_run(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `n` whole blocks of a run, each attended on its own by the run's rows, in one fused call
     over the run's slots read in place (the blocks are its batch): `([n, R, Hq, D], [n, R, Hq])`.
-    The query heads of a K/V head are stacked along the rows, at least `MIN_ROWS` of them."""
+    The query heads of a K/V head are stacked along the rows, padded to a multiple of `MIN_ROWS`."""
     kv = pool_layer[part.keys].to(query.dtype)  # [n * block, 2, Hkv, D], a view
     kv = kv.view(n, -1, *kv.shape[1:])
     q = query[0][:, part.rows]  # [Hq, R, D]
