@@ -137,13 +137,25 @@ def test_requests_sharing_a_prefix_attend_it_in_one_run_and_get_their_solo_logit
     pool.alloc(1)  # no request's own slots continue the prefix's run (the trie's own tokens would)
     slots = [np.concatenate([shared, pool.alloc(len(p) - len(prefix))]) for p in ps]
     outs = runner.forward([Segment(p[len(prefix) :], s) for p, s in zip(ps, slots)])
+
+    def one_run(segments: list[Segment]) -> None:
+        batch = paged.PagedBatch(pool, segments, cascade_min=4)
+        assert [r.rows for r in batch.cascade.runs] == [slice(0, len(ps))]  # one run: every request's row
+
+    decode_against_solo(model, runner, ps, slots, outs, one_run)
+
+
+def decode_against_solo(model, runner: PagedRunner, ps, slots, outs, check=None) -> None:
+    """From each request's prompt logits `outs`, `DECODE - 1` packed greedy steps of all of them
+    (new slots from the runner's pool, `check(segments)` before each); every logit row and token
+    equals the request alone (`solo`) within 1e-10."""
     rows = [[o[-1]] for o in outs]
     tokens = [[int(o[-1].argmax())] for o in outs]
     for _ in range(DECODE - 1):
-        slots = [np.concatenate([s, pool.alloc(1)]) for s in slots]
+        slots = [np.concatenate([s, runner.pool.alloc(1)]) for s in slots]
         segments = [Segment(t[-1:], s) for t, s in zip(tokens, slots)]
-        batch = paged.PagedBatch(pool, segments, cascade_min=4)
-        assert [r.rows for r in batch.cascade.runs] == [slice(0, len(ps))]  # one run: every request's row
+        if check is not None:
+            check(segments)
         for i, o in enumerate(runner.forward(segments)):
             rows[i].append(o[-1])
             tokens[i].append(int(o[-1].argmax()))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_paged import DECODE, solo
+from test_paged import decode_against_solo, solo
 from tiny_models import VOCAB, tiny_model
 
 from kvblocks.adapters import hf
@@ -70,17 +70,7 @@ def test_uneven_own_keys_and_widths_give_each_request_its_solo_logits_in_float64
     slots = _shared_slots(pool, len(prefix), [len(p) - len(prefix) for p in ps])
     runner.forward([Segment(prefix, slots[0][: len(prefix)])])
     outs = runner.forward([Segment(p[len(prefix) :], s) for p, s in zip(ps, slots)])
-    rows = [[o[-1]] for o in outs]
-    tokens = [[int(o[-1].argmax())] for o in outs]
-    for _ in range(DECODE - 1):
-        slots = [np.concatenate([s, pool.alloc(1)]) for s in slots]
-        for i, o in enumerate(runner.forward([Segment(t[-1:], s) for t, s in zip(tokens, slots)])):
-            rows[i].append(o[-1])
-            tokens[i].append(int(o[-1].argmax()))
-    for p, r, t in zip(ps, rows, tokens):
-        ref_rows, ref_tokens = solo(model, p)
-        assert t == ref_tokens[: len(t)]
-        assert max(float((a - b).abs().max()) for a, b in zip(r, ref_rows)) < 1e-10
+    decode_against_solo(model, runner, ps, slots, outs)
 
 
 @torch.inference_mode()
@@ -174,17 +164,7 @@ def test_the_invariant_cascade_gives_each_request_its_solo_logits_in_float64():
     slots = _shared_slots(pool, len(prefix), [len(p) - len(prefix) for p in ps])
     _prefill(runner, prefix, slots[0])
     outs = [_prefill(runner, p, s, len(prefix)) for p, s in zip(ps, slots)]
-    rows = [[o[-1]] for o in outs]
-    tokens = [[int(o[-1].argmax())] for o in outs]
-    for _ in range(DECODE - 1):
-        slots = [np.concatenate([s, pool.alloc(1)]) for s in slots]
-        for i, o in enumerate(runner.forward([Segment(t[-1:], s) for t, s in zip(tokens, slots)])):
-            rows[i].append(o[-1])
-            tokens[i].append(int(o[-1].argmax()))
-    for p, r, t in zip(ps, rows, tokens):
-        ref_rows, ref_tokens = solo(model, p)
-        assert t == ref_tokens[: len(t)]
-        assert max(float((a - b).abs().max()) for a, b in zip(r, ref_rows)) < 1e-10
+    decode_against_solo(model, runner, ps, slots, outs)
 
 
 @torch.inference_mode()
