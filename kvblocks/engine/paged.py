@@ -370,11 +370,11 @@ class Blocks:
     def plan(cls, batch: PagedBatch, sizes: Sequence[int]) -> Blocks:
         device = batch.pool.device
         last = sizes[-1]
-        runs: dict[tuple[int, int, int, int], list[int]] = {}  # (first slot, size, blocks, fold) -> segments
-        private: dict[
-            tuple[int, int], list[tuple[int, int, int]]
-        ] = {}  # (size, width) -> (segment, position, fold)
-        tails: dict[tuple[int, int], list[int]] = {}  # (width, padded length) -> segments
+        # (first slot, size, blocks, fold) -> segments; (size, width) -> (segment, position, fold);
+        # (width, padded length) -> segments
+        runs: dict[tuple[int, int, int, int], list[int]] = {}
+        private: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        tails: dict[tuple[int, int], list[int]] = {}
         plain, cuts, depth = [], {}, 0
         for i, (segment, slots, start) in enumerate(zip(batch.segments, batch._slots, batch._starts)):
             if segment.keep > 1 or start // last != (len(slots) - 1) // last:
