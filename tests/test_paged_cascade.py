@@ -201,18 +201,17 @@ def test_a_row_has_the_same_bits_read_in_place_alone_or_gathered_in_a_batch():
 def test_what_the_invariant_cascade_relies_on_holds_on_this_cpu(monkeypatch):
     assert paged.probe_blocks_invariance("cpu", torch.float32)
     assert paged.probe_blocks_invariance("cpu", torch.float64)
+    assert paged.probe_blocks_invariance("cpu", torch.float32, 16)  # the tiny models' head dim
     model = tiny_model("llama", torch.float32)
     pool = _pool(model)
     assert PagedRunner(model, pool, invariant=True, chunk=64).cascade_blocks == [256, 64]
     assert PagedRunner(model, pool, invariant=True, chunk=48, cascade=False).cascade_blocks is None
     assert PagedRunner(model, pool, invariant=True, chunk=48).cascade_blocks == [288, 96]
     assert PagedRunner(model, pool, invariant=True, chunk=40).cascade_blocks == [320, 80]
-    assert PagedRunner(model, pool, invariant=True, chunk=16, cascade_blocks=(48, 32)).cascade_blocks == [
-        64,
-        32,
-    ]
+    rounded = PagedRunner(model, pool, invariant=True, chunk=16, cascade_blocks=(48, 32))
+    assert rounded.cascade_blocks == [64, 32]
     # where the probe fails, invariant mode keeps one call per request and refuses cascade by name
-    monkeypatch.setattr(paged, "probe_blocks_invariance", lambda device, dtype: False)
+    monkeypatch.setattr(paged, "probe_blocks_invariance", lambda device, dtype, dim: False)
     assert PagedRunner(model, pool, invariant=True, chunk=64).cascade_blocks is None
     with pytest.raises(NotImplementedError, match="batch-invariant cascade attention"):
         PagedRunner(model, pool, invariant=True, chunk=64, cascade=True)

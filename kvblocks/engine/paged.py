@@ -952,9 +952,11 @@ class PagedRunner:
         # cascade attention: the default on CPU, cut at fixed block multiples in invariant mode (where
         # `probe_blocks_invariance` holds); on CUDA the grouped path stays the default (cascade
         # measured 17x slower there)
+        dims = {t.shape[-1] for t in pool.layers if t is not None}  # the head dims the probe covers
+        holds = not invariant or all(probe_blocks_invariance(pool.device, pool.dtype, dim) for dim in dims)
         if cascade is None:
-            cascade = not self.grouped and (not invariant or probe_blocks_invariance(pool.device, pool.dtype))
-        elif cascade and invariant and not probe_blocks_invariance(pool.device, pool.dtype):
+            cascade = not self.grouped and holds
+        elif cascade and not holds:
             raise NotImplementedError(
                 f"batch-invariant cascade attention: the fused attention kernel or exp / log on {pool.device} "
                 f"in {pool.dtype} round an element differently by where it lies (use one call per request)"
