@@ -717,7 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
         "default on with --device cpu, where it is proven; off elsewhere, where it is not; "
         "both modes read a shared system prompt once per layer for all requests (cascade attention), "
         "the invariant one in blocks cut at fixed positions: --no-batch-invariant cuts exactly where the "
-        "shared prompt ends, about 1.1-1.3x faster decode under agents sharing a long prompt)",
+        "shared prompt ends, about 1.1-1.2x faster decode under agents sharing a long prompt)",
     )
     sv.add_argument(
         "--max-waiting",
