@@ -111,8 +111,8 @@ def test_the_matrix_product_attention_used_off_the_cpu_equals_the_cpu_flash_kern
 
 
 def _invariant(model, pool: KVPool) -> PagedRunner:
-    """A batch-invariant runner whose cascade cuts blocks of 32 and 16 positions (prompt chunk 16)."""
-    return PagedRunner(model, pool, invariant=True, chunk=16, cascade_blocks=(32, 16))
+    """A batch-invariant runner whose cascade cuts blocks of 64, 32 and 16 positions (prompt chunk 16)."""
+    return PagedRunner(model, pool, invariant=True, chunk=16, cascade_blocks=(64, 32, 16))
 
 
 def _prefill(runner: PagedRunner, ids: list[int], slots: np.ndarray, begin: int = 0) -> torch.Tensor:
@@ -178,7 +178,10 @@ def test_a_row_has_the_same_bits_read_in_place_alone_or_gathered_in_a_batch():
     runner = _invariant(model, pool)
     alone = pool.alloc(len(prompt) + 1)
     _prefill(runner, prompt, alone)
-    assert paged.PagedBatch(pool, [Segment([7], alone)], cascade_blocks=(32, 16)).cascade.private == []
+    assert (
+        paged.PagedBatch(pool, [Segment([7], alone)], cascade_blocks=runner.cascade_blocks).cascade.private
+        == []
+    )
     (ref,) = runner.forward([Segment([7], alone)])
     scattered = np.concatenate([pool.alloc(2)[:1] for _ in range(len(prompt) + 1)])
     for layer in pool.layers:
@@ -187,13 +190,13 @@ def test_a_row_has_the_same_bits_read_in_place_alone_or_gathered_in_a_batch():
     for s, n in zip(others, (3, 25)):
         runner.forward([Segment(rng.integers(0, VOCAB, n).tolist(), s)])
     segments = [Segment([5], others[0]), Segment([7], scattered), Segment([9], others[1])]
-    plan = paged.PagedBatch(pool, segments, cascade_blocks=(32, 16)).cascade
+    plan = paged.PagedBatch(pool, segments, cascade_blocks=runner.cascade_blocks).cascade
     assert plan.runs and sum(own.segments for own, _ in plan.private) >= 2
     assert torch.equal(runner.forward(segments)[1], ref)
     # read in place together with a 16-token prefill chunk over the same stored blocks: the shared
     # calls have 2 x 16 + 2 query rows, which the kernel would split 32 + 2 without padding
     chunk = Segment(rng.integers(0, VOCAB, 16).tolist(), np.concatenate([alone[:64], pool.alloc(16)]))
-    plan = paged.PagedBatch(pool, [chunk, Segment([7], alone)], cascade_blocks=(32, 16)).cascade
+    plan = paged.PagedBatch(pool, [chunk, Segment([7], alone)], cascade_blocks=runner.cascade_blocks).cascade
     assert [part.rows for part, _, _ in plan.runs] == [slice(0, 17)]
     assert torch.equal(runner.forward([chunk, Segment([7], alone)])[1], ref)
 
@@ -204,10 +207,10 @@ def test_what_the_invariant_cascade_relies_on_holds_on_this_cpu(monkeypatch):
     assert paged.probe_blocks_invariance("cpu", torch.float32, 16)  # the tiny models' head dim
     model = tiny_model("llama", torch.float32)
     pool = _pool(model)
-    assert PagedRunner(model, pool, invariant=True, chunk=64).cascade_blocks == [256, 64]
+    assert PagedRunner(model, pool, invariant=True, chunk=64).cascade_blocks == [2048, 256, 64]
     assert PagedRunner(model, pool, invariant=True, chunk=48, cascade=False).cascade_blocks is None
-    assert PagedRunner(model, pool, invariant=True, chunk=48).cascade_blocks == [288, 96]
-    assert PagedRunner(model, pool, invariant=True, chunk=40).cascade_blocks == [320, 80]
+    assert PagedRunner(model, pool, invariant=True, chunk=48).cascade_blocks == [2304, 288, 96]
+    assert PagedRunner(model, pool, invariant=True, chunk=40).cascade_blocks == [2240, 320, 80]
     rounded = PagedRunner(model, pool, invariant=True, chunk=16, cascade_blocks=(48, 32))
     assert rounded.cascade_blocks == [64, 32]
     # where the probe fails, invariant mode keeps one call per request and refuses cascade by name

@@ -28,7 +28,7 @@ alone in fp64 (tests/test_paged.py, tests/test_paged_cascade.py); the batched ca
 request alone in the last bits of fp32 (greedy tokens agree in the tests and benchmarks).
 
 In batch-invariant mode the cascade is cut at fixed positions instead (`Blocks`, the CPU default
-with `--batch-invariant`): a row's keys are split into whole blocks (of 256 positions, then of 64)
+with `--batch-invariant`): a row's keys are split into whole blocks (of 2,048 positions, then 256, then 64)
 and a tail, each attended on its own over a length that depends on the row's position only, and the
 results combined by log-sum-exp in a fixed order. Requests that hold the same blocks in the same
 slots (a stored system prompt) attend them in one call reading the slots in place; other blocks are
@@ -94,7 +94,7 @@ OWN_PAD = 2
 # Batch-invariant cascade: a row's keys are cut into whole blocks of these sizes at fixed positions,
 # each attended on its own (`Blocks`); rounded up, the smallest to a multiple of the prompt chunk and
 # each to a multiple of the next smaller one.
-CASCADE_BLOCKS = (256, 64)
+CASCADE_BLOCKS = (2048, 256, 64)
 
 _install_lock = threading.Lock()
 _wrapped: dict[str, str] = {}  # dispatcher name -> the implementation it falls back to
