@@ -635,16 +635,12 @@ def _cascade_attention(
     tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
     out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(tokens, heads, dtype=_lse_dtype(query.dtype), device=query.device)
-    views = batch.views(None) if plan.plain else []
-    for i in plan.plain:
-        (a, b), (index, _) = batch.bounds[i], views[i]
-        mask = batch.segment_mask(None, i, groups, query.dtype)
-        out[a:b] = _segment_attention(pool_layer, query[0, :, a:b], index, mask, scale, groups, None)
+    _plain_attention(pool_layer, query, batch, plan.plain, out, scale, groups)
     for own in plan.own:
         out[own.rows], lse[own.rows] = _own_attention(pool_layer, query, own, scale, groups)
     for part in plan.runs:
-        o, sums = _run_attention(pool_layer, query, part, scale, groups)
-        out[part.rows], lse[part.rows] = _merge(out[part.rows], lse[part.rows], o, sums)
+        o, sums = _blocks_run(pool_layer, query, part, 1, scale, groups, 0)  # the run as one block
+        out[part.rows], lse[part.rows] = _merge(out[part.rows], lse[part.rows], o[0], sums[0])
     return out
 
 
@@ -664,19 +660,31 @@ def _blocks_attention(
         blocks = torch.zeros(plan.depth, tokens, heads, dim, dtype=query.dtype, device=query.device)
         sums = torch.full((plan.depth, tokens, heads), float("-inf"), dtype=lse.dtype, device=query.device)
         for part, n, fold in plan.runs:
-            o, sum_ = _blocks_run(pool_layer, query, part, n, scale, groups)
+            o, sum_ = _blocks_run(pool_layer, query, part, n, scale, groups, MIN_ROWS)
             blocks[fold : fold + n, part.rows], sums[fold : fold + n, part.rows] = o, sum_
         for own, target in plan.private:
             o, sum_ = _own_attention(pool_layer, query, own, scale, groups)
             blocks.view(-1, heads, dim)[target], sums.view(-1, heads)[target] = o, sum_
         out = _combine(out, lse, blocks, sums)
-    if plan.plain:
-        views = batch.views(None)
-        for i in plan.plain:
-            (a, b), (index, _) = batch.bounds[i], views[i]
-            mask = batch.segment_mask(None, i, groups, query.dtype)
-            out[a:b] = _segment_attention(pool_layer, query[0, :, a:b], index, mask, scale, groups, None)
+    _plain_attention(pool_layer, query, batch, plan.plain, out, scale, groups)
     return out
+
+
+def _plain_attention(
+    pool_layer: torch.Tensor,
+    query: torch.Tensor,
+    batch: PagedBatch,
+    plain: Sequence[int],
+    out: torch.Tensor,
+    scale: float,
+    groups: int,
+) -> None:
+    """The cascade plans' `plain` segments, each attending all its keys in one call, into `out`."""
+    views = batch.views(None) if plain else []
+    for i in plain:
+        (a, b), (index, _) = batch.bounds[i], views[i]
+        mask = batch.segment_mask(None, i, groups, query.dtype)
+        out[a:b] = _segment_attention(pool_layer, query[0, :, a:b], index, mask, scale, groups, None)
 
 
 def _combine(out: torch.Tensor, lse: torch.Tensor, blocks: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
@@ -695,18 +703,25 @@ def _combine(out: torch.Tensor, lse: torch.Tensor, blocks: torch.Tensor, sums: t
 
 
 def _blocks_run(
-    pool_layer: torch.Tensor, query: torch.Tensor, part: Part, n: int, scale: float, groups: int
+    pool_layer: torch.Tensor,
+    query: torch.Tensor,
+    part: Part,
+    n: int,
+    scale: float,
+    groups: int,
+    min_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `n` whole blocks of a run, each attended on its own by the run's rows, in one fused call
     over the run's slots read in place (the blocks are its batch): `([n, R, Hq, D], [n, R, Hq])`.
-    The query heads of a K/V head are stacked along the rows, padded to a multiple of `MIN_ROWS`."""
+    The query heads of a K/V head are stacked along the rows (so no K/V is repeated), padded to a
+    multiple of `min_rows` (0: not padded)."""
     kv = pool_layer[part.keys].to(query.dtype)  # [n * block, 2, Hkv, D], a view
     kv = kv.view(n, -1, *kv.shape[1:])
     q = query[0][:, part.rows]  # [Hq, R, D]
     heads, rows, dim = q.shape
     kv_heads = kv.shape[3]
     q = q.reshape(1, kv_heads, groups * rows, dim)
-    pad = _row_padding(groups * rows, MIN_ROWS)
+    pad = _row_padding(groups * rows, min_rows)
     if pad:
         q = torch.cat((q, q.new_zeros(1, kv_heads, pad, dim)), dim=2)
     q = q.expand(n, -1, -1, -1)
@@ -725,20 +740,6 @@ def _row_padding(rows: int, multiple: int) -> int:
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """Log-sum-exps are kept in at least float32 (what the fused kernel returns for half types)."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _run_attention(
-    pool_layer: torch.Tensor, query: torch.Tensor, part: Part, scale: float, groups: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A shared run's attention with each row's log-sum-exp: `([R, Hq, D], [R, Hq])`, one fused call
-    over the run's slots read in place (a view, nothing copied). The query heads that share a K/V
-    head are stacked along the rows, so no K/V is repeated."""
-    kv = pool_layer[part.keys].to(query.dtype)  # [L, 2, Hkv, D], a view
-    q = query[0][:, part.rows]  # [Hq, R, D]
-    heads, rows, dim = q.shape
-    q = q.reshape(1, kv.shape[2], groups * rows, dim)
-    o, sums = _fused(q, kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None], scale)
-    return o.reshape(heads, rows, dim).transpose(0, 1), sums.reshape(heads, rows).transpose(0, 1)
 
 
 def _own_attention(
