@@ -142,8 +142,15 @@ def test_the_invariant_plan_cuts_blocks_at_fixed_positions_and_reads_stored_runs
     ((private, target),) = plan.private
     assert (private.segments, private.length, private.min_rows) == (1, 32, 4)
     assert target.tolist() == [1 + 1 * 4]  # row 1, fold 1 (the batch packs 4 rows)
-    assert [(o.segments, o.length) for o in plan.tails] == [(2, 16)]
+    assert [(o.segments, o.length, rows, t) for o, rows, t in plan.tails] == [(2, 16, 2, None)]
     assert plan.plain == [2] and plan.depth == 2  # a speculative round keeps its own call
+    # new token at 90, stored run to 70: the 16-block [64, 80) is gathered in the tail's call
+    mixed = np.concatenate([stored, pool.alloc(21)])
+    plan = paged.PagedBatch(pool, [Segment([1], mixed)], cascade_blocks=(32, 16)).cascade
+    assert plan.private == [] and plan.depth == 3
+    ((call, rows, target),) = plan.tails
+    assert (call.segments, call.length, rows, target.tolist()) == (2, 16, 1, [2])  # fold 2 of 1 row
+    assert call.allowed[0, 0].tolist() == [True] * 11 + [False] * 5 and call.allowed[1].all()
     # a prompt's last token (89) in one run of slots: 32-blocks to 64, then a 16-block, all in place
     run = pool.alloc(90)
     late = paged.PagedBatch(pool, [Segment([1], run)], cascade_blocks=(32, 16)).cascade

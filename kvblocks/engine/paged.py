@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from kvblocks.cache.pool import KVPool
+from kvblocks.engine.head import PackedHead, scope
 
 NAME = "kvblocks_paged"
 ATTENTION_RANGE = "kvblocks.attention"  # the profiler range around every call of `paged_attention`
@@ -357,12 +358,16 @@ class Blocks:
     Only how blocks are read depends on the batch: `runs` are blocks of one size in consecutive slots
     (a prefix the trie stored in one piece), which every segment starting with them attends in one
     call reading the slots in place (the blocks are the call's batch); `private` are the other blocks,
-    gathered, one call per size and width. `plain` segments (speculative rounds, whose rows may span a
-    cut) keep a call each."""
+    gathered, one call per size and width. A tail is always as long as a block of the last size, so
+    such blocks are gathered and attended in their width's tail call (`tails`), under the tails' mask
+    (all keys allowed): whatever the batch, a block of the last size is attended in a masked call and
+    a larger one in an unmasked call. `plain` segments (speculative rounds, whose rows may span a cut)
+    keep a call each."""
 
     runs: list[tuple[Part, int, int]]  # the run, its number of blocks, the index of its first in the fold
     private: list[tuple[Own, torch.Tensor]]  # gathered blocks; where each row's result goes (fold * T + row)
-    tails: list[Own]
+    # a width's tails, then its gathered blocks of the last size: the call, its tail rows, the blocks' targets
+    tails: list[tuple[Own, int, torch.Tensor | None]]
     plain: list[int]
     depth: int  # the most blocks any row has
 
@@ -395,13 +400,18 @@ class Blocks:
             cuts[i], depth = position, max(depth, fold)
             padded = -(-(len(slots) - position) // last) * last
             tails.setdefault((width, padded), []).append(i)
+        calls = []
+        for (width, length), members in tails.items():
+            assert length == last, "a segment within one chunk has a tail of one block"
+            tail = _own(batch, members, cuts, device, length, MIN_ROWS)
+            calls.append(_with_blocks(batch, tail, private.pop((last, width), [])))
         return cls(
             [
                 (Part(slice(first, first + n * size), _rows(batch, members, device)), n, fold)
                 for (first, size, n, fold), members in runs.items()
             ],
             [_private(batch, size, width, members) for (size, width), members in private.items() if members],
-            [_own(batch, members, cuts, device, length, MIN_ROWS) for (_, length), members in tails.items()],
+            calls,
             plain,
             depth,
         )
@@ -420,6 +430,35 @@ def _private(
     index = torch.from_numpy(rows).to(device)
     own = Own(batch.pool.index(reads), index, None, len(members), width, size, MIN_ROWS)
     return own, torch.from_numpy(target).to(device)
+
+
+def _with_blocks(
+    batch: PagedBatch, tail: Own, members: Sequence[tuple[int, int, int]]
+) -> tuple[Own, int, torch.Tensor | None]:
+    """One call for a width's tails and its gathered blocks of the tails' length (`_private`'s
+    members): the tails' rows first, then the blocks' (which see all their keys)."""
+    rows = tail.segments * tail.width
+    if not members:
+        return tail, rows, None
+    blocks, target = _private(batch, tail.length, tail.width, members)
+    allowed = torch.ones(blocks.segments, tail.width, tail.length, dtype=torch.bool, device=target.device)
+    own = Own(
+        torch.cat((tail.reads, blocks.reads)),
+        torch.cat([_index(r, target.device) for r in (tail.rows, blocks.rows)]),
+        torch.cat((tail.allowed, allowed)),
+        tail.segments + blocks.segments,
+        tail.width,
+        tail.length,
+        MIN_ROWS,
+    )
+    return own, rows, target
+
+
+def _index(rows: slice | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Packed rows as an index tensor."""
+    if isinstance(rows, slice):
+        return torch.arange(rows.start, rows.stop, device=device)
+    return rows
 
 
 def _own_batches(batch: PagedBatch, cuts: Sequence[int]) -> list[list[int]]:
@@ -654,11 +693,16 @@ def _blocks_attention(
     tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
     out = torch.zeros(tokens, heads, dim, dtype=query.dtype, device=query.device)
     lse = torch.zeros(tokens, heads, dtype=_lse_dtype(query.dtype), device=query.device)
-    for own in plan.tails:
-        out[own.rows], lse[own.rows] = _own_attention(pool_layer, query, own, scale, groups)
+    blocks = torch.zeros(plan.depth, tokens, heads, dim, dtype=query.dtype, device=query.device)
+    sums = torch.full((plan.depth, tokens, heads), float("-inf"), dtype=lse.dtype, device=query.device)
+    for own, rows, target in plan.tails:
+        o, sum_ = _own_attention(pool_layer, query, own, scale, groups)
+        if target is None:
+            out[own.rows], lse[own.rows] = o, sum_
+            continue
+        out[own.rows[:rows]], lse[own.rows[:rows]] = o[:rows], sum_[:rows]
+        blocks.view(-1, heads, dim)[target], sums.view(-1, heads)[target] = o[rows:], sum_[rows:]
     if plan.depth:
-        blocks = torch.zeros(plan.depth, tokens, heads, dim, dtype=query.dtype, device=query.device)
-        sums = torch.full((plan.depth, tokens, heads), float("-inf"), dtype=lse.dtype, device=query.device)
         for part, n, fold in plan.runs:
             o, sum_ = _blocks_run(pool_layer, query, part, n, scale, groups, MIN_ROWS)
             blocks[fold : fold + n, part.rows], sums[fold : fold + n, part.rows] = o, sum_
@@ -916,7 +960,9 @@ class PagedRunner:
     from the window of the first position of the segment's `chunk` (see the module's docstring);
     refused where `probe_row_invariance` fails. Attention: `cascade` (the CPU default; with
     `invariant`, cut into `cascade_blocks` at fixed positions where `probe_blocks_invariance` holds,
-    else one call per request), `grouped` (the CUDA default), or neither (one call per request)."""
+    else one call per request), `grouped` (the CUDA default), or neither (one call per request).
+    `packed_head`: the output head runs on a weight reordered once for oneDNN where that is
+    possible (`kvblocks.engine.head`)."""
 
     def __init__(
         self,
@@ -929,6 +975,7 @@ class PagedRunner:
         cascade: bool | None = None,
         cascade_min: int = CASCADE_MIN_RUN,
         cascade_blocks: Sequence[int] | None = None,
+        packed_head: bool = True,
     ) -> None:
         install(model)
         if invariant and pool.device.type != "cpu":
@@ -976,6 +1023,8 @@ class PagedRunner:
             self.scratch = pool.alloc(MIN_ROWS - 1) if scratch is None else scratch
             if len(self.scratch) < MIN_ROWS - 1:
                 raise ValueError(f"batch-invariant forwards need {MIN_ROWS - 1} scratch slots")
+        # the output head's weight reordered once for oneDNN (CPU, float32, where its probe holds)
+        self.head = PackedHead.of(model) if packed_head else None
         self.lock = threading.Lock()
 
     @torch.inference_mode()
@@ -994,7 +1043,7 @@ class PagedRunner:
             self.cascade_min if self.cascade else None,
             self.cascade_blocks,
         )
-        with self.lock:
+        with self.lock, scope(self.head):
             out = self.model(
                 input_ids=batch.input_ids,
                 position_ids=batch.position_ids,

@@ -1,0 +1,107 @@
+"""The output head reordered for oneDNN (kvblocks.engine.head): used inside packed forwards only, row
+for row the same at any row count, within float rounding of `F.linear`, and never stale."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import VOCAB, tiny_model
+
+from kvblocks.adapters import hf
+from kvblocks.cache.layout import KVLayout
+from kvblocks.cache.pool import KVPool
+from kvblocks.engine import head
+from kvblocks.engine.paged import PagedRunner, Segment
+
+pytestmark = pytest.mark.skipif(not head.available(), reason="this torch has no oneDNN linear")
+
+
+def _head_input(model, rows: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, rows, model.config.hidden_size, generator=g)
+
+
+def test_packed_rows_are_the_same_at_every_row_count_and_close_to_linear():
+    model = tiny_model("llama")
+    packed = head.PackedHead.of(model)
+    assert packed is not None and packed is head.PackedHead.of(model)  # one per head
+    x = _head_input(model, 40)[0]
+    full = packed(x)
+    for rows in (1, 2, 3, 5, 16, 39):
+        assert torch.equal(packed(x[:rows]), full[:rows])
+        assert torch.equal(packed(x[40 - rows :]), full[40 - rows :])
+    plain = F.linear(x, model.get_output_embeddings().weight)
+    torch.testing.assert_close(full, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_only_forwards_in_scope_on_this_thread_take_the_packed_head():
+    model = tiny_model("llama")
+    module = model.get_output_embeddings()
+    packed = head.PackedHead.of(model)
+    x = _head_input(model, 7)
+    plain = F.linear(x, module.weight)
+    assert torch.equal(module(x), plain)
+    with head.scope(packed):
+        assert torch.equal(module(x), packed(x))
+        seen = []
+        other = threading.Thread(target=lambda: seen.append((module(x), F.linear(x, module.weight))))
+        other.start()
+        other.join()
+        assert torch.equal(*seen[0])  # another thread keeps the plain head
+    assert torch.equal(module(x), plain)
+
+
+def test_a_weight_written_in_place_or_replaced_is_reordered_again():
+    model = tiny_model("llama")
+    module = model.get_output_embeddings()
+    packed = head.PackedHead.of(model)
+    x = _head_input(model, 4)[0]
+    before = packed(x)
+    with torch.no_grad():
+        module.weight.mul_(2)
+    torch.testing.assert_close(packed(x), 2 * before, rtol=1e-5, atol=1e-5)
+    module.weight = torch.nn.Parameter(torch.zeros_like(module.weight))
+    assert torch.equal(packed(x), torch.zeros_like(before))
+
+
+def test_a_head_moved_to_another_dtype_falls_back_to_its_own_forward():
+    model = tiny_model("llama")
+    packed = head.PackedHead.of(model)
+    model.to(torch.float64)
+    x = _head_input(model, 3).double()
+    with head.scope(packed):
+        assert torch.equal(model.get_output_embeddings()(x), F.linear(x, model.get_output_embeddings().weight))
+
+
+def test_no_packed_head_off_float32_and_a_copied_model_keeps_a_plain_head():
+    assert head.PackedHead.of(tiny_model("llama", torch.float64)) is None
+    model = tiny_model("llama")
+    packed = head.PackedHead.of(model)
+    twin = copy.deepcopy(model)
+    x = _head_input(model, 5)
+    with head.scope(packed):
+        out = twin.get_output_embeddings()(x)
+    assert torch.equal(out, F.linear(x, twin.get_output_embeddings().weight))
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_packed_runner_logits_match_a_runner_without_the_packed_head(invariant):
+    model = tiny_model("llama")
+    layout = KVLayout(torch.float32, tuple(hf.describe_layers(model)))
+    pool = KVPool(layout, 256, "cpu")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (9, 14, 20)]
+    out = {}
+    for packed in (True, False):
+        runner = PagedRunner(model, pool, invariant=invariant, packed_head=packed)
+        assert (runner.head is not None) is packed
+        segments = [Segment(p, pool.alloc(len(p)), keep=len(p)) for p in prompts]
+        out[packed] = runner.forward(segments)
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
