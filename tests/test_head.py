@@ -75,7 +75,9 @@ def test_a_head_moved_to_another_dtype_falls_back_to_its_own_forward():
     model.to(torch.float64)
     x = _head_input(model, 3).double()
     with head.scope(packed):
-        assert torch.equal(model.get_output_embeddings()(x), F.linear(x, model.get_output_embeddings().weight))
+        assert torch.equal(
+            model.get_output_embeddings()(x), F.linear(x, model.get_output_embeddings().weight)
+        )
 
 
 def test_no_packed_head_off_float32_and_a_copied_model_keeps_a_plain_head():
