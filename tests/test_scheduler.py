@@ -57,6 +57,21 @@ def test_a_first_token_one_short_step_away_holds_long_prefills_back_a_bounded_nu
     assert (long, 40) in sched.schedule(everything)  # its third step it runs anyway
 
 
+def test_a_full_batch_with_nobody_waiting_takes_the_full_batch_budget():
+    sched = scheduler(max_batch_size=2, max_batch_tokens=10, full_batch_tokens=30, chunk=64)
+    decode, long = sequence(8, 8, generated=1), sequence(40)
+    sched.running = [long, decode]
+    assert sched.schedule(everything) == [(decode, 1), (long, 29)]
+    sched.running = [long]  # a free place: a request may arrive and want its first token soon
+    assert sched.budget() == 10
+    sched.running = [long, decode]
+    sched.room.put_all("", [sequence(5).request])  # one waits for a place
+    assert sched.budget() == 10
+    small = scheduler(max_batch_size=1, max_batch_tokens=10, full_batch_tokens=4)
+    small.running = [sequence(5)]
+    assert small.budget() == 10  # never below max_batch_tokens
+
+
 def test_invariant_mode_takes_up_to_the_last_cut_the_budget_reaches():
     sched = scheduler(max_batch_tokens=70, chunk=16, invariant=True)
     s = sequence(100, computed=10)

@@ -189,6 +189,7 @@ def build_engine(args: argparse.Namespace, gen, keys=None):
         gen,
         max_batch_size=size,
         max_batch_tokens=args.max_batch_tokens,
+        full_batch_tokens=args.full_batch_tokens,
         invariant=batch_invariant(args),
         **room,
     )
@@ -707,6 +708,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="T",
         help="tokens per packed forward: decode tokens first, then prefill chunks (default 80: a short request "
         "waits at most about one short step behind a long prompt; larger prefills long prompts faster)",
+    )
+    sv.add_argument(
+        "--full-batch-tokens",
+        type=int,
+        default=256,
+        metavar="T",
+        help="tokens per packed forward while every batch place is taken and nobody waits (default 256): no "
+        "request can start then, so longer steps delay no first token and run the linear layers on more rows "
+        "at once; at most --max-batch-tokens turns it off",
     )
     sv.add_argument(
         "--batch-invariant",

@@ -57,6 +57,7 @@ class BatchEngine(Engine):
         max_active: int = 64,
         max_batch_size: int = 16,
         max_batch_tokens: int = 80,
+        full_batch_tokens: int = 0,
         max_wait_steps: int = 64,
         join_min_tokens: int = 32,
         invariant: bool = False,
@@ -81,6 +82,7 @@ class BatchEngine(Engine):
         batch = BatchLimits(
             max_batch_size,
             max_batch_tokens,
+            full_batch_tokens,
             max_active,
             max_wait_steps,
             join_min_tokens,
