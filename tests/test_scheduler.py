@@ -9,7 +9,7 @@ from tiny_models import tiny_model
 from kvblocks import GenerationParams, KVCacheTrie
 from kvblocks.engine.admission import WaitingRoom
 from kvblocks.engine.request import Options, Request
-from kvblocks.engine.scheduler import BatchLimits, Scheduler
+from kvblocks.engine.scheduler import FULL_BATCH_TOKENS, BatchLimits, Scheduler
 from kvblocks.engine.sequence import Sequence
 from kvblocks.engine.slots import SlotManager
 from kvblocks.generate.decoding import Decoding
@@ -70,6 +70,13 @@ def test_a_full_batch_with_nobody_waiting_takes_the_full_batch_budget():
     small = scheduler(max_batch_size=1, max_batch_tokens=10, full_batch_tokens=4)
     small.running = [sequence(5)]
     assert small.budget() == 10  # never below max_batch_tokens
+
+
+def test_the_server_default_full_batch_budget_is_the_schedulers():
+    from kvblocks.cli.commands import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert args.full_batch_tokens == FULL_BATCH_TOKENS > args.max_batch_tokens
 
 
 def test_invariant_mode_takes_up_to_the_last_cut_the_budget_reaches():

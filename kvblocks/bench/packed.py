@@ -258,15 +258,23 @@ def profile_checks(report: Report, model, both: DecodeBoth, requests: int, name:
 
 
 def _engine(model, tokenizer, batch: int, tokens: int = 80, capacity: int = 16384, invariant: bool = True):
-    """`Engine` (batch 1) or `BatchEngine` over a fresh trie, started."""
+    """`Engine` (batch 1) or `BatchEngine` over a fresh trie, started, with the server's budget
+    while the batch is full."""
     from kvblocks import CachedGenerator, KVCacheTrie
     from kvblocks.engine.batch import BatchEngine
     from kvblocks.engine.loop import Engine
+    from kvblocks.engine.scheduler import FULL_BATCH_TOKENS
 
     gen = CachedGenerator(model, tokenizer, KVCacheTrie.for_model(model, capacity_tokens=capacity))
     if batch == 1:
         return Engine(gen).start()
-    return BatchEngine(gen, max_batch_size=batch, max_batch_tokens=tokens, invariant=invariant).start()
+    return BatchEngine(
+        gen,
+        max_batch_size=batch,
+        max_batch_tokens=tokens,
+        full_batch_tokens=FULL_BATCH_TOKENS,
+        invariant=invariant,
+    ).start()
 
 
 class EngineCall:

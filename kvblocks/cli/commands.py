@@ -712,7 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--full-batch-tokens",
         type=int,
-        default=256,
+        default=256,  # scheduler.FULL_BATCH_TOKENS (not imported: the CLI starts without torch)
         metavar="T",
         help="tokens per packed forward while every batch place is taken and nobody waits (default 256): no "
         "request can start then, so longer steps delay no first token and run the linear layers on more rows "

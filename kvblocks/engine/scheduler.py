@@ -27,6 +27,7 @@ from kvblocks.engine.slots import SlotManager
 from kvblocks.telemetry import tracing
 
 CHUNK = 64  # batch-invariant mode cuts prompts at every multiple of this many positions
+FULL_BATCH_TOKENS = 256  # the server's budget while the batch is full and nobody waits
 LOOK = 32  # waiting requests per tenant that admission considers each step (never the whole line)
 
 Fail = Callable[[Sequence, BaseException, str], None]
