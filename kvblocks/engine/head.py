@@ -2,9 +2,9 @@
 
 The output head is the largest matrix product of a small model's decode step (SmolLM2-135M: 49,152 x
 576 float32 weights, 113 MB read for every step). MKL's product, what `F.linear` takes on CPU, packs
-the weight again on every call and ran the head at 16 rows in 43 ms; oneDNN's linear over a weight
-reordered once into its own blocked layout ran it in 27 ms (BENCHMARKS.md). The other linear layers
-gain nothing measurable (their weights are small enough for MKL's packing to be cheap).
+the weight again on every call and ran the head at 16 rows in 38-48 ms; oneDNN's linear over a
+weight reordered once into its own blocked layout ran it in 22-23 ms (BENCHMARKS.md). The other
+linear layers gain nothing measurable from a weight packed once.
 
 `PackedHead.of(model)` reorders a model's head once: on CPU, in float32, where oneDNN is built in and
 `probe` holds (a row comes out the same for any row count from 1 up, so batch invariance holds, and
