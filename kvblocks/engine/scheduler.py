@@ -77,7 +77,7 @@ class Scheduler:
         another path or failed."""
         admission = _AdmissionPass(self.slots.free)
         done: set[str] = set()
-        while len(self.running) < min(self.limits.max_batch_size, self.limits.max_active):
+        while len(self.running) < self.places:
             order = self.room.fair_order(running, done)
             if not order:
                 break
@@ -199,8 +199,13 @@ class Scheduler:
         ends, so a longer step holds back no first token, and the linear layers run on more rows at
         once (SmolLM2's cost a row falls by a quarter from 80 rows to 256)."""
         limits = self.limits
-        full = len(self.running) >= min(limits.max_batch_size, limits.max_active) and not len(self.room)
+        full = len(self.running) >= self.places and not len(self.room)
         return max(limits.max_batch_tokens, limits.full_batch_tokens) if full else limits.max_batch_tokens
+
+    @property
+    def places(self) -> int:
+        """How many requests may run at once (admission fills them; a full batch has none free)."""
+        return min(self.limits.max_batch_size, self.limits.max_active)
 
     def _planned(self, s: Sequence, budget: int, batch: list[tuple[Sequence, int]], plan: Plan) -> int:
         take = self.take_tokens(s, budget)
