@@ -162,6 +162,7 @@ class PagedBatch:
         self.grouped = short if grouped and len(short) > 1 else []  # segments read in one call per layer
         self.alone = sorted(set(range(len(segments))) - set(self.grouped))
         self._groups: dict[int | None, Group] = {}
+        self._folds: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self.cascade: Cascade | Blocks | None = None
         if cascade_blocks is not None:
             self.cascade = Blocks.plan(self, cascade_blocks)
@@ -204,6 +205,22 @@ class PagedBatch:
         """Rows of the packed sequence whose logits are returned, segment by segment."""
         rows = [torch.arange(b - s.keep, b) for (_, b), s in zip(self.bounds, self.segments)]
         return torch.cat(rows).to(self.pool.device)
+
+    def fold(self, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch-invariant cascade's per-block results, made once per forward and written by every
+        layer at the same places: `[depth + 1, T, heads, dim]` outputs (zeros) and `[depth + 1, T,
+        heads]` log-sum-exps (-inf), index 0 the tails, then the blocks in order. What a layer
+        leaves unwritten (a row's missing blocks, the `plain` rows) keeps its first value."""
+        key = (heads, dim, dtype)
+        if key not in self._folds:
+            depth, device = self.cascade.depth + 1, self.pool.device
+            self._folds[key] = (
+                torch.zeros(depth, self.tokens, heads, dim, dtype=dtype, device=device),
+                torch.full(
+                    (depth, self.tokens, heads), float("-inf"), dtype=_lse_dtype(dtype), device=device
+                ),
+            )
+        return self._folds[key]
 
     def group(self, window: int | None) -> Group:
         """The `grouped` segments padded to one batch: see `Group`. Keys start where `views` starts
@@ -690,26 +707,22 @@ def _blocks_attention(
     by log-sum-exp in a fixed order. A block a row lacks has the results (0, -inf), which add exact
     zeros, so one pass over the fold's depth serves every row at once."""
     plan: Blocks = batch.cascade
-    tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
-    out = torch.zeros(tokens, heads, dim, dtype=query.dtype, device=query.device)
-    lse = torch.zeros(tokens, heads, dtype=_lse_dtype(query.dtype), device=query.device)
-    blocks = torch.zeros(plan.depth, tokens, heads, dim, dtype=query.dtype, device=query.device)
-    sums = torch.full((plan.depth, tokens, heads), float("-inf"), dtype=lse.dtype, device=query.device)
+    heads, dim = query.shape[1], query.shape[3]
+    results, sums = batch.fold(heads, dim, query.dtype)
+    blocks, block_sums = results[1:].view(-1, heads, dim), sums[1:].view(-1, heads)  # fold * T + row
     for own, rows, target in plan.tails:
         o, sum_ = _own_attention(pool_layer, query, own, scale, groups)
         if target is None:
-            out[own.rows], lse[own.rows] = o, sum_
+            results[0, own.rows], sums[0, own.rows] = o, sum_
             continue
-        out[own.rows[:rows]], lse[own.rows[:rows]] = o[:rows], sum_[:rows]
-        blocks.view(-1, heads, dim)[target], sums.view(-1, heads)[target] = o[rows:], sum_[rows:]
-    if plan.depth:
-        for part, n, fold in plan.runs:
-            o, sum_ = _blocks_run(pool_layer, query, part, n, scale, groups, MIN_ROWS)
-            blocks[fold : fold + n, part.rows], sums[fold : fold + n, part.rows] = o, sum_
-        for own, target in plan.private:
-            o, sum_ = _own_attention(pool_layer, query, own, scale, groups)
-            blocks.view(-1, heads, dim)[target], sums.view(-1, heads)[target] = o, sum_
-        out = _combine(out, lse, blocks, sums)
+        results[0, own.rows[:rows]], sums[0, own.rows[:rows]] = o[:rows], sum_[:rows]
+        blocks[target], block_sums[target] = o[rows:], sum_[rows:]
+    for part, n, fold in plan.runs:
+        o, sum_ = _blocks_run(pool_layer, query, part, n, scale, groups, MIN_ROWS)
+        results[1 + fold : 1 + fold + n, part.rows], sums[1 + fold : 1 + fold + n, part.rows] = o, sum_
+    for own, target in plan.private:
+        blocks[target], block_sums[target] = _own_attention(pool_layer, query, own, scale, groups)
+    out = _combine(results, sums)
     _plain_attention(pool_layer, query, batch, plan.plain, out, scale, groups)
     return out
 
@@ -731,19 +744,17 @@ def _plain_attention(
         out[a:b] = _segment_attention(pool_layer, query[0, :, a:b], index, mask, scale, groups, None)
 
 
-def _combine(out: torch.Tensor, lse: torch.Tensor, blocks: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-    """Attention over the union of disjoint key sets from each set's output and log-sum-exp: `out
-    [T, H, D]` / `lse [T, H]` first, then `blocks [N, T, H, D]` / `sums [N, T, H]` in order. Each
-    step is one elementwise operation over every row (mul and add kept apart: no fused rounding)."""
-    top = torch.maximum(lse, sums.amax(dim=0))
-    weight = (lse - top).exp_()
-    weights = (sums - top).exp_()
-    total = weight.clone()
-    acc = out * weight[..., None]  # in the log-sum-exp's dtype (at least float32)
-    for b in range(len(blocks)):
-        acc += blocks[b] * weights[b, ..., None]
+def _combine(results: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of disjoint key sets from each set's output `results [N, T, H, D]`
+    and log-sum-exp `sums [N, T, H]`: each output weighted by its share (one elementwise product for
+    all), then added in order (mul and add kept apart: no fused rounding)."""
+    weights = (sums - sums.amax(dim=0)).exp_()
+    terms = results * weights[..., None]  # in the log-sum-exp's dtype (at least float32)
+    acc, total = terms[0], weights[0].clone()
+    for b in range(1, len(terms)):
+        acc += terms[b]
         total += weights[b]
-    return acc.div_(total[..., None]).to(out.dtype)
+    return acc.div_(total[..., None]).to(results.dtype)
 
 
 def _blocks_run(
