@@ -1,15 +1,17 @@
 """Where a forward's time goes, and how close it runs to the machine's matrix-product peak.
 
-`profile_step` runs a step once under the PyTorch profiler and splits its CPU time into
-- attention: everything under `kvblocks.engine.paged`'s profiler range (gathers, matrix products,
-  softmax, merges: what "gather + attend" costs),
-- matmul: matrix products outside attention (the linear layers and the output head),
-- copies: copy, index, gather and concatenation kernels outside attention,
-- other kernels: every other operator's own time outside attention (norms, activations, rotary),
+`profile_step` times a step (CPU clock, median of a few runs) with `paged.attention_clock` open,
+which adds up the CPU time of every packed attention call, Python included:
+- attention: that share of the step ("gather + attend": gathers, fused calls, merges, and the
+  Python that plans and drives them), measured without a profiler.
+The rest of the step is split by one more run under the PyTorch profiler, in the proportions it
+finds outside the attention calls (wall clock, as the profiler times operators):
+- matmul: matrix products (the linear layers and the output head, oneDNN's included),
+- copies: copy, index, gather and concatenation kernels,
+- other kernels: every other operator's own time (norms, activations, rotary),
 - python/other: what no operator accounts for (the interpreter, module calls; in the profiled run
   this also holds the profiler's own bookkeeping, so it is an upper bound).
-Shares come from the profiled run (wall clock, as the profiler times operators), applied to the
-median unprofiled step time (CPU clock).
+`attention_kernels` is the part of the attention calls the profiler finds inside operators.
 
 `matmul_peak` measures the FLOP/s of matrix products of the model's own shapes at 64 rows on the
 current thread count: the roofline a step's achieved FLOP/s is compared with.
@@ -23,11 +25,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kvblocks.engine.paged import ATTENTION_RANGE
+from kvblocks.engine.paged import ATTENTION_RANGE, attention_clock
 
 MATMUL_OPS = frozenset(
-    {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::matmul",
+        "aten::linear",
+        "mkldnn::_linear_pointwise",  # the output head on its reordered weight (engine/head.py)
+    }
 )
+OPERATOR_PREFIXES = ("aten::", "mkldnn::")
 COPY_OPS = frozenset(
     {
         "aten::copy_",
@@ -50,6 +61,7 @@ CATEGORIES = ("attention", "matmul", "copies", "other kernels", "python/other")
 class StepProfile:
     seconds: float  # median CPU time of one unprofiled step
     shares: dict[str, float]  # category -> share of the step (sums to 1)
+    attention_kernels: float = 0.0  # the part of the attention calls' time spent in operators
 
     def seconds_of(self, category: str) -> float:
         return self.seconds * self.shares[category]
@@ -69,7 +81,7 @@ def split_events(events) -> dict[str, float]:
     operator, and operators nested in other operators count once (their own time)."""
     spent = dict.fromkeys(CATEGORIES[:-1], 0.0)
     for e in events:
-        if e.name == ATTENTION_RANGE or not e.name.startswith("aten::"):
+        if not e.name.startswith(OPERATOR_PREFIXES):
             continue
         if _in_attention(e):
             spent["attention"] += e.self_cpu_time_total
@@ -83,23 +95,30 @@ def split_events(events) -> dict[str, float]:
 
 
 def profile_step(step: Callable[[], None], repeats: int = 5) -> StepProfile:
-    """Time `step` (CPU clock, median of `repeats` after one warm-up), then profile one more run."""
+    """Time `step` (CPU clock, median of `repeats` after one warm-up) and its attention calls, then
+    profile one more run for the split of the rest."""
     step()
     times = []
     for _ in range(repeats):
-        start = time.process_time()
-        step()
-        times.append(time.process_time() - start)
-    seconds = sorted(times)[len(times) // 2]
+        with attention_clock() as spent:
+            start = time.process_time()
+            step()
+            times.append((time.process_time() - start, spent[0]))
+    seconds, attention = sorted(times)[len(times) // 2]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()  # the profiler times operators by the wall clock too
         step()
         profiled = (time.perf_counter() - start) * 1e6
-    spent = split_events(prof.events())
-    total = max(profiled, sum(spent.values()))
-    shares = {name: value / total for name, value in spent.items()}
-    shares["python/other"] = max(0.0, 1.0 - sum(shares.values()))
-    return StepProfile(seconds, shares)
+    events = prof.events()
+    spent = split_events(events)
+    ranges = sum(e.cpu_time_total for e in events if e.name == ATTENTION_RANGE)
+    outside = {name: value for name, value in spent.items() if name != "attention"}
+    outside["python/other"] = max(0.0, profiled - ranges - sum(outside.values()))
+    share = min(1.0, attention / seconds) if seconds else 0.0
+    total = sum(outside.values()) or 1.0
+    shares = {"attention": share, **{name: (1 - share) * value / total for name, value in outside.items()}}
+    kernels = min(1.0, spent["attention"] / ranges) if ranges else 0.0
+    return StepProfile(seconds, shares, kernels)
 
 
 def linear_shapes(model) -> list[tuple[int, int]]:

@@ -61,7 +61,9 @@ are refused by name.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,6 +100,7 @@ OWN_PAD = 2
 CASCADE_BLOCKS = (2048, 256, 64)
 
 _install_lock = threading.Lock()
+_clock = threading.local()  # `attention_clock`'s accumulator on this thread, if one is open
 _wrapped: dict[str, str] = {}  # dispatcher name -> the implementation it falls back to
 
 
@@ -550,12 +553,31 @@ def _reader(pool: KVPool, slots: np.ndarray) -> torch.Tensor | slice:
     return pool.index(slots)
 
 
+@contextmanager
+def attention_clock() -> Iterator[list[float]]:
+    """While open, every `paged_attention` call on this thread adds its CPU time (process clock),
+    Python included, to the one-element list this yields: what a step's attention costs, without a
+    profiler's overhead on each operator (`kvblocks bench packed --profile`)."""
+    spent = [0.0]
+    _clock.spent = spent
+    try:
+        yield spent
+    finally:
+        _clock.spent = None
+
+
 def paged_attention(*args, **kwargs):
     """The attention interface's signature: `query [1, Hq, T, D]`, `key/value [1, Hkv, T, D]` of the
     packed new tokens (rotary applied). Returns `([1, T, Hq, D], None)`. Runs inside a profiler range
-    named `ATTENTION_RANGE`, so a profile can tell attention from the rest of a step."""
+    named `ATTENTION_RANGE`, so a profile can tell attention from the rest of a step, and is timed
+    inside an `attention_clock`."""
+    spent = getattr(_clock, "spent", None)
+    start = time.process_time() if spent is not None else 0.0
     with torch.profiler.record_function(ATTENTION_RANGE):
-        return _paged_attention(*args, **kwargs)
+        out = _paged_attention(*args, **kwargs)
+    if spent is not None:
+        spent[0] += time.process_time() - start
+    return out
 
 
 def _paged_attention(
