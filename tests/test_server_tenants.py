@@ -198,6 +198,23 @@ def test_a_bad_keys_file_is_one_clear_line_and_exit_2(tmp_path, content, message
     assert message in proc.stderr.strip().splitlines()[-1]
 
 
+def test_a_bad_keys_file_is_refused_before_torch_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "keys.json"
+    path.write_text('{"keys": []}')
+    code = (
+        "import sys; from kvblocks.cli.commands import main\n"
+        f"rc = main(['serve', '--port', '0', '--api-keys', {str(path)!r}])\n"
+        "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60
+    )
+    assert proc.stdout.split() == ["2", "False", "False"], proc.stderr
+
+
 def test_the_cli_shows_a_tenant_its_own_cache(server):
     import subprocess
 

@@ -372,10 +372,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock = bind(args.host, args.port)
     except OSError as exc:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
-    from kvblocks import models
-    from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
-    from kvblocks.server.serving import serve
-
+    # what can be refused without the model is refused before torch is imported
     keys = load_api_keys(args)
     if args.max_body_bytes < 1024:
         raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
@@ -383,7 +380,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
     if args.drain_timeout < 0:
         raise UserError(f"--drain-timeout must be 0 or more, got {args.drain_timeout:g}")
+    from kvblocks import models
     from kvblocks.engine.batch import check_settings
+    from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
+    from kvblocks.server.serving import serve
 
     size = batch_size(args)
     try:  # batch invariance only matters where requests are batched
