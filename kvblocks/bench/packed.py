@@ -54,8 +54,9 @@ OPTIONS = (
         "--profile",
         bool,
         False,
-        "decode: also profile one packed step (attention, matmul, copies, python) and its FLOP/s "
-        "against a matmul peak of the model's shapes at 64 rows",
+        "decode: also say where a packed step goes (attention timed by its own clock, Python "
+        "included; matmul, copies, python split by one profiled step) and its FLOP/s against a "
+        "matmul peak of the model's shapes at 64 rows",
     ),
     *ints("", [
         ("requests", 16, "decode: concurrent requests"),
