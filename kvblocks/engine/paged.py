@@ -718,7 +718,7 @@ def _cascade_attention(
         out[own.rows], lse[own.rows] = _own_attention(pool_layer, query, own, scale, groups)
     for part in plan.runs:
         o, sums = _blocks_run(pool_layer, query, part, 1, scale, groups, 0)  # the run as one block
-        out[part.rows], lse[part.rows] = _merge(out[part.rows], lse[part.rows], o[0], sums[0])
+        out[part.rows] = _combine(torch.stack((out[part.rows], o[0])), torch.stack((lse[part.rows], sums[0])))
     return out
 
 
@@ -871,16 +871,6 @@ def _attend(
     weights = scores.sub_(top).exp_()
     total = weights.sum(dim=-1, keepdim=True)
     return torch.matmul(weights, v).div_(total), (top + total.log()).squeeze(-1)
-
-
-def _merge(
-    o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of two disjoint key sets from each set's output and log-sum-exp."""
-    top = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
-    total = w1 + w2
-    return (o1 * w1[..., None] + o2 * w2[..., None]) / total[..., None], top + total.log()
 
 
 def _fallback(module):
