@@ -47,10 +47,26 @@ def gguf_path() -> Path:
 
 
 def default_model_dir() -> Path:
-    """Safetensors copy of SmolLM2-135M-Instruct, converted from the GGUF on first use."""
+    """Safetensors copy of SmolLM2-135M-Instruct, converted from the GGUF on first use. Processes
+    that start at once (servers, test workers) convert it once: the others wait on a file lock,
+    and the copy appears by one rename, so a reader never sees a half-written folder."""
     target = cache_home() / DEFAULT_MODEL
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _converted(target):
         return target
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{DEFAULT_MODEL}.lock")):
+        if not _converted(target):  # else another process converted it while this one waited
+            _convert(target)
+    return target
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+def _convert(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = gguf_path()
@@ -61,17 +77,15 @@ def default_model_dir() -> Path:
     model.config.quantization_config = None
     del model.config.quantization_config
     model.config.name_or_path = DEFAULT_MODEL
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if target.exists():
+        if target.exists():  # an incomplete copy from an older kvblocks
             shutil.rmtree(target)
         tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def served_name(served_model_name: str | None, model: str | None) -> str:

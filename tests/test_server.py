@@ -190,12 +190,14 @@ def _disconnect_mid_stream(server, http, client, reference):
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True}
     with server.client() as c, c.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
+        # One iterator kept open: leaving a `for` over `iter_lines()` closes the generator, which
+        # closes the connection at once, and the server may see the hang-up before the stats call.
+        lines = response.iter_lines()
         data = []
-        for line in response.iter_lines():
+        while len(data) < 2:
+            line = next(lines)
             if line.startswith("data: "):
                 data.append(json.loads(line[6:]))
-            if len(data) == 2:
-                break
         during = http.get("/v1/cache/stats").json()
     assert all(d["choices"][0]["finish_reason"] is None for d in data)
     assert during["engine"]["active"] == 1
