@@ -10,6 +10,25 @@ from kvblocks.generate.text import IdTokenizer  # noqa: F401  (the tests import 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The files that take longest (over a minute each in CI) run first: pytest-xdist hands files to its
+# workers in collection order (`scripts/test`), so a long one started last would run alone at the
+# end while the other workers sit idle. Tests keep their order within a file.
+LONGEST_FIRST = (
+    "test_specdec_sampling.py",
+    "test_soak.py",
+    "test_fleet.py",
+    "test_bench_suites.py",
+    "test_server_agents.py",
+    "test_kv_events.py",
+    "test_trie_spill_race.py",
+    "test_examples.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
+
 
 def tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     """A 2-layer random-weight llama (no download), for tests that need any real model."""
