@@ -137,31 +137,48 @@ def test_bfloat16_flips_are_reported_with_their_margins(arch):
 
 
 @pytest.mark.parametrize(
-    "attention", [None, "cascade", "per-segment"], ids=["default", "cascade", "per-segment"]
+    "attention, graphs",
+    [(None, None), (None, False), ("cascade", None), ("per-segment", None)],
+    ids=["default", "grouped-no-graphs", "cascade", "per-segment"],
 )
-def test_packed_engine_gives_one_request_per_forward_tokens_on_the_device(attention):
-    """The device's default (decodes grouped into one call per layer), cascade attention (a stored
-    prefix of 48 tokens read in place and merged by log-sum-exp) and one call per request: each gives
-    every request the tokens of one request per forward, in float32."""
-    model = model_on_device("llama", torch.float32)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_packed_engine_gives_one_request_per_forward_tokens_on_the_device(arch, attention, graphs):
+    """The device's default (CUDA graphs replaying padded layouts, decodes grouped into one call per
+    layer where a layout does not fit), the same without graphs, cascade attention (a stored prefix of
+    48 tokens read in place and merged by log-sum-exp) and one call per request: each gives every
+    request the tokens of one request per forward, in float32. By default on CUDA the forwards
+    replay graphs (captured once per layout), and no capture fails."""
+    model = model_on_device(arch, torch.float32)
     shared = random_ids(48, seed=11)
     prompts = workload(seed=3, n=4) + [shared + random_ids(3 + i, seed=20 + i) for i in range(5)]
     params = [GenerationParams(max_new_tokens=NEW_TOKENS, ignore_eos=True) for _ in prompts]
-    results = {}
-    for name, make in (("packed", lambda m: _packed(m, attention)), ("one-at-a-time", _one_at_a_time)):
-        engine = make(model).start()
+    results, packed = {}, _packed(model, attention, graphs)
+    for name, engine in (("packed", packed), ("one-at-a-time", _one_at_a_time(model))):
+        engine.start()
         try:
             results[name] = [r["tokens"] for r in run_all(engine, prompts, params)]
         finally:
             engine.stop()
     assert results["packed"] == results["one-at-a-time"]
     assert all(len(t) == NEW_TOKENS for t in results["packed"])
+    forwards = packed.runner.paged.graphs
+    if DEVICE == "cuda" and attention is None and graphs is None:
+        stats = forwards.stats()
+        assert stats["disabled"] is None and stats["captures"] > 0 and stats["replays"] > stats["captures"]
+        report = os.environ.get("KVBLOCKS_CUDA_REPORT")
+        if report:
+            with open(report, "a") as f:
+                f.write(json.dumps({"test": "cuda-graphs", "arch": arch} | stats) + "\n")
+    else:
+        assert forwards is None
 
 
-def _packed(model, attention: str | None = None) -> BatchEngine:
+def _packed(model, attention: str | None = None, graphs: bool | None = None) -> BatchEngine:
     trie = KVCacheTrie.for_model(model, capacity_tokens=2048)
     generator = CachedGenerator(model, IdTokenizer(), trie)
-    return BatchEngine(generator, max_batch_size=4, max_batch_tokens=24, attention=attention)
+    return BatchEngine(
+        generator, max_batch_size=4, max_batch_tokens=24, attention=attention, cuda_graphs=graphs
+    )
 
 
 def _one_at_a_time(model) -> Engine:

@@ -9,11 +9,12 @@ No weights can be downloaded on a lent GPU machine, so the model is a Llama of t
   the same bytes.
 - ttft: a prompt of `--cached` cached + `--new` new tokens through `BatchEngine`, submit to first
   token, against the ideal: the bare model's forward of the new tokens over a cache that already
-  holds the prefix.
+  holds the prefix. On CUDA the engine replays its forwards from CUDA graphs (its default), and
+  runs again without them.
 - agents: `--agents` agents x 2 turns sharing a `--system-tokens` system prompt, each turn's prompts
-  sent as one wave, through kvblocks' packed engine (on a GPU also with cascade attention, the CPU's
-  default) and through transformers' continuous batching (`generate_batch`, paged, block sharing
-  on): requests/s, TTFT p50/p99, peak device memory.
+  sent as one wave, through kvblocks' packed engine (on a GPU also without CUDA graphs) and
+  through transformers' continuous batching (`generate_batch`, paged, block sharing on):
+  requests/s, TTFT p50/p99, peak device memory.
 - invariance: greedy tokens of requests run alone against the same requests in a busy batch, in
   `--dtype`, with and without `--batch-invariant`: requests bit-identical, greedy flips and the
   top-2 margin where each flip happened.
@@ -145,7 +146,13 @@ def device_seconds(fn, device: torch.device) -> float:
 
 
 def _engine(
-    model, capacity: int, batch: int, batch_tokens: int, invariant: bool = False, attention: str | None = None
+    model,
+    capacity: int,
+    batch: int,
+    batch_tokens: int,
+    invariant: bool = False,
+    attention: str | None = None,
+    graphs: bool | None = None,
 ):
     """A started `BatchEngine` over a fresh trie of `capacity` tokens (ids in, no tokenizer)."""
     from kvblocks import CachedGenerator, KVCacheTrie
@@ -155,7 +162,14 @@ def _engine(
     trie = KVCacheTrie.for_model(model, capacity_tokens=capacity)
     generator = CachedGenerator(model, IdTokenizer(), trie)
     sizes = {"max_active": 4 * batch, "max_batch_size": batch, "max_batch_tokens": batch_tokens}
-    return BatchEngine(generator, **sizes, invariant=invariant, attention=attention).start()
+    engine = BatchEngine(generator, **sizes, invariant=invariant, attention=attention, cuda_graphs=graphs)
+    return engine.start()
+
+
+def graph_stats(engine) -> dict:
+    """The engine's CUDA-graph counters (`GraphedForwards.stats`), {} where it replays none."""
+    forwards = engine.runner.paged.graphs
+    return forwards.stats() if forwards is not None else {}
 
 
 # ---- gather ------------------------------------------------------------------------------------
@@ -225,7 +239,9 @@ def ttft(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
     vocab = model.config.vocab_size
     rng = np.random.default_rng(3)
     prefix = random_ids(rng, vocab, args.cached)
-    engine = _engine(model, 2 * (args.cached + args.new * (args.runs + 4)), 16, args.batch_tokens)
+    capacity = 2 * (args.cached + args.new * (args.runs + 4))
+    engine = _engine(model, capacity, 16, args.batch_tokens)
+    eager = _engine(model, capacity, 16, args.batch_tokens, graphs=False) if device.type == "cuda" else None
     with torch.inference_mode():
         ready = hf.empty_cache(model.config)
         model(input_ids=torch.tensor([prefix], device=device), past_key_values=ready, use_cache=True)
@@ -240,16 +256,23 @@ def ttft(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
         hf.crop(ready, args.cached)  # back to the prefix alone (nothing copied)
         return took
 
-    def through(new: list[int]) -> float:  # a streamed reply's first piece (of two tokens)
-        call = EngineCall(engine, prefix + new, 2)
-        call.wait()
-        return call.first - call.sent
+    def through(e) -> float:  # a streamed reply's first piece (of two tokens)
+        def first(new: list[int]) -> float:
+            call = EngineCall(e, prefix + new, 2)
+            call.wait()
+            return call.first - call.sent
 
-    variants = {"ideal (prefill the new tokens only)": ideal, "BatchEngine": through}
+        return first
+
+    variants = {IDEAL: ideal, "BatchEngine": through(engine)}
+    if eager is not None:
+        variants[NO_GRAPHS] = through(eager)
     samples: dict[str, list[float]] = {name: [] for name in variants}
     phases = _Phases(engine, device)
     try:
-        EngineCall(engine, prefix, 1).wait()  # the prefix is cached
+        for e in (engine, eager):
+            if e is not None:
+                EngineCall(e, prefix, 1).wait()  # the prefix is cached
         for r in range(-2, args.runs):  # two untimed rounds first
             for name, fn in variants.items():
                 new = random_ids(rng, vocab, args.new)
@@ -262,20 +285,30 @@ def ttft(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
                     phases.keep(name == "BatchEngine", took)
     finally:
         engine.stop()
+        if eager is not None:
+            eager.stop()
     title = f"TTFT with {args.cached} cached + {args.new} new tokens against the ideal"
     params = {"cached": args.cached, "new": args.new, "runs": args.runs}
-    report = Report("gpu-ttft", title, params, samples, baseline="ideal (prefill the new tokens only)")
-    cached_vs_ideal = report.ratio("BatchEngine", "ideal (prefill the new tokens only)")
+    report = Report("gpu-ttft", title, params, samples, baseline=IDEAL)
+    cached_vs_ideal = report.ratio("BatchEngine", IDEAL)
     report.checks = [Check("TTFT cached / ideal", cached_vs_ideal, "", 1.05)]
     report.checks += [Check(f"BatchEngine {name}, median", ms, "ms") for name, ms in phases.medians().items()]
+    if eager is not None:
+        report.checks.append(Check(f"TTFT {NO_GRAPHS} / ideal", report.ratio(NO_GRAPHS, IDEAL), ""))
+    report.params["cuda_graphs"] = graph_stats(engine)
     report.notes = [
         "BatchEngine: submit to the first piece reaching the request's callback (ids, max_tokens 2, so the "
-        "reply streams), its packed forward reading the prefix from the pool in place; ideal: the bare "
+        "reply streams), its packed forward reading the prefix from the pool (on CUDA replayed from a CUDA "
+        f"graph; '{NO_GRAPHS}': launched kernel by kernel); ideal: the bare "
         "model's forward of the new tokens over a DynamicCache holding the prefix, argmax to the host "
         "(cropped back untimed); host clock, the device synchronized before each run; phases: the first "
         "admission and the first forward after submission"
     ]
     return report
+
+
+IDEAL = "ideal (prefill the new tokens only)"
+NO_GRAPHS = "BatchEngine, no CUDA graphs"
 
 
 class _Phases:
@@ -350,19 +383,25 @@ def agents(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
     variants = [("kvblocks BatchEngine", False, None)]
     if device.type == "cpu":  # invariant mode is refused off the CPU, where it does not hold
         variants.append(("kvblocks BatchEngine --batch-invariant", True, None))
-    else:  # the CPU's default attention (the system prompt read once per layer for every request)
-        variants.append(("kvblocks BatchEngine cascade attention", False, "cascade"))
-    for name, invariant, attention in variants:
-        engine = _engine(model, capacity, args.agents, args.batch_tokens, invariant, attention)
+    else:  # kernels launched one by one (before CUDA graphs)
+        variants.append(("kvblocks BatchEngine, no CUDA graphs", False, False))
+    graphs = {}
+    for name, invariant, graphed in variants:
+        engine = _engine(model, capacity, args.agents, args.batch_tokens, invariant, graphs=graphed)
         try:
             runs[name] = waves(lambda prompts, e=engine: _kvblocks_wave(e, prompts, args.reply))
+            graphs[name] = graph_stats(engine)
         finally:
             engine.stop()
     with _transformers_batching(model):
         runs[AGENTS_BASELINE] = waves(_transformers_waves(model, args.reply))
     title = f"{args.agents} agents x 2 turns sharing a {args.system_tokens}-token system prompt (TTFT per request)"
     params = {"agents": args.agents, "system_tokens": args.system_tokens, "user_tokens": args.user_tokens}
-    params |= {"reply": args.reply, "kvblocks_pool_tokens": capacity}
+    params |= {
+        "reply": args.reply,
+        "kvblocks_pool_tokens": capacity,
+        "cuda_graphs": graphs["kvblocks BatchEngine"],
+    }
     samples = {name: run[1] for name, run in runs.items()}
     report = Report("gpu-agents", title, params, samples, baseline=AGENTS_BASELINE)
     report.checks = agents_checks(runs, 2 * args.agents)
@@ -387,7 +426,7 @@ def agents_checks(runs: dict[str, tuple[float, list[float], int]], requests: int
     checks = [Check(f"{name} requests/s", rps[name], "req/s") for name in runs]
     for name in runs:
         if name != AGENTS_BASELINE:
-            short = name.removeprefix("kvblocks BatchEngine").strip() or "default"
+            short = name.removeprefix("kvblocks BatchEngine").strip(" ,") or "default"
             vs = f"kvblocks ({short}) / transformers CB"
             checks += [
                 Check(f"requests/s {vs}", rps[name] / rps[AGENTS_BASELINE], "", 2.0, True),

@@ -155,6 +155,13 @@ def batch_invariant(args: argparse.Namespace) -> bool:
     return on_cpu if args.batch_invariant is None else args.batch_invariant
 
 
+def cuda_graphs(args: argparse.Namespace) -> bool | None:
+    """--cuda-graphs as given (refused off CUDA), else None: the engine's default."""
+    if args.cuda_graphs and args.device.split(":")[0] != "cuda":
+        raise UserError(f"--cuda-graphs needs a CUDA device, not --device {args.device}; drop the flag")
+    return args.cuda_graphs
+
+
 def batch_size(args: argparse.Namespace) -> int:
     return DEFAULT_BATCH_SIZE if args.max_batch_size is None else args.max_batch_size
 
@@ -191,6 +198,7 @@ def build_engine(args: argparse.Namespace, gen, keys=None):
         max_batch_tokens=args.max_batch_tokens,
         full_batch_tokens=args.full_batch_tokens,
         invariant=batch_invariant(args),
+        cuda_graphs=cuda_graphs(args),
         **room,
     )
 
@@ -393,6 +401,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(
             f"{exc}{'; or pass --no-batch-invariant' if 'invariant' in str(exc) else ''}"
         ) from exc
+    cuda_graphs(args)  # refused off CUDA before the model loads
     if args.otlp_traces_endpoint:
         from kvblocks.telemetry import tracing
 
@@ -728,6 +737,14 @@ def build_parser() -> argparse.ArgumentParser:
         "both modes read a shared system prompt once per layer for all requests (cascade attention), "
         "the invariant one in blocks cut at fixed positions: --no-batch-invariant cuts exactly where the "
         "shared prompt ends, about 1.1-1.2x faster decode under agents sharing a long prompt)",
+    )
+    sv.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --max-batch-size above 1 on a CUDA device: replay packed forwards of up to 256 rows "
+        "(decode steps, short prompts) from CUDA graphs captured once per padded shape, instead of "
+        "launching each kernel from Python (default on with --device cuda; refused elsewhere)",
     )
     sv.add_argument(
         "--max-waiting",

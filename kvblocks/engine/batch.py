@@ -66,6 +66,7 @@ class BatchEngine(Engine):
         limits: RoomLimits | None = None,
         limits_of: LimitsOf = no_limits,
         attention: str | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         cache = generator.cache
         if cache is None or not paged.supports(generator.model):
@@ -77,8 +78,11 @@ class BatchEngine(Engine):
             raise ValueError(
                 f"the batched engine runs per-token decoding or speculative rounds, not {type(generator)}"
             )
-        scratch = cache.reserve(paged.MIN_ROWS - 1) if invariant else None  # held for the engine's life
-        runner = PackedRunner(generator.model, cache.pool, invariant, chunk, scratch, attention)
+        if cuda_graphs is None:  # on CUDA with its default attention (`kvblocks.engine.graphs`)
+            cuda_graphs = paged.graphs_default(cache.pool.device, invariant, attention in (None, "grouped"))
+        need = paged.scratch_slots(invariant, cuda_graphs)
+        scratch = cache.reserve(need) if need else None  # held for the engine's life
+        runner = PackedRunner(generator.model, cache.pool, invariant, chunk, scratch, attention, cuda_graphs)
         batch = BatchLimits(
             max_batch_size,
             max_batch_tokens,

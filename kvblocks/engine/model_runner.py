@@ -28,16 +28,17 @@ class PackedRunner:
         chunk: int,
         scratch: np.ndarray | None,
         attention: str | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.paged = paged.PagedRunner(
-            model, pool, invariant, chunk, scratch, **paged.attention_mode(attention)
+            model, pool, invariant, chunk, scratch, **paged.attention_mode(attention), cuda_graphs=cuda_graphs
         )
         self.invariant = invariant
         self.chunk = chunk
 
     @property
     def scratch(self) -> np.ndarray:
-        """The slots of batch-invariant padding rows (held for the runner's life)."""
+        """The slots of padding rows (batch-invariant or CUDA graphs), held for the runner's life."""
         return self.paged.scratch
 
     def forward(self, segments: list[paged.Segment]) -> list[torch.Tensor]:

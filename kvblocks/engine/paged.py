@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from kvblocks.cache.pool import KVPool
+from kvblocks.engine import graphs
 from kvblocks.engine.head import PackedHead, scope
 
 NAME = "kvblocks_paged"
@@ -592,7 +593,7 @@ def _paged_attention(
     softcap: float | None = None,
     **kwargs,
 ):
-    batch: PagedBatch | None = kwargs.pop(NAME, None)
+    batch: PagedBatch | graphs.StaticBatch | None = kwargs.pop(NAME, None)
     if batch is None:  # an ordinary forward: the model's own implementation, same arguments
         if sliding_window is not None:
             kwargs["sliding_window"] = sliding_window
@@ -609,9 +610,11 @@ def _paged_attention(
     pool = batch.pool
     if pool.layers[layer] is None:
         raise NotImplementedError(f"layer {layer} keeps no KV in the pool")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(batch, graphs.StaticBatch):  # a graphed forward's fixed layout
+        return batch.attend(pool.layers[layer], query, key, value, scale, sliding_window, softcap), None
     new = torch.stack((key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1)  # [T, 2, Hkv, D]
     pool.layers[layer].index_copy_(0, batch.write_index, new.to(pool.dtype))
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     groups = query.shape[1] // key.shape[1]
     if isinstance(batch.cascade, Blocks) and sliding_window is None and softcap is None:
         return _blocks_attention(pool.layers[layer], query, batch, scale, groups)[None], None
@@ -966,6 +969,18 @@ def probe_blocks_invariance(device: torch.device | str, dtype: torch.dtype, dim:
 ATTENTION_MODES = ("cascade", "grouped", "per-segment")
 
 
+def graphs_default(device: torch.device, invariant: bool, grouped: bool | None = None) -> bool:
+    """Whether packed forwards replay CUDA graphs by default: on CUDA, with the device's default
+    (grouped) attention, not batch-invariant."""
+    return device.type == "cuda" and not invariant and grouped is not False
+
+
+def scratch_slots(invariant: bool, cuda_graphs: bool) -> int:
+    """Pool slots a `PagedRunner` holds for padding rows' K/V: `MIN_ROWS - 1` batch-invariant, 1
+    for CUDA graphs, else none."""
+    return MIN_ROWS - 1 if invariant else int(cuda_graphs)
+
+
 def attention_mode(name: str | None) -> dict[str, bool]:
     """`PagedRunner`'s `grouped` / `cascade` for an attention mode by name; None: the device's default
     (grouped on CUDA, cascade elsewhere, one call per request when batch-invariant)."""
@@ -999,6 +1014,7 @@ class PagedRunner:
         cascade_min: int = CASCADE_MIN_RUN,
         cascade_blocks: Sequence[int] | None = None,
         packed_head: bool = True,
+        cuda_graphs: bool | None = None,
     ) -> None:
         install(model)
         if invariant and pool.device.type != "cpu":
@@ -1041,11 +1057,18 @@ class PagedRunner:
         for size in sorted(cascade_blocks or CASCADE_BLOCKS):
             sizes.append(-(-size // sizes[-1]) * sizes[-1])
         self.cascade_blocks = sorted(set(sizes[1:]), reverse=True) if invariant and cascade else None
+        # CUDA graphs (`kvblocks.engine.graphs`): the default with grouped attention on CUDA
+        if cuda_graphs is None:
+            cuda_graphs = graphs_default(pool.device, invariant, self.grouped and not self.cascade)
+        if cuda_graphs and (invariant or pool.device.type != "cuda"):
+            raise ValueError("CUDA graphs run on a CUDA device and not in batch-invariant mode")
         self.scratch = np.zeros(0, dtype=np.int32)  # slots of the padding rows' K/V
-        if invariant:
-            self.scratch = pool.alloc(MIN_ROWS - 1) if scratch is None else scratch
-            if len(self.scratch) < MIN_ROWS - 1:
-                raise ValueError(f"batch-invariant forwards need {MIN_ROWS - 1} scratch slots")
+        need = scratch_slots(invariant, cuda_graphs)
+        if need:
+            self.scratch = pool.alloc(need) if scratch is None else scratch
+            if len(self.scratch) < need:
+                raise ValueError(f"these forwards need {need} scratch slots, got {len(self.scratch)}")
+        self.graphs = graphs.GraphedForwards(model, pool, int(self.scratch[0])) if cuda_graphs else None
         # the output head's weight reordered once for oneDNN (CPU, float32, where its probe holds)
         self.head = PackedHead.of(model) if packed_head else None
         self.lock = threading.Lock()
@@ -1054,6 +1077,11 @@ class PagedRunner:
     def forward(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
         """Run the segments' new tokens as one forward; their K/V land in their slots. Returns each
         segment's logits `[keep, vocab]`."""
+        if self.graphs is not None:
+            with self.lock, scope(self.head):
+                out = self.graphs.forward(segments)
+            if out is not None:
+                return out
         real = len(segments)
         pad = MIN_ROWS - sum(s.keep for s in segments) if self.invariant else 0
         if pad > 0:  # rows of token 0 in scratch slots: every matrix product gets MIN_ROWS rows or more
