@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -209,15 +210,19 @@ class GraphedForwards:
         self.disabled: str | None = None  # why forwards run eagerly from now on
         self._entries: OrderedDict[Layout, _Entry] = OrderedDict()
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._stream: torch.cuda.Stream | None = None  # where layouts are warmed up and captured
         heads = model.config.num_attention_heads
         self._groups = heads // (getattr(model.config, "num_key_value_heads", None) or heads)
         self._lock = threading.Lock()
         self.counts = {"replays": 0, "captures": 0, "evictions": 0, "eager": 0}
+        self.capture_seconds = 0.0  # host time spent warming up and capturing layouts
 
     def stats(self) -> dict:
-        """Replays, captures, evictions, forwards left eager, graphs held and why graphs are off."""
+        """Replays, captures (and the seconds they took), evictions, forwards left eager, graphs
+        held and why graphs are off."""
         with self._lock:
-            return self.counts | {"graphs": len(self._entries), "disabled": self.disabled}
+            held = {"graphs": len(self._entries), "capture_seconds": round(self.capture_seconds, 4)}
+            return self.counts | held | {"disabled": self.disabled}
 
     def forward(self, segments: Sequence) -> list[torch.Tensor] | None:
         from kvblocks.engine.paged import NAME
@@ -249,6 +254,7 @@ class GraphedForwards:
             return out.logits[0]
 
         if layout not in self._entries:
+            start = time.perf_counter()
             try:
                 self._capture(entry, run)
             except Exception as exc:  # a capture that cannot work here: eager from now on, said once
@@ -256,6 +262,7 @@ class GraphedForwards:
                 log.warning("CUDA graphs are off for this model: %s", self.disabled)
                 self.counts["eager"] += 1
                 return None
+            self.capture_seconds += time.perf_counter() - start
             with self._lock:
                 self._entries[layout] = entry
                 if len(self._entries) > self.max_graphs:
@@ -280,13 +287,21 @@ class GraphedForwards:
             return
         device = self.pool.device
         with torch.cuda.device(device):
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            current = torch.cuda.current_stream(device)
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):
                 run()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                entry.logits = run()
+                # what `torch.cuda.graph` does without its synchronize, gc.collect() and empty_cache(),
+                # which cost a busy server tens of milliseconds per capture (the graphs share a private
+                # memory pool, so no other stream's blocks can enter it)
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=self._mempool, capture_error_mode="thread_local")
+                try:
+                    entry.logits = run()
+                finally:
+                    graph.capture_end()
+            current.wait_stream(self._stream)
         entry.graph = graph
         self.counts["captures"] += 1
