@@ -33,7 +33,9 @@ MASKED = ["mistral", "gemma2", "gemma3"]
 
 
 def graphed(runner: PagedRunner, **kwargs) -> GraphedForwards:
-    """Give `runner` graphed forwards without capture, over a scratch slot of its pool."""
+    """Give `runner` graphed forwards without capture, over a scratch slot of its pool; by default
+    every layout is taken from its first forward."""
+    kwargs = {"capture_after": 1} | kwargs
     runner.graphs = GraphedForwards(
         runner.model, runner.pool, runner.pool.alloc(1)[0], capture=False, **kwargs
     )
@@ -146,6 +148,19 @@ def test_least_recently_used_layouts_leave_first():
     assert stats["graphs"] == 2 and stats["evictions"] == 1 and stats["replays"] == 5
 
 
+def test_a_layout_is_captured_when_it_recurs_and_a_one_off_runs_eagerly():
+    model = tiny_model("llama", torch.float32)
+    pool = KVPool(KVLayout(torch.float32, tuple(hf.describe_layers(model))), 2048, "cpu")
+    runner = PagedRunner(model, pool, cascade=False)
+    forwards = graphed(runner, capture_after=2)
+    slots = pool.alloc(1000)
+    runner.forward([Segment([1] * 40, slots[:40])])  # a one-off prompt: eager, no capture
+    for total in range(41, 46):  # decodes: the first eager, then captured and replayed
+        runner.forward([Segment([1], slots[:total])])
+    stats = forwards.stats()
+    assert stats["eager"] == 2 and stats["captures"] == 0 and stats["graphs"] == 1 and stats["replays"] == 4
+
+
 def test_cuda_graphs_are_refused_off_cuda_and_in_batch_invariant_mode():
     model = tiny_model("llama", torch.float32)
     pool = KVPool(KVLayout(torch.float32, tuple(hf.describe_layers(model))), 256, "cpu")
@@ -169,7 +184,7 @@ def test_batch_engine_through_graphed_forwards_gives_one_request_at_a_time_token
     engine = BatchEngine(CachedGenerator(model, IdTokenizer(), trie), max_batch_size=4, max_batch_tokens=24)
     scratch = trie.reserve(1)
     runner = engine.runner.paged
-    runner.graphs = GraphedForwards(model, trie.pool, int(scratch[0]), capture=False)
+    runner.graphs = GraphedForwards(model, trie.pool, int(scratch[0]), capture=False, capture_after=1)
     engine.start()
     try:
         got = [r["tokens"] for r in run_all(engine, prompts_, params)]

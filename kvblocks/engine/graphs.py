@@ -50,6 +50,8 @@ KEY_STEP = 256  # keys are padded to a multiple of this
 PAD_SLACK = 16  # a layout may pad a forward to twice its rows plus this many
 MAX_ROWS = 256  # forwards of more rows are compute-bound: they run eagerly, unpadded
 MAX_GRAPHS = 32
+CAPTURE_AFTER = 2  # a layout is captured the second time a forward takes it; eager before that
+SEEN = 256
 MAX_MASK_ELEMENTS = 1 << 26  # a layout's additive mask, `G * groups * W * L` elements
 _FAR = 1 << 40  # the position of a padding key: after every row, so masked for all of them
 
@@ -198,6 +200,7 @@ class GraphedForwards:
         capture: bool | None = None,
         max_graphs: int = MAX_GRAPHS,
         max_rows: int = MAX_ROWS,
+        capture_after: int = CAPTURE_AFTER,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -207,6 +210,8 @@ class GraphedForwards:
             raise ValueError(f"CUDA graphs need a CUDA device, not {pool.device}")
         self.max_graphs = max_graphs
         self.max_rows = max_rows
+        self.capture_after = capture_after
+        self._seen: OrderedDict[Layout, int] = OrderedDict()  # uncaptured layouts: forwards so far
         self.disabled: str | None = None  # why forwards run eagerly from now on
         self._entries: OrderedDict[Layout, _Entry] = OrderedDict()
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -216,12 +221,14 @@ class GraphedForwards:
         self._lock = threading.Lock()
         self.counts = {"replays": 0, "captures": 0, "evictions": 0, "eager": 0}
         self.capture_seconds = 0.0  # host time spent warming up and capturing layouts
+        self.warmup_seconds = 0.0  # of which the warm-up forwards
 
     def stats(self) -> dict:
         """Replays, captures (and the seconds they took), evictions, forwards left eager, graphs
         held and why graphs are off."""
         with self._lock:
             held = {"graphs": len(self._entries), "capture_seconds": round(self.capture_seconds, 4)}
+            held["warmup_seconds"] = round(self.warmup_seconds, 4)
             return self.counts | held | {"disabled": self.disabled}
 
     def forward(self, segments: Sequence) -> list[torch.Tensor] | None:
@@ -232,10 +239,12 @@ class GraphedForwards:
             g, w, length = layout.segments, layout.width, layout.length
             if g * self._groups * w * length > MAX_MASK_ELEMENTS:
                 layout = None
+        entry = self._entries.get(layout) if layout is not None else None
+        if entry is None and layout is not None and not self._recurs(layout):
+            layout = None  # seen too few times yet to be worth a capture
         if layout is None:
             self.counts["eager"] += 1
             return None
-        entry = self._entries.get(layout)
         if entry is None:
             entry = _Entry(self.pool, layout)
         entry.fill(segments, self.scratch)
@@ -279,6 +288,18 @@ class GraphedForwards:
         k = layout.keep
         return [logits[i * k : i * k + s.keep] for i, s in enumerate(segments)]
 
+    def _recurs(self, layout: Layout) -> bool:
+        """Count a forward of an uncaptured `layout`: True once it has come `capture_after` times
+        (of the last `SEEN` uncaptured layouts), so that a one-off batch (a wave of prompts) runs
+        eagerly instead of waiting for a capture, and what repeats (decode steps) is captured."""
+        seen = self._seen.pop(layout, 0) + 1
+        if seen >= self.capture_after:
+            return True
+        self._seen[layout] = seen
+        if len(self._seen) > SEEN:
+            self._seen.popitem(last=False)
+        return False
+
     def _capture(self, entry: _Entry, run) -> None:
         """Warm the layout's forward up on a side stream (lazy initialisation stays out of the graph),
         then capture it; without capture, only check that it runs."""
@@ -292,7 +313,9 @@ class GraphedForwards:
             current = torch.cuda.current_stream(device)
             self._stream.wait_stream(current)
             with torch.cuda.stream(self._stream):
+                start = time.perf_counter()
                 run()
+                self.warmup_seconds += time.perf_counter() - start
                 # what `torch.cuda.graph` does without its synchronize, gc.collect() and empty_cache(),
                 # which cost a busy server tens of milliseconds per capture (the graphs share a private
                 # memory pool, so no other stream's blocks can enter it)
