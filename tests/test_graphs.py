@@ -200,3 +200,36 @@ def test_batch_engine_through_graphed_forwards_gives_one_request_at_a_time_token
     stats = runner.graphs.stats()
     assert stats["replays"] > 0 and stats["disabled"] is None
     assert graphs.MAX_GRAPHS >= stats["graphs"] > 1
+
+
+def test_kvblocks_stats_shows_cuda_graph_counters():
+    from rich.console import Console
+
+    from kvblocks.cli.client import _rates, _stats_table
+
+    graphs_ = {"replays": 90, "captures": 3, "evictions": 0, "eager": 14, "graphs": 3}
+    graphs_ |= {"capture_seconds": 0.3, "warmup_seconds": 0.2, "disabled": None}
+    now = {
+        "model": "m",
+        "engine": {"active": 1, "queued": 0, "cuda_graphs": graphs_},
+        "cache": {"capacity_tokens": 8},
+    }
+    console = Console(width=160, record=True)
+    console.print(_stats_table(now, _rates(now, None), "t"))
+    assert "90 / 14 (3 captured, 3 held)" in console.export_text()
+    now["engine"]["cuda_graphs"] = graphs_ | {"disabled": "NotImplementedError: windows"}
+    console.print(_stats_table(now, _rates(now, None), "t"))
+    assert "off: NotImplementedError: windows" in console.export_text()
+
+
+def test_serve_refuses_cuda_graphs_off_cuda_by_name():
+    import argparse
+
+    from kvblocks.cli.commands import cuda_graphs
+    from kvblocks.errors import UserError
+
+    with pytest.raises(UserError, match="--cuda-graphs needs a CUDA device, not --device cpu"):
+        cuda_graphs(argparse.Namespace(cuda_graphs=True, device="cpu"))
+    assert cuda_graphs(argparse.Namespace(cuda_graphs=False, device="cpu")) is False
+    assert cuda_graphs(argparse.Namespace(cuda_graphs=None, device="cuda:0")) is None
+    assert cuda_graphs(argparse.Namespace(cuda_graphs=True, device="cuda")) is True

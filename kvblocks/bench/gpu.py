@@ -168,8 +168,7 @@ def _engine(
 
 def graph_stats(engine) -> dict:
     """The engine's CUDA-graph counters (`GraphedForwards.stats`), {} where it replays none."""
-    forwards = engine.runner.paged.graphs
-    return forwards.stats() if forwards is not None else {}
+    return engine.graph_stats() or {}
 
 
 # ---- gather ------------------------------------------------------------------------------------

@@ -179,6 +179,13 @@ def _stats_table(now: dict, r: dict, title: str):
     else:
         engine = now.get("engine", {})
         t.add_row("engine active / queued", f"{engine.get('active', 0)} / {engine.get('queued', 0)}")
+        graphs = engine.get("cuda_graphs")
+        if graphs is not None:  # a CUDA device's packed forwards
+            state = f"off: {graphs['disabled']}" if graphs["disabled"] else f"{graphs['graphs']} held"
+            t.add_row(
+                "CUDA graphs replays / eager forwards",
+                f"{graphs['replays']:,} / {graphs['eager']:,} ({graphs['captures']} captured, {state})",
+            )
     return t
 
 

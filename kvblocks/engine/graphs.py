@@ -215,7 +215,6 @@ class GraphedForwards:
         self.disabled: str | None = None  # why forwards run eagerly from now on
         self._entries: OrderedDict[Layout, _Entry] = OrderedDict()
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
-        self._stream: torch.cuda.Stream | None = None  # where layouts are warmed up and captured
         heads = model.config.num_attention_heads
         self._groups = heads // (getattr(model.config, "num_key_value_heads", None) or heads)
         self._lock = threading.Lock()
@@ -308,23 +307,15 @@ class GraphedForwards:
             return
         device = self.pool.device
         with torch.cuda.device(device):
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device)
-            current = torch.cuda.current_stream(device)
-            self._stream.wait_stream(current)
-            with torch.cuda.stream(self._stream):
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
                 start = time.perf_counter()
                 run()
                 self.warmup_seconds += time.perf_counter() - start
-                # what `torch.cuda.graph` does without its synchronize, gc.collect() and empty_cache(),
-                # which cost a busy server tens of milliseconds per capture (the graphs share a private
-                # memory pool, so no other stream's blocks can enter it)
-                graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(pool=self._mempool, capture_error_mode="thread_local")
-                try:
-                    entry.logits = run()
-                finally:
-                    graph.capture_end()
-            current.wait_stream(self._stream)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                entry.logits = run()
         entry.graph = graph
         self.counts["captures"] += 1

@@ -131,6 +131,12 @@ class Engine:
     def active(self) -> int:
         return len(self._running) + len(self.serial.active)
 
+    def graph_stats(self) -> dict | None:
+        """The packed runner's CUDA-graph counters (`GraphedForwards.stats`); None where its forwards
+        replay no graphs (serial engine, CPU, batch-invariant, other attention modes, --no-cuda-graphs)."""
+        graphs = self.runner.paged.graphs if self.runner is not None else None
+        return graphs.stats() if graphs is not None else None
+
     @property
     def _running(self) -> list[Sequence]:
         return self.scheduler.running if self.scheduler is not None else []

@@ -138,7 +138,11 @@ async def cache_stats(request: Request):
     return {
         "model": s.config.model_name,
         "uptime_s": time.time() - s.started,
-        "engine": {"active": s.engine.active, "queued": s.engine.queued},
+        "engine": {
+            "active": s.engine.active,
+            "queued": s.engine.queued,
+            "cuda_graphs": s.engine.graph_stats(),
+        },
         "cache": stats,
         "counters": s.engine.metrics.counters,
     }
