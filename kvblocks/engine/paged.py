@@ -12,7 +12,9 @@ attends causally, within the window on windowed layers (SDPA with grouped heads;
 gemma2 soft-caps). On a GPU a call per segment is launch-bound, so there (`PagedRunner(grouped=...)`,
 by default on CUDA unless batch-invariant) the segments of at most `GROUP_MAX_TOKENS` new tokens
 (decodes) share one SDPA call per layer over their slot lists padded to one batch, and only longer
-ones (prefill chunks) keep a call each. Nothing is copied per request between steps and no cache
+ones (prefill chunks) keep a call each; and by default there a forward of at most 256 rows is padded
+to a fixed layout and replayed from a CUDA graph (`kvblocks.engine.graphs`, `PagedRunner(cuda_graphs=
+...)`), which launches its kernels at once. Nothing is copied per request between steps and no cache
 grows by `torch.cat`: a request's KV is its slot list, the shared prefix's slots included, exactly
 as the trie holds them.
 
@@ -1000,7 +1002,9 @@ class PagedRunner:
     `invariant`, cut into `cascade_blocks` at fixed positions where `probe_blocks_invariance` holds,
     else one call per request), `grouped` (the CUDA default), or neither (one call per request).
     `packed_head`: the output head runs on a weight reordered once for oneDNN where that is
-    possible (`kvblocks.engine.head`)."""
+    possible (`kvblocks.engine.head`). `cuda_graphs` (default: on CUDA with grouped attention, not
+    batch-invariant): forwards that fit a layout replay CUDA graphs (`kvblocks.engine.graphs`),
+    their padding rows writing to one scratch slot (taken from the pool when `scratch` is not given)."""
 
     def __init__(
         self,
