@@ -233,3 +233,38 @@ def test_serve_refuses_cuda_graphs_off_cuda_by_name():
     assert cuda_graphs(argparse.Namespace(cuda_graphs=False, device="cpu")) is False
     assert cuda_graphs(argparse.Namespace(cuda_graphs=None, device="cuda:0")) is None
     assert cuda_graphs(argparse.Namespace(cuda_graphs=True, device="cuda")) is True
+
+
+def test_speculative_rounds_through_graphed_forwards_match_the_one_request_path():
+    """Draft/verify rounds keep every row's logits: layouts keep that many rows per segment."""
+    from test_batch_engine import summary
+
+    from kvblocks.specdec import SpeculativeGenerator
+    from kvblocks.specdec.drafters import PromptLookupDrafter
+
+    model = tiny_model("llama", torch.float64)
+    prompts_ = [p * 2 for p in workload(seed=9)]  # repeats: the lookup drafter finds something
+    params = [GenerationParams(max_new_tokens=12)] * 4 + [
+        GenerationParams(max_new_tokens=12, temperature=0.8, seed=5)
+    ]
+    prompts_ = prompts_[: len(params)]
+
+    def generator(cache):
+        return SpeculativeGenerator(
+            model, IdTokenizer(), cache, PromptLookupDrafter(), gamma=3, adaptive=True
+        )
+
+    one = Engine(generator(KVCacheTrie.for_model(model, capacity_tokens=4096))).start()
+    trie = KVCacheTrie.for_model(model, capacity_tokens=1024)
+    batched = BatchEngine(generator(trie), max_batch_size=6, max_batch_tokens=80)
+    runner = batched.runner.paged
+    runner.graphs = GraphedForwards(model, trie.pool, int(trie.reserve(1)[0]), capture=False, capture_after=1)
+    batched.start()
+    try:
+        assert summary(run_all(batched, prompts_, params)) == summary(run_all(one, prompts_, params))
+    finally:
+        batched.stop()
+        one.stop()
+    stats = runner.graphs.stats()
+    assert stats["replays"] > 0 and stats["disabled"] is None
+    assert any(layout.keep > 1 for layout in runner.graphs._entries)  # verify rounds were replayed
