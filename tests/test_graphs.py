@@ -59,34 +59,31 @@ def test_layouts_pad_to_buckets_and_refuse_what_padding_would_waste():
 def test_graphed_forwards_equal_one_request_at_a_time_in_float64(arch, monkeypatch):
     """test_paged's schedule (chunked prompts, a prefix shared by slots, decodes beside prefills)
     with every forward through the padded layout."""
+    stats = _schedule_against_solo(arch, monkeypatch)
+    assert stats["disabled"] is None and stats["eager"] == 0 and stats["replays"] >= 3 + DECODE
+
+
+@pytest.mark.parametrize("arch", MASKED)
+def test_windowed_or_soft_capped_models_fall_back_to_eager_and_say_why(arch, monkeypatch):
+    stats = _schedule_against_solo(arch, monkeypatch)
+    assert "sliding-window or soft-capped" in stats["disabled"]
+    assert stats["replays"] == 0 and stats["graphs"] == 0 and stats["eager"] >= 3 + DECODE
+
+
+def _schedule_against_solo(arch: str, monkeypatch) -> dict:
+    """test_paged's schedule with the runner's forwards graphed (no capture): every request's logits
+    within 1e-10 of its solo run in float64. Returns the graphed forwards' stats."""
     model = tiny_model(arch, torch.float64)
     made = []
     monkeypatch.setattr(paged.PagedRunner, "forward", _graphed_forward(made))
     ps = prompts()
     rows, tokens = packed(model, ps, "per-segment")
-    stats = made[0].stats()
-    assert stats["disabled"] is None and stats["eager"] == 0 and stats["replays"] >= 3 + DECODE
     for i, p in enumerate(ps):
         ref_rows, ref_tokens = solo(model, p)
         assert tokens[i] == ref_tokens, (arch, i)
         worst = max(float((a - b).abs().max()) for a, b in zip(rows[i], ref_rows))
         assert worst < 1e-10, (arch, i, worst)
-
-
-@pytest.mark.parametrize("arch", MASKED)
-def test_windowed_or_soft_capped_models_fall_back_to_eager_and_say_why(arch, monkeypatch):
-    model = tiny_model(arch, torch.float64)
-    made = []
-    monkeypatch.setattr(paged.PagedRunner, "forward", _graphed_forward(made))
-    ps = prompts()
-    rows, tokens = packed(model, ps, "per-segment")
-    stats = made[0].stats()
-    assert "sliding-window or soft-capped" in stats["disabled"]
-    assert stats["replays"] == 0 and stats["graphs"] == 0 and stats["eager"] >= 3 + DECODE
-    for i, p in enumerate(ps):
-        ref_rows, ref_tokens = solo(model, p)
-        assert tokens[i] == ref_tokens
-        assert max(float((a - b).abs().max()) for a, b in zip(rows[i], ref_rows)) < 1e-10
+    return made[0].stats()
 
 
 def _graphed_forward(made: list):
@@ -136,12 +133,16 @@ def _same_slots(pools: list[KVPool], n: int) -> np.ndarray:
     return got[0]
 
 
-def test_least_recently_used_layouts_leave_first():
+def _llama_runner(**kwargs) -> tuple[PagedRunner, GraphedForwards, np.ndarray]:
+    """A float32 llama's runner with graphed forwards (`graphed(**kwargs)`) and 1,200 slots of its pool."""
     model = tiny_model("llama", torch.float32)
     pool = KVPool(KVLayout(torch.float32, tuple(hf.describe_layers(model))), 2048, "cpu")
     runner = PagedRunner(model, pool, cascade=False)
-    forwards = graphed(runner, max_graphs=2)
-    slots = pool.alloc(1200)
+    return runner, graphed(runner, **kwargs), pool.alloc(1200)
+
+
+def test_least_recently_used_layouts_leave_first():
+    runner, forwards, slots = _llama_runner(max_graphs=2)
     for total in (100, 400, 100, 700, 100):  # key buckets 256, 512, 256, 768, 256
         runner.forward([Segment([1], slots[:total])])
     stats = forwards.stats()
@@ -149,11 +150,7 @@ def test_least_recently_used_layouts_leave_first():
 
 
 def test_a_layout_is_captured_when_it_recurs_and_a_one_off_runs_eagerly():
-    model = tiny_model("llama", torch.float32)
-    pool = KVPool(KVLayout(torch.float32, tuple(hf.describe_layers(model))), 2048, "cpu")
-    runner = PagedRunner(model, pool, cascade=False)
-    forwards = graphed(runner, capture_after=2)
-    slots = pool.alloc(1000)
+    runner, forwards, slots = _llama_runner(capture_after=2)
     runner.forward([Segment([1] * 40, slots[:40])])  # a one-off prompt: eager, no capture
     for total in range(41, 46):  # decodes: the first eager, then captured and replayed
         runner.forward([Segment([1], slots[:total])])
