@@ -46,6 +46,8 @@ from kvblocks.cache.pool import KVPool
 
 log = logging.getLogger(__name__)
 
+# the keyword under which `paged._paged_attention` finds a packed forward's batch (`paged.NAME`)
+BATCH_KEYWORD = "kvblocks_paged"
 KEY_STEP = 256  # keys are padded to a multiple of this
 PAD_SLACK = 16  # a layout may pad a forward to twice its rows plus this many
 MAX_ROWS = 256  # forwards of more rows are compute-bound: they run eagerly, unpadded
@@ -231,8 +233,6 @@ class GraphedForwards:
             return self.counts | held | {"disabled": self.disabled}
 
     def forward(self, segments: Sequence) -> list[torch.Tensor] | None:
-        from kvblocks.engine.paged import NAME
-
         layout = None if self.disabled else bucket(segments, self.max_rows)
         if layout is not None:
             g, w, length = layout.segments, layout.width, layout.length
@@ -257,7 +257,7 @@ class GraphedForwards:
                 position_ids=positions,
                 use_cache=False,
                 logits_to_keep=batch.keep,
-                **{NAME: batch},
+                **{BATCH_KEYWORD: batch},
             )
             return out.logits[0]
 

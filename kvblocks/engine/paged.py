@@ -76,7 +76,7 @@ from kvblocks.cache.pool import KVPool
 from kvblocks.engine import graphs
 from kvblocks.engine.head import PackedHead, scope
 
-NAME = "kvblocks_paged"
+NAME = graphs.BATCH_KEYWORD  # the keyword a packed forward's batch travels under to every layer
 ATTENTION_RANGE = "kvblocks.attention"  # the profiler range around every call of `paged_attention`
 # Model types whose packed forward is tested equal to one request at a time (tests/test_paged.py).
 SUPPORTED = frozenset(
