@@ -255,7 +255,7 @@ def ttft(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
         hf.crop(ready, args.cached)  # back to the prefix alone (nothing copied)
         return took
 
-    def through(e) -> float:  # a streamed reply's first piece (of two tokens)
+    def through(e):  # an engine's TTFT: a streamed reply's first piece (of two tokens)
         def first(new: list[int]) -> float:
             call = EngineCall(e, prefix + new, 2)
             call.wait()
