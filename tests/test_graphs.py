@@ -53,6 +53,8 @@ def test_layouts_pad_to_buckets_and_refuse_what_padding_would_waste():
     assert bucket([seg(64, 100)] + [seg(1, 100)] * 15) is None  # a prefill chunk beside decodes
     assert bucket([seg(300, 300)]) is None  # compute-bound: more than MAX_ROWS rows
     assert bucket([seg(100, 100)], max_rows=64) is None
+    assert bucket([seg(1, 1 << 20)] * 16, groups=8) is None  # a mask of 16 x 8 x 2^20 elements
+    assert bucket([seg(1, 1 << 19)] * 16, groups=8) is not None
 
 
 @pytest.mark.parametrize("arch", PLAIN)

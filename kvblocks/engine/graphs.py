@@ -77,9 +77,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def bucket(segments: Sequence, max_rows: int = MAX_ROWS) -> Layout | None:
+def bucket(segments: Sequence, max_rows: int = MAX_ROWS, groups: int = 1) -> Layout | None:
     """The layout a forward of `segments` (`paged.Segment`) is padded to, or None where padding would
-    cost more than launching its kernels one by one."""
+    cost more than launching its kernels one by one, or where its mask (`groups` query heads per K/V
+    head) would exceed `MAX_MASK_ELEMENTS`."""
     real = sum(len(s.token_ids) for s in segments)
     n = len(segments)
     layout = Layout(
@@ -89,6 +90,8 @@ def bucket(segments: Sequence, max_rows: int = MAX_ROWS) -> Layout | None:
         keep=max(s.keep for s in segments),
     )
     if layout.rows > max_rows or layout.rows > 2 * real + PAD_SLACK:
+        return None
+    if layout.rows * groups * layout.length > MAX_MASK_ELEMENTS:
         return None
     return layout
 
@@ -233,11 +236,7 @@ class GraphedForwards:
             return self.counts | held | {"disabled": self.disabled}
 
     def forward(self, segments: Sequence) -> list[torch.Tensor] | None:
-        layout = None if self.disabled else bucket(segments, self.max_rows)
-        if layout is not None:
-            g, w, length = layout.segments, layout.width, layout.length
-            if g * self._groups * w * length > MAX_MASK_ELEMENTS:
-                layout = None
+        layout = None if self.disabled else bucket(segments, self.max_rows, self._groups)
         entry = self._entries.get(layout) if layout is not None else None
         if entry is None and layout is not None and not self._recurs(layout):
             layout = None  # seen too few times yet to be worth a capture
