@@ -140,13 +140,25 @@ class StaticBatch:
         new = torch.stack((key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1)  # [T, 2, Hkv, D]
         pool_layer.index_copy_(0, self.writes, new.to(pool_layer.dtype))
         g, w = self.layout.segments, self.layout.width
-        heads, dim, kv_heads = query.shape[1], query.shape[3], key.shape[1]
-        groups = heads // kv_heads
-        kv = pool_layer[self.reads].to(query.dtype)  # [G, L, 2, Hkv, D]
-        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [G, Hkv, L, D]
-        q = query[0].view(heads, g, w, dim).transpose(0, 1).reshape(g, kv_heads, groups * w, dim)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias(groups, query.dtype), scale=scale)
-        return o.reshape(g, heads, w, dim).transpose(1, 2).reshape(1, g * w, heads, dim)
+        heads, dim = query.shape[1], query.shape[3]
+        q = query[0].view(heads, g, w, dim).transpose(0, 1)
+        bias = self.bias(heads // key.shape[1], query.dtype)
+        return padded_attention(pool_layer, q, self.reads, bias, scale).reshape(1, g * w, heads, dim)
+
+
+def padded_attention(
+    pool_layer: torch.Tensor, q: torch.Tensor, reads: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`q [G, Hq, W, D]` over the pool slots `reads [G, L]` in one SDPA call: `[G, W, Hq, D]`. The
+    query heads that share a K/V head are stacked along the rows (row `j * W + i` is head `j` of
+    its group, row `i`), so no K/V is repeated per head and SDPA needs no GQA support (its
+    memory-efficient CUDA kernel takes a mask but not `enable_gqa`); `mask` broadcasts to `[G, Hkv,
+    groups * W, L]` (boolean or additive)."""
+    g, heads, w, dim = q.shape
+    kv = pool_layer[reads].to(q.dtype)  # [G, L, 2, Hkv, D]
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [G, Hkv, L, D]
+    o = F.scaled_dot_product_attention(q.reshape(g, k.shape[1], -1, dim), k, v, attn_mask=mask, scale=scale)
+    return o.reshape(g, heads, w, dim).transpose(1, 2)
 
 
 class _Entry:

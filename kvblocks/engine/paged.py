@@ -695,18 +695,11 @@ def _stacked_heads_attention(
 def _grouped_attention(
     pool_layer: torch.Tensor, query: torch.Tensor, group: Group, scale: float, groups: int
 ) -> torch.Tensor:
-    """One SDPA call for all the group's segments: `[len(group.out), Hq, D]`. The query heads that
-    share a K/V head are stacked along the rows, so no K/V is repeated per head and SDPA needs no
-    GQA support (its memory-efficient CUDA kernel takes a mask but not `enable_gqa`)."""
-    kv = pool_layer[group.reads].to(query.dtype)  # [G, L, 2, Hkv, D]
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [G, Hkv, L, D]
+    """One SDPA call for all the group's segments (`graphs.padded_attention`): `[len(group.out), Hq, D]`."""
     q = query[0][:, group.rows].transpose(0, 1)  # [G, Hq, width, D]
     g, heads, width, dim = q.shape
-    q = q.reshape(g, k.shape[1], groups * width, dim)  # row j * width + i: head (kv head, j), row i
-    mask = group.mask.repeat(1, 1, groups, 1)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    o = o.reshape(g, heads, width, dim).transpose(1, 2).reshape(g * width, heads, dim)
-    return o[group.flat]
+    o = graphs.padded_attention(pool_layer, q, group.reads, group.mask.repeat(1, 1, groups, 1), scale)
+    return o.reshape(g * width, heads, dim)[group.flat]
 
 
 def _cascade_attention(
