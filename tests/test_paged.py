@@ -49,11 +49,13 @@ def solo(model, ids: list[int]) -> tuple[list[torch.Tensor], list[int]]:
 
 
 # attention modes: one call per segment; short segments in one call (the CUDA default); cascade (the
-# CPU default) cutting runs of 4 slots or more, so the shared 6-token prefix is read as a shared run
+# CPU default) cutting runs of 4 slots or more, so the shared 6-token prefix is read as a shared run,
+# its short segments attended in place by the CPU kernel (the default where it builds) or gathered
 MODES = {
     "per-segment": {"cascade": False},
     "grouped": {"grouped": True},
     "cascade": {"cascade": True, "cascade_min": 4},
+    "cascade-gathered": {"cascade": True, "cascade_min": 4, "direct": False},
 }
 
 

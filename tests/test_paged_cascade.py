@@ -20,6 +20,17 @@ from kvblocks.engine import paged
 from kvblocks.engine.paged import PagedRunner, Segment
 
 
+@pytest.fixture(autouse=True, params=["kernel", "gathered"])
+def keys_read(request, monkeypatch):
+    """Every test twice: short segments attended in place by the CPU kernel (the default where it
+    builds), and every segment by the cascade plans over gathered keys (where it does not)."""
+    if request.param == "gathered":
+        monkeypatch.setattr(paged, "direct_refusal", lambda model, pool: "gathered (test)")
+    else:
+        assert paged.kernel.library() is not None, paged.kernel.reason()
+    return request.param
+
+
 def _pool(model, capacity: int = 256) -> KVPool:
     dtype = next(model.parameters()).dtype
     return KVPool(KVLayout(dtype, tuple(hf.describe_layers(model))), capacity, "cpu")

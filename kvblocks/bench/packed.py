@@ -98,15 +98,17 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
 PACKED, SOLO = "packed forward", "one request at a time"
 PER_SEGMENT = "packed, one attention call per request"
 INVARIANT = "packed, batch-invariant (the server's default)"
+GATHERED = "packed, batch-invariant, keys gathered (no CPU kernel)"
 
 
 class DecodeBoth:
     """B prompts prefilled both ways: into pool slots for the packed runners (the first `shared`
     tokens, common to every prompt, stored once and pointed at by every request, as the trie hands
     out a cached system prompt), and each into its own `DynamicCache`; every step then greedy-decodes
-    one more token per request, per way. Three packed runners read the same slots: cascade attention
-    (the CPU default without batch invariance), one attention call per request, and the
-    batch-invariant cascade (blocks cut at fixed positions, the server's default)."""
+    one more token per request, per way. Four packed runners read the same slots: cascade attention
+    (the CPU default without batch invariance), one attention call per request, the batch-invariant
+    runner (the server's default: short segments attended in place by the CPU kernel where it
+    builds), and the same without the kernel (blocks cut at fixed positions, own keys gathered)."""
 
     def __init__(self, model, prompts: list[list[int]], capacity: int, shared: int = 0) -> None:
         import torch
@@ -125,6 +127,7 @@ class DecodeBoth:
             PACKED: PagedRunner(model, self.pool),
             PER_SEGMENT: PagedRunner(model, self.pool, cascade=False),
             INVARIANT: PagedRunner(model, self.pool, invariant=True, chunk=CHUNK),
+            GATHERED: PagedRunner(model, self.pool, invariant=True, chunk=CHUNK, direct=False),
         }
         common = self.pool.alloc(shared)
         if shared:
@@ -217,8 +220,14 @@ def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
             report.ratio(PER_SEGMENT, INVARIANT),
             "x",
         ),
+        Check(
+            "decode throughput, batch-invariant / keys gathered (no CPU kernel)",
+            report.ratio(GATHERED, INVARIANT),
+            "x",
+        ),
         Check("requests whose greedy tokens differ", differ[PACKED], "", 0),
         Check("requests whose greedy tokens differ, batch-invariant", differ[INVARIANT], "", 0),
+        Check("requests whose greedy tokens differ, keys gathered", differ[GATHERED], "", 0),
     ]
     report.notes = [
         "tokens/s: " + ", ".join(f"{name} {b / report.median(name):.1f}" for name in (*both.runners, SOLO)),
@@ -226,6 +235,8 @@ def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
         "attention: the shared run read once for every request; batch-invariant: cut into blocks at fixed "
         "positions, each read once for every request that holds it); one at a time = a transformers "
         "DynamicCache per request, one forward per token",
+        "CPU attention kernel (kvblocks.engine.kernel): "
+        + ("in use" if both.runners[PACKED].direct else f"off: {both.runners[PACKED].direct_reason}"),
     ]
     if args.profile:
         profile_checks(report, model, both, b, PACKED)

@@ -186,6 +186,9 @@ def _stats_table(now: dict, r: dict, title: str):
                 "CUDA graphs replays / eager forwards",
                 f"{graphs['replays']:,} / {graphs['eager']:,} ({graphs['captures']} captured, {state})",
             )
+        direct = engine.get("attention_kernel")
+        if direct is not None:  # the packed engine: is the CPU kernel reading keys in place?
+            t.add_row("CPU attention kernel", "in use" if direct["in_use"] else f"off: {direct['reason']}")
     return t
 
 

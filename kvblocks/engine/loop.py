@@ -137,6 +137,14 @@ class Engine:
         graphs = self.runner.paged.graphs if self.runner is not None else None
         return graphs.stats() if graphs is not None else None
 
+    def kernel_stats(self) -> dict | None:
+        """Whether the packed runner's attention reads short segments' keys in place with the CPU kernel
+        (`kvblocks.engine.kernel`), and if not, why; None for the serial engine."""
+        if self.runner is None:
+            return None
+        paged = self.runner.paged
+        return {"in_use": paged.direct, "reason": paged.direct_reason}
+
     @property
     def _running(self) -> list[Sequence]:
         return self.scheduler.running if self.scheduler is not None else []

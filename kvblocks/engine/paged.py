@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from kvblocks.cache.pool import KVPool
-from kvblocks.engine import graphs
+from kvblocks.engine import graphs, kernel
 from kvblocks.engine.head import PackedHead, scope
 
 NAME = graphs.BATCH_KEYWORD  # the keyword a packed forward's batch travels under to every layer
@@ -134,6 +134,7 @@ class PagedBatch:
         grouped: bool = False,
         cascade_min: int | None = None,
         cascade_blocks: Sequence[int] | None = None,
+        direct: bool = False,
     ) -> None:
         if not segments:
             raise ValueError("a packed forward needs at least one segment")
@@ -169,11 +170,19 @@ class PagedBatch:
         self.alone = sorted(set(range(len(segments))) - set(self.grouped))
         self._groups: dict[int | None, Group] = {}
         self._folds: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        # segments of at most `kernel.MAX_WIDTH` new tokens attended by the CPU kernel (`direct`); the
+        # cascade plans take the others
+        rest = list(range(len(segments)))
+        self.direct: kernel.Plan | None = None
+        if direct:
+            narrow = [i for i in rest if len(segments[i].token_ids) <= kernel.MAX_WIDTH]
+            self.direct = _direct_plan(self, narrow, cascade_min or CASCADE_MIN_RUN) if narrow else None
+            rest = [i for i in rest if i not in set(narrow)]
         self.cascade: Cascade | Blocks | None = None
-        if cascade_blocks is not None:
-            self.cascade = Blocks.plan(self, cascade_blocks)
-        elif cascade_min is not None:
-            self.cascade = Cascade.plan(self, cascade_min)
+        if cascade_blocks is not None and rest:
+            self.cascade = Blocks.plan(self, cascade_blocks, rest)
+        elif cascade_min is not None and rest:
+            self.cascade = Cascade.plan(self, cascade_min, rest)
 
     def views(self, window: int | None) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
         """Per segment, the slots its new tokens read and a boolean `[new, read]` mask: causal, and on
@@ -350,19 +359,21 @@ class Cascade:
     plain: list[int]
 
     @classmethod
-    def plan(cls, batch: PagedBatch, cascade_min: int) -> Cascade:
+    def plan(cls, batch: PagedBatch, cascade_min: int, members: Sequence[int]) -> Cascade:
+        """The plan of the batch's segments `members` (the others are attended elsewhere)."""
         device = batch.pool.device
         cuts = [_leading_run(slots, start, cascade_min) for slots, start in zip(batch._slots, batch._starts)]
+        outside = set(range(len(cuts))) - set(members)
         by_run: dict[tuple[int, int], list[int]] = {}
         for i, n in enumerate(cuts):
-            if n:
+            if n and i not in outside:
                 by_run.setdefault((int(batch._slots[i][0]), n), []).append(i)
         runs = [
-            Part(slice(first, first + n), _rows(batch, members, device))
-            for (first, n), members in by_run.items()
+            Part(slice(first, first + n), _rows(batch, group, device)) for (first, n), group in by_run.items()
         ]
-        own = [_own(batch, members, cuts, device) for members in _own_batches(batch, cuts)]
-        return cls(runs, own, [i for i, cut in enumerate(cuts) if not cut])
+        batches = _own_batches(batch, [0 if i in outside else cut for i, cut in enumerate(cuts)])
+        own = [_own(batch, group, cuts, device) for group in batches]
+        return cls(runs, own, [i for i in members if not cuts[i]])
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,7 +406,8 @@ class Blocks:
     depth: int  # the most blocks any row has
 
     @classmethod
-    def plan(cls, batch: PagedBatch, sizes: Sequence[int]) -> Blocks:
+    def plan(cls, batch: PagedBatch, sizes: Sequence[int], members: Sequence[int]) -> Blocks:
+        """The plan of the batch's segments `members` (the others are attended elsewhere)."""
         device = batch.pool.device
         last = sizes[-1]
         # (first slot, size, blocks, fold) -> segments; (size, width) -> (segment, position, fold);
@@ -404,7 +416,8 @@ class Blocks:
         private: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         tails: dict[tuple[int, int], list[int]] = {}
         plain, cuts, depth = [], {}, 0
-        for i, (segment, slots, start) in enumerate(zip(batch.segments, batch._slots, batch._starts)):
+        for i in members:
+            segment, slots, start = batch.segments[i], batch._slots[i], batch._starts[i]
             if segment.keep > 1 or start // last != (len(slots) - 1) // last:
                 plain.append(i)
                 continue
@@ -438,6 +451,30 @@ class Blocks:
             plain,
             depth,
         )
+
+
+def _direct_plan(batch: PagedBatch, members: Sequence[int], minimum: int) -> kernel.Plan:
+    """The CPU kernel's plan for `members`: segments whose keys begin with a run of at least
+    `minimum` consecutive slots at the same first slot (a prefix the trie stored once) form a group
+    that reads the shortest of their runs once for all of them; the rest of each segment's keys are
+    its own. A segment with no such run is a group of its own."""
+    by_first: dict[int, list[tuple[int, int]]] = {}
+    alone = []
+    for i in members:
+        slots, start = batch._slots[i], batch._starts[i]
+        run = _leading_run(slots, start, minimum)
+        if run:
+            by_first.setdefault(int(slots[0]), []).append((i, run))
+        else:
+            alone.append(i)
+    groups = []
+    for first, group in by_first.items():
+        run = min(n for _, n in group)
+        shared = np.arange(first, first + run)
+        groups.append((shared, [(np.arange(*batch.bounds[i]), batch._slots[i][run:]) for i, _ in group]))
+    empty = np.zeros(0, dtype=np.int64)
+    groups += [(empty, [(np.arange(*batch.bounds[i]), batch._slots[i])]) for i in alone]
+    return kernel.Plan.of(groups)
 
 
 def _private(
@@ -618,6 +655,8 @@ def _paged_attention(
     new = torch.stack((key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1)  # [T, 2, Hkv, D]
     pool.layers[layer].index_copy_(0, batch.write_index, new.to(pool.dtype))
     groups = query.shape[1] // key.shape[1]
+    if batch.direct is not None and sliding_window is None and softcap is None:
+        return _direct_attention(pool.layers[layer], query, batch, scale, groups)[None], None
     if isinstance(batch.cascade, Blocks) and sliding_window is None and softcap is None:
         return _blocks_attention(pool.layers[layer], query, batch, scale, groups)[None], None
     if batch.cascade is not None and sliding_window is None and softcap is None:
@@ -700,6 +739,21 @@ def _grouped_attention(
     g, heads, width, dim = q.shape
     o = graphs.padded_attention(pool_layer, q, group.reads, group.mask.repeat(1, 1, groups, 1), scale)
     return o.reshape(g * width, heads, dim)[group.flat]
+
+
+def _direct_attention(
+    pool_layer: torch.Tensor, query: torch.Tensor, batch: PagedBatch, scale: float, groups: int
+) -> torch.Tensor:
+    """`[T, Hq, D]`: the `direct` segments by the CPU kernel over their slots in place, the others by
+    the batch's cascade plan."""
+    if isinstance(batch.cascade, Blocks):
+        out = _blocks_attention(pool_layer, query, batch, scale, groups)
+    elif batch.cascade is not None:
+        out = _cascade_attention(pool_layer, query, batch, scale, groups)
+    else:
+        out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+    kernel.attend(query, pool_layer, batch.direct, scale, out)
+    return out
 
 
 def _cascade_attention(
@@ -964,6 +1018,23 @@ def probe_blocks_invariance(device: torch.device | str, dtype: torch.dtype, dim:
 ATTENTION_MODES = ("cascade", "grouped", "per-segment")
 
 
+def direct_refusal(model, pool: KVPool) -> str | None:
+    """Why the CPU kernel cannot attend for this model and pool (None: it can): the pool's device
+    and dtype, the kernel's build, and its `probe` for every layer's heads."""
+    if pool.device.type != "cpu":
+        return f"it runs on CPU (the pool is on {pool.device.type})"
+    if pool.dtype != model.dtype or pool.dtype not in (torch.float32, torch.float64):
+        return f"it runs float32 and float64 models over a pool of their dtype (model {model.dtype}, pool {pool.dtype})"
+    if kernel.library() is None:
+        return kernel.reason()
+    heads = getattr(model.config, "num_attention_heads", None)
+    for kv_heads, dim in {tuple(t.shape[2:]) for t in pool.layers if t is not None}:
+        h = heads if isinstance(heads, int) and heads % kv_heads == 0 else kv_heads
+        if not kernel.probe(pool.dtype, h, kv_heads, dim):
+            return f"its probe failed for {h} heads over {kv_heads} K/V heads of {dim} in {pool.dtype}"
+    return None
+
+
 def graphs_default(device: torch.device, invariant: bool, grouped: bool | None = None) -> bool:
     """Whether packed forwards replay CUDA graphs by default: on CUDA, with the device's default
     (grouped) attention, not batch-invariant."""
@@ -1012,6 +1083,7 @@ class PagedRunner:
         cascade_blocks: Sequence[int] | None = None,
         packed_head: bool = True,
         cuda_graphs: bool | None = None,
+        direct: bool | None = None,
     ) -> None:
         install(model)
         if invariant and pool.device.type != "cpu":
@@ -1054,6 +1126,12 @@ class PagedRunner:
         for size in sorted(cascade_blocks or CASCADE_BLOCKS):
             sizes.append(-(-size // sizes[-1]) * sizes[-1])
         self.cascade_blocks = sorted(set(sizes[1:]), reverse=True) if invariant and cascade else None
+        # the CPU kernel (`kvblocks.engine.kernel`): short segments' keys read in place, shared runs once
+        why = direct_refusal(model, pool) if self.cascade else "it serves cascade attention only"
+        if direct and why:
+            raise NotImplementedError(f"the attention kernel cannot be used: {why}")
+        self.direct = why is None if direct is None else direct
+        self.direct_reason = None if self.direct else why or "turned off"
         # CUDA graphs (`kvblocks.engine.graphs`): the default with grouped attention on CUDA
         if cuda_graphs is None:
             cuda_graphs = graphs_default(pool.device, invariant, self.grouped and not self.cascade)
@@ -1090,6 +1168,7 @@ class PagedRunner:
             self.grouped,
             self.cascade_min if self.cascade else None,
             self.cascade_blocks,
+            self.direct,
         )
         with self.lock, scope(self.head):
             out = self.model(

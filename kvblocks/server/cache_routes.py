@@ -142,6 +142,7 @@ async def cache_stats(request: Request):
             "active": s.engine.active,
             "queued": s.engine.queued,
             "cuda_graphs": s.engine.graph_stats(),
+            "attention_kernel": s.engine.kernel_stats(),
         },
         "cache": stats,
         "counters": s.engine.metrics.counters,
