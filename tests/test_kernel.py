@@ -118,10 +118,16 @@ def test_packed_forwards_use_the_kernel_for_short_segments_and_gather_for_prefil
     shared = pool.alloc(40)
     long = Segment(list(range(1, 31)), np.concatenate([shared, pool.alloc(30)]))  # a 30-token chunk
     short = Segment([5, 6], np.concatenate([shared, pool.alloc(2)]))
-    batch = paged.PagedBatch(pool, [long, short], cascade_min=runner.cascade_min, direct=True)
-    assert batch.direct is not None and batch.direct.groups == 1  # the short one, grouped on its run
-    assert isinstance(batch.cascade, paged.Cascade) and batch.cascade.own  # the chunk, gathered
-    assert [p.rows for p in batch.cascade.runs] == [slice(0, 30)]
+    # cascade: both read the shared run with the fused kernel; the chunk's own keys are gathered, the
+    # short segment's read in place by the CPU kernel (merged by log-sum-exp)
+    plan = paged.PagedBatch(pool, [long, short], cascade_min=runner.cascade_min, direct=True).cascade
+    assert [p.rows for p in plan.runs] == [slice(0, 32)]
+    assert [own.segments for own in plan.own] == [1] and plan.direct.groups == 1
+    # batch-invariant: the short segment's keys all go to the kernel (the shared run once per group),
+    # the chunk's to the blocks plan
+    batch = paged.PagedBatch(pool, [long, short], cascade_blocks=[32, 16], direct=True)
+    assert batch.direct.groups == 1 and list(batch.direct.arrays[3]) == list(shared)
+    assert isinstance(batch.cascade, paged.Blocks) and batch.cascade.plain == [0]  # it spans a cut
 
 
 def test_where_the_kernel_cannot_be_built_packed_forwards_gather_and_say_why(monkeypatch, tmp_path):
