@@ -22,6 +22,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -108,6 +109,33 @@ inline T lanes_sum(typename Vec<T, W>::type v) {
   }
 }
 
+// The lane sums of W vectors at once, as one vector (lane d: the sum of vector d's lanes), by the same
+// tree as `lanes_sum` (halves added pairwise): at each level two vectors, each holding W / K sums of
+// K partials, become one holding twice as many sums of K / 2 partials.
+template <int W, int K, bool High>
+constexpr int pick_index(int i) {
+  const int half = K / 2, sum = i / half, j = i % half, per = W / K;
+  return (sum < per ? sum * K : W + (sum - per) * K) + j + (High ? half : 0);
+}
+
+template <typename V, int W, int K, bool High, std::size_t... I>
+inline V pick(V a, V b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, pick_index<W, K, High>(I)...);
+}
+
+template <typename T, int W, int K = W>
+inline typename Vec<T, W>::type sums_of(typename Vec<T, W>::type* x) {
+  typedef typename Vec<T, W>::type V;
+  if constexpr (K == 1) {
+    return x[0];
+  } else {
+    const auto lanes = std::make_index_sequence<W>{};
+    for (int p = 0; p < K / 2; ++p)  // K vectors at this level, each holding W / K sums of K partials
+      x[p] = pick<V, W, K, false>(x[2 * p], x[2 * p + 1], lanes) + pick<V, W, K, true>(x[2 * p], x[2 * p + 1], lanes);
+    return sums_of<T, W, K / 2>(x);
+  }
+}
+
 // exp(x) for x <= 0 (or -inf) lane by lane: Cody-Waite reduction to |r| <= ln2 / 2, a Taylor
 // polynomial (degree 7 in float, 12 in double: within about an ulp) and 2^k by the exponent bits.
 // Plain arithmetic, so every lane of every vector takes the same steps.
@@ -187,18 +215,31 @@ struct Kernel {
     V qv[RB][NV];
     for (int r = 0; r < RB; ++r)
       for (int v = 0; v < NV; ++v) qv[r][v] = load<V>(rows[std::min(r, rb - 1)].q + v * W);
-    for (int64_t j = 0; j < count; ++j) {
+    int64_t j = 0;
+    for (; j + W <= count; j += W) {  // W keys at a time: their dots summed together
+      for (int64_t l = 0; l < W; ++l)
+        if (j + ahead + l < count) prefetch(pool + keys[j + ahead + l] * at.slot + h * at.kv_head, at.dim);
+      for (int r = 0; r < rb; ++r) {
+        V dots[W];
+        for (int l = 0; l < W; ++l) {
+          const T* k = pool + keys[j + l] * at.slot + h * at.kv_head;
+          V acc = qv[r][0] * load<V>(k);
+          for (int v = 1; v < NV; ++v) acc = fmadd<T>(qv[r][v], load<V>(k + v * W), acc);
+          dots[l] = acc;
+        }
+        V s = sums_of<T, W>(dots) * scale;
+        std::memcpy(rows[r].scores + first + j, &s, sizeof s);
+      }
+    }
+    for (; j < count; ++j) {
       const T* k = pool + keys[j] * at.slot + h * at.kv_head;
-      if (j + ahead < count) prefetch(pool + keys[j + ahead] * at.slot + h * at.kv_head, at.dim);
       V kv[NV];
       for (int v = 0; v < NV; ++v) kv[v] = load<V>(k + v * W);
-      T dots[RB];
-      for (int r = 0; r < RB; ++r) {
+      for (int r = 0; r < rb; ++r) {
         V acc = qv[r][0] * kv[0];
         for (int v = 1; v < NV; ++v) acc = fmadd<T>(qv[r][v], kv[v], acc);
-        dots[r] = lanes_sum<T, W>(acc) * scale;
+        rows[r].scores[first + j] = lanes_sum<T, W>(acc) * scale;
       }
-      for (int r = 0; r < rb; ++r) rows[r].scores[first + j] = dots[r];
     }
   }
 
