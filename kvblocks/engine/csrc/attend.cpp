@@ -244,23 +244,34 @@ struct Kernel {
   }
 
   // the weighted values of rows[0 .. rb) over `count` keys from `keys`, their scores from `first` on
+  // the weighted values of rows[0 .. rb) over `count` keys from `keys`, their scores from `first` on;
+  // every accumulator is indexed by a constant (a fold over `I`), so it lives in a register
   static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
-                     const Layout& at, int64_t h) {
-    V acc[RB][NV];
-    for (int r = 0; r < RB; ++r)
-      for (int v = 0; v < NV; ++v) acc[r][v] = load<V>(rows[std::min(r, rb - 1)].acc + v * W);
+                    const Layout& at, int64_t h) {
+    weigh(rows, rb, pool, keys, count, first, at, h, std::make_index_sequence<RB * NV>{});
+  }
+
+  template <std::size_t... I>
+  static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
+                    const Layout& at, int64_t h, std::index_sequence<I...>) {
+    const T* weights[RB];
+    for (int r = 0; r < RB; ++r) weights[r] = rows[std::min(r, rb - 1)].scores + first;
+    V acc[RB * NV] = {load<V>(rows[std::min<int>(I / NV, rb - 1)].acc + (I % NV) * W)...};
+    const int64_t offset = at.value + h * at.kv_head;
     for (int64_t j = 0; j < count; ++j) {
-      const T* value = pool + keys[j] * at.slot + at.value + h * at.kv_head;
-      if (j + ahead < count) prefetch(pool + keys[j + ahead] * at.slot + at.value + h * at.kv_head, at.dim);
+      const T* value = pool + keys[j] * at.slot + offset;
+      if (j + ahead < count) prefetch(pool + keys[j + ahead] * at.slot + offset, at.dim);
       V vv[NV];
       for (int v = 0; v < NV; ++v) vv[v] = load<V>(value + v * W);
-      for (int r = 0; r < RB; ++r) {
-        const V p = V{} + rows[std::min(r, rb - 1)].scores[first + j];
-        for (int v = 0; v < NV; ++v) acc[r][v] = fmadd<T>(p, vv[v], acc[r][v]);
-      }
+      T w[RB];
+      for (int r = 0; r < RB; ++r) w[r] = weights[r][j];
+      ((acc[I] = fmadd<T>(V{} + w[I / NV], vv[I % NV], acc[I])), ...);
     }
-    for (int r = 0; r < rb; ++r)
-      for (int v = 0; v < NV; ++v) std::memcpy(rows[r].acc + v * W, &acc[r][v], sizeof(V));
+    (store(rows, rb, static_cast<int>(I / NV), static_cast<int>(I % NV), acc[I]), ...);
+  }
+
+  static void store(Row<T>* rows, int rb, int r, int v, V x) {
+    if (r < rb) std::memcpy(rows[r].acc + v * W, &x, sizeof x);
   }
 
   static void run(const T* q, const T* pool, const Plan& plan, const Layout& at, T scale, T* out, T* lse) {
