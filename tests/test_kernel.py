@@ -118,13 +118,13 @@ def test_packed_forwards_use_the_kernel_for_short_segments_and_gather_for_prefil
     shared = pool.alloc(40)
     long = Segment(list(range(1, 31)), np.concatenate([shared, pool.alloc(30)]))  # a 30-token chunk
     short = Segment([5, 6], np.concatenate([shared, pool.alloc(2)]))
-    # cascade: both read the shared run with the fused kernel; the chunk's own keys are gathered, the
-    # short segment's read in place by the CPU kernel (merged by log-sum-exp)
-    plan = paged.PagedBatch(pool, [long, short], cascade_min=runner.cascade_min, direct=True).cascade
-    assert [p.rows for p in plan.runs] == [slice(0, 32)]
-    assert [own.segments for own in plan.own] == [1] and plan.direct.groups == 1
-    # batch-invariant: the short segment's keys all go to the kernel (the shared run once per group),
-    # the chunk's to the blocks plan
+    # the short segment's keys all go to the kernel (the shared run once per group), the chunk's to the
+    # cascade plan (its shared run read in place by the fused kernel, its own keys gathered) ...
+    batch = paged.PagedBatch(pool, [long, short], cascade_min=runner.cascade_min, direct=True)
+    assert batch.direct.groups == 1 and list(batch.direct.arrays[3]) == list(shared)
+    assert [p.rows for p in batch.cascade.runs] == [slice(0, 30)]
+    assert [own.segments for own in batch.cascade.own] == [1]
+    # ... and batch-invariant, the same, the chunk's to the blocks plan
     batch = paged.PagedBatch(pool, [long, short], cascade_blocks=[32, 16], direct=True)
     assert batch.direct.groups == 1 and list(batch.direct.arrays[3]) == list(shared)
     assert isinstance(batch.cascade, paged.Blocks) and batch.cascade.plain == [0]  # it spans a cut

@@ -39,13 +39,12 @@ checks what that relies on: the fused kernel's rows in calls of any multiple of 
 and exp / log wherever an element lies).
 
 On a CPU, segments of at most `kernel.MAX_WIDTH` new tokens (decodes, speculative rounds) attend
-through the C++ kernel of `kvblocks.engine.kernel` where it builds (`PagedRunner(direct=...)`):
-their keys are read where they lie in the pool instead of being gathered every layer. Outside
-invariant mode it takes their own keys (after the cut; the shared run stays on the fused kernel,
-merged by log-sum-exp); in invariant mode it takes all their keys, a shared run read once for every
-row of the group that starts with it, with one exact softmax per row whose arithmetic depends on the
-row's query and keys only, so neither fixed cuts nor padding rows are needed there; wider segments
-(prefill chunks) keep the cascade plans.
+through the C++ kernel of `kvblocks.engine.kernel` where it builds (`PagedRunner(direct=...)`),
+in both modes: all their keys read where they lie in the pool instead of gathered every layer, a
+shared run read once for every row of the group of segments that starts with it, and one exact
+softmax per row whose arithmetic depends on the row's query and keys only (so batch-invariant
+forwards need neither fixed cuts nor padding rows there). Wider segments (prefill chunks) keep the
+cascade plans above.
 
 Batch invariance (`PagedRunner(..., invariant=True)`, `kvblocks serve --batch-invariant`): a row of
 a packed forward rounds the same whatever else is in the batch. CPU BLAS computes a row of a matrix
@@ -179,22 +178,20 @@ class PagedBatch:
         self.alone = sorted(set(range(len(segments))) - set(self.grouped))
         self._groups: dict[int | None, Group] = {}
         self._folds: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        # The CPU kernel (`direct`) takes the segments of at most `kernel.MAX_WIDTH` new tokens. Batch-
-        # invariant (`cascade_blocks`): all their keys, a shared run once per group (a row's bits do not
-        # depend on how its keys are split); the blocks plan takes the others. Otherwise the cascade
-        # plan reads shared runs with the fused kernel (faster at many rows) and gives the kernel the
-        # narrow segments' own keys, merged by log-sum-exp.
+        # The CPU kernel (`direct`) takes the segments of at most `kernel.MAX_WIDTH` new tokens, all of
+        # their keys, a shared run read once per group (a row's bits do not depend on how its keys are
+        # split, so this serves batch-invariant forwards too); the cascade plans take the others.
         rest = list(range(len(segments)))
         self.direct: kernel.Plan | None = None
-        if direct and cascade_blocks is not None:
+        if direct:
             narrow = [i for i in rest if len(segments[i].token_ids) <= kernel.MAX_WIDTH]
-            self.direct = _direct_plan(self, narrow, CASCADE_MIN_RUN) if narrow else None
+            self.direct = _direct_plan(self, narrow, cascade_min or CASCADE_MIN_RUN) if narrow else None
             rest = [i for i in rest if i not in set(narrow)]
         self.cascade: Cascade | Blocks | None = None
         if cascade_blocks is not None and rest:
             self.cascade = Blocks.plan(self, cascade_blocks, rest)
-        elif cascade_min is not None:
-            self.cascade = Cascade.plan(self, cascade_min, rest, direct)
+        elif cascade_min is not None and rest:
+            self.cascade = Cascade.plan(self, cascade_min, rest)
 
     def views(self, window: int | None) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
         """Per segment, the slots its new tokens read and a boolean `[new, read]` mask: causal, and on
@@ -369,19 +366,13 @@ class Cascade:
     runs: list[Part]
     own: list[Own]
     plain: list[int]
-    direct: kernel.Plan | None = None  # the CPU kernel's share: narrow segments' own (or all) keys
 
     @classmethod
-    def plan(
-        cls, batch: PagedBatch, cascade_min: int, members: Sequence[int], direct: bool = False
-    ) -> Cascade:
-        """The plan of the batch's segments `members` (the others are attended elsewhere); with
-        `direct`, the keys after the cut of those of at most `kernel.MAX_WIDTH` new tokens (all their
-        keys where there is no cut) go to the CPU kernel, read in place."""
+    def plan(cls, batch: PagedBatch, cascade_min: int, members: Sequence[int]) -> Cascade:
+        """The plan of the batch's segments `members` (the others are attended elsewhere)."""
         device = batch.pool.device
         cuts = [_leading_run(slots, start, cascade_min) for slots, start in zip(batch._slots, batch._starts)]
-        narrow = [i for i in members if direct and len(batch.segments[i].token_ids) <= kernel.MAX_WIDTH]
-        outside = set(range(len(cuts))) - set(members) | set(narrow)
+        outside = set(range(len(cuts))) - set(members)
         by_run: dict[tuple[int, int], list[int]] = {}
         for i in members:
             if cuts[i]:
@@ -391,10 +382,7 @@ class Cascade:
         ]
         batches = _own_batches(batch, [0 if i in outside else cut for i, cut in enumerate(cuts)])
         own = [_own(batch, group, cuts, device) for group in batches]
-        empty = np.zeros(0, dtype=np.int64)
-        groups = [(empty, [(np.arange(*batch.bounds[i]), batch._slots[i][cuts[i] :])]) for i in narrow]
-        plain = [i for i in members if not cuts[i] and i not in narrow]
-        return cls(runs, own, plain, kernel.Plan.of(groups) if groups else None)
+        return cls(runs, own, [i for i in members if not cuts[i]])
 
 
 @dataclass(frozen=True, slots=True)
@@ -789,8 +777,6 @@ def _cascade_attention(
     _plain_attention(pool_layer, query, batch, plan.plain, out, scale, groups)
     for own in plan.own:
         out[own.rows], lse[own.rows] = _own_attention(pool_layer, query, own, scale, groups)
-    if plan.direct is not None:
-        kernel.attend(query, pool_layer, plan.direct, scale, out, lse)
     for part in plan.runs:
         o, sums = _blocks_run(pool_layer, query, part, 1, scale, groups, 0)  # the run as one block
         out[part.rows] = _combine(torch.stack((out[part.rows], o[0])), torch.stack((lse[part.rows], sums[0])))
