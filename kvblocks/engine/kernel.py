@@ -1,15 +1,16 @@
 """Attention over pool slots read in place: the CPU kernel of packed decodes (`csrc/attend.cpp`).
 
-Cascade attention reads a shared run of slots in place with PyTorch's fused CPU kernel, but every
-request's own keys (what follows its shared run: its own prompt and what it generated) lie in slots
-scattered over the pool. Before this kernel they were gathered into a new tensor with `index_select`
-for every layer of every step and then attended in small fused calls; that gather and those calls
-were most of a decode step's attention (BENCHMARKS.md, issue 23). The kernel attends them straight
-from the pool through the slot lists, prefetching the next keys' rows, one call per layer for every
-such segment of the forward.
+Decoding requests' keys lie in slots scattered over the pool: a shared system prompt in one run,
+each request's own prompt and generated tokens wherever the trie put them. Before this kernel the
+packed path gathered a request's keys into a new tensor with `index_select` for every layer of every
+step and attended them in small fused calls; that gather and those calls were most of a decode
+step's attention (BENCHMARKS.md, issue 23). The kernel attends segments of at most `MAX_WIDTH` new
+tokens straight from the pool through their slot lists, prefetching the next keys' rows: one call
+per layer for all of them, a shared run read once (64 keys a block, in L1) for every row of the
+segments that start with it. A row gets one exact softmax over all its keys, no log-sum-exp merge.
 
 It is built at first use with the machine's C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`)
-for this CPU (`-march=native`), without torch headers (about five seconds), into the kvblocks cache
+for this CPU (`-march=native`), without torch headers (about ten seconds), into the kvblocks cache
 folder (`$KVBLOCKS_HOME/kernels`, default `~/.cache/kvblocks/kernels`), named by a hash of the
 source, the flags, the compiler and the CPU; later processes load it from there. Where it cannot be
 built or loaded (no compiler, a read-only home), or `KVBLOCKS_KERNEL=0`, or its probe fails,
@@ -53,7 +54,7 @@ FLAGS = (
 BUILD_SECONDS = 300  # the compiler's limit
 ENV = "KVBLOCKS_KERNEL"  # "0": never build or use the kernel
 # Segments of at most this many new tokens are attended by the kernel; wider ones (prefill chunks)
-# have enough query rows for the fused kernel to run at its matrix-product rate over gathered keys.
+# have enough query rows for PyTorch's fused kernel to run at its matrix-product rate.
 MAX_WIDTH = 16
 _FUNCTIONS = {torch.float32: "kvb_attend_f32", torch.float64: "kvb_attend_f64"}
 _lock = threading.Lock()
