@@ -121,12 +121,12 @@ def test_packed_forwards_use_the_kernel_for_short_segments_and_gather_for_prefil
     # the short segment's keys all go to the kernel (the shared run once per group), the chunk's to the
     # cascade plan (its shared run read in place by the fused kernel, its own keys gathered) ...
     batch = paged.PagedBatch(pool, [long, short], cascade_min=runner.cascade_min, direct=True)
-    assert batch.direct.groups == 1 and list(batch.direct.arrays[3]) == list(shared)
+    assert batch.direct.groups == 1 and list(batch.direct.arrays[2]) == list(shared)
     assert [p.rows for p in batch.cascade.runs] == [slice(0, 30)]
     assert [own.segments for own in batch.cascade.own] == [1]
     # ... and batch-invariant, the same, the chunk's to the blocks plan
     batch = paged.PagedBatch(pool, [long, short], cascade_blocks=[32, 16], direct=True)
-    assert batch.direct.groups == 1 and list(batch.direct.arrays[3]) == list(shared)
+    assert batch.direct.groups == 1 and list(batch.direct.arrays[2]) == list(shared)
     assert isinstance(batch.cascade, paged.Blocks) and batch.cascade.plain == [0]  # it spans a cut
 
 

@@ -155,8 +155,8 @@ class Plan:
     after the shared ones, of which its `i`-th row sees the first `visible + i`. A row is computed
     the same way however its keys are split between shared and own (see `csrc/attend.cpp`)."""
 
-    arrays: tuple[np.ndarray, ...]  # member_offsets, members, shared_offsets, shared, row_offsets, rows,
-    # key_offsets, slots, visible: the kernel's `Plan`
+    arrays: tuple[np.ndarray, ...]  # member_offsets, shared_offsets, shared, row_offsets, rows, key_offsets,
+    # slots, visible: the kernel's `Plan` (a group's segments are consecutive)
     index: ctypes.Array  # their addresses, as the kernel takes them
     groups: int
 
@@ -174,7 +174,6 @@ class Plan:
 
         arrays = (
             offsets(counts),
-            np.arange(len(segments), dtype=np.int64),
             offsets([len(shared) for shared, _ in groups]),
             np.concatenate([shared for shared, _ in groups]).astype(np.int64),
             offsets(widths),
@@ -185,17 +184,6 @@ class Plan:
         )
         index = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
         return cls(arrays, index, len(groups))
-
-
-def usable(pool_layer: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the kernel can attend queries of `dtype` over this pool layer (`[slots, 2, Hkv, D]`)."""
-    return (
-        pool_layer.device.type == "cpu"
-        and pool_layer.dtype == dtype
-        and dtype in _FUNCTIONS
-        and pool_layer.is_contiguous()
-        and library() is not None
-    )
 
 
 def attend(

@@ -664,12 +664,9 @@ def _paged_attention(
     new = torch.stack((key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1)  # [T, 2, Hkv, D]
     pool.layers[layer].index_copy_(0, batch.write_index, new.to(pool.dtype))
     groups = query.shape[1] // key.shape[1]
-    if batch.direct is not None and sliding_window is None and softcap is None:
-        return _direct_attention(pool.layers[layer], query, batch, scale, groups)[None], None
-    if isinstance(batch.cascade, Blocks) and sliding_window is None and softcap is None:
-        return _blocks_attention(pool.layers[layer], query, batch, scale, groups)[None], None
-    if batch.cascade is not None and sliding_window is None and softcap is None:
-        return _cascade_attention(pool.layers[layer], query, batch, scale, groups)[None], None
+    planned = batch.direct is not None or batch.cascade is not None
+    if planned and sliding_window is None and softcap is None:
+        return _planned_attention(pool.layers[layer], query, batch, scale, groups)[None], None
     out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
     if batch.grouped and softcap is None:
         group = batch.group(sliding_window)
@@ -750,18 +747,20 @@ def _grouped_attention(
     return o.reshape(g * width, heads, dim)[group.flat]
 
 
-def _direct_attention(
+def _planned_attention(
     pool_layer: torch.Tensor, query: torch.Tensor, batch: PagedBatch, scale: float, groups: int
 ) -> torch.Tensor:
-    """`[T, Hq, D]`: the `direct` segments by the CPU kernel over their slots in place, the others by
-    the batch's cascade plan."""
+    """`[T, Hq, D]` by the batch's plans (layers without a window or soft-capping): its cascade plan
+    (`Blocks` or `Cascade`) for the segments it holds, the CPU kernel for the `direct` ones, over
+    their slots in place."""
     if isinstance(batch.cascade, Blocks):
         out = _blocks_attention(pool_layer, query, batch, scale, groups)
     elif batch.cascade is not None:
         out = _cascade_attention(pool_layer, query, batch, scale, groups)
     else:
         out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
-    kernel.attend(query, pool_layer, batch.direct, scale, out)
+    if batch.direct is not None:
+        kernel.attend(query, pool_layer, batch.direct, scale, out)
     return out
 
 

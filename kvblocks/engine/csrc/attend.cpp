@@ -1,17 +1,17 @@
 // Attention of packed query rows over K/V read in place from a pool, through slot lists.
 //
-// The CPU kernel behind `kvblocks.engine.kernel`: each request's keys outside a shared run are
-// attended here straight from the pool's slots, instead of being gathered into a new tensor for
-// every layer of every step. Built at first use with the machine's C++ compiler and loaded with
-// ctypes; it includes no torch headers, so it compiles in seconds.
+// The CPU kernel behind `kvblocks.engine.kernel`: short segments' keys are attended here straight
+// from the pool's slots, instead of being gathered into a new tensor for every layer of every step;
+// a shared run is read once for every row of the segments that start with it. Built at first use
+// with the machine's C++ compiler and loaded with ctypes; it includes no torch headers.
 //
 // Exactness and batch invariance. A (segment, query head, row) is computed on its own: its
 // scores, an exact softmax (max, exp, sum) and its weighted values, in an order fixed by the row's
 // query, the keys it sees and their number. Nothing depends on the other rows of a call, on the
 // batch, or on where the keys lie in the pool. Sums over the head dimension and over keys run in
-// fixed lanes added in a fixed tree; multiplications and additions are never fused (the build
-// passes -ffp-contract=off), so every path through the code rounds a row the same way. A masked
-// key adds exact zeros. The output is normalised and each row's log-sum-exp returned, so results
+// fixed lanes added in a fixed tree; the only fused multiply-adds are the explicit ones of `fmadd`
+// (the build passes -ffp-contract=off), so every path through the code rounds a row the same way.
+// A masked key adds exact zeros. The output is normalised and each row's log-sum-exp returned, so results
 // over disjoint key sets merge exactly.
 //
 // Vectors are GCC's generic vector extension (AVX-512, AVX2, NEON: whatever the target has).
@@ -39,14 +39,14 @@ struct Layout {
   int64_t heads, kv_heads, dim;  // outputs are [rows, heads, dim] and log-sum-exps [rows, heads], contiguous
 };
 
-// What a call attends. Group g's segments are members[member_offsets[g] .. member_offsets[g + 1]); they
+// What a call attends. Group g's segments are member_offsets[g] .. member_offsets[g + 1] - 1; they
 // all first see the keys shared[shared_offsets[g] .. shared_offsets[g + 1]) (pool slots, in position
 // order), read once for all of them. Segment s has the packed query rows rows[row_offsets[s] ..
 // row_offsets[s + 1]) (where its outputs go too) and its own keys slots[key_offsets[s] ..
 // key_offsets[s + 1]) after the shared ones; its i-th row sees the first min(n, visible[s] + i) of
 // those n own keys. How keys are split into shared and own never changes a row's arithmetic.
 struct Plan {
-  const int64_t *member_offsets, *members, *shared_offsets, *shared;
+  const int64_t *member_offsets, *shared_offsets, *shared;
   const int64_t *row_offsets, *rows, *key_offsets, *slots, *visible;
   int64_t groups;
 };
@@ -197,6 +197,7 @@ struct Row {
   const T* q;
   T* scores;     // its shared keys' scores, then its own keys'; padded with -inf to lanes
   T* acc;        // its weighted values (head dim)
+  int64_t start;  // where its scores start in the call's buffer
   int64_t own;   // its segment's own keys: slots[own .. own + n) of the plan
   int64_t n, sees;  // own keys, and how many of them it sees
   int64_t out;   // its index into the outputs (packed row * heads + head)
@@ -210,7 +211,7 @@ struct Kernel {
   static constexpr int RB = 16 / NV >= 4 ? 4 : 16 / NV >= 1 ? 16 / NV : 1;  // rows per pass (registers)
 
   // scores of rows[0 .. rb) over `count` keys from `keys`, written from `first` on in each row
-  static void score(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
+  __attribute__((noinline)) static void score(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
                      const Layout& at, int64_t h, T scale) {
     V qv[RB][NV];
     for (int r = 0; r < RB; ++r)
@@ -243,16 +244,16 @@ struct Kernel {
     }
   }
 
-  // the weighted values of rows[0 .. rb) over `count` keys from `keys`, their scores from `first` on
   // the weighted values of rows[0 .. rb) over `count` keys from `keys`, their scores from `first` on;
-  // every accumulator is indexed by a constant (a fold over `I`), so it lives in a register
+  // every accumulator is indexed by a constant (a fold over `I`), so it lives in a register. Both
+  // passes stay out of line: inlined into `passes`' callbacks they ran 1.4x slower (measured).
   static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
                     const Layout& at, int64_t h) {
     weigh(rows, rb, pool, keys, count, first, at, h, std::make_index_sequence<RB * NV>{});
   }
 
   template <std::size_t... I>
-  static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
+  __attribute__((noinline)) static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
                     const Layout& at, int64_t h, std::index_sequence<I...>) {
     const T* weights[RB];
     for (int r = 0; r < RB; ++r) weights[r] = rows[std::min(r, rb - 1)].scores + first;
@@ -274,6 +275,23 @@ struct Kernel {
     if (r < rb) std::memcpy(rows[r].acc + v * W, &x, sizeof x);
   }
 
+  // `pass(rows, rb, keys, count, first)` over a K/V head's rows in key order, `RB` rows at a time: the
+  // `m` shared keys a block of `KB` at a time for every row (the block stays in L1), then each run of
+  // rows with the same own keys over those, which start at key `m` of each row
+  template <typename F>
+  static void passes(std::vector<Row<T>>& rows, const int64_t* shared, int64_t m, const Plan& plan, F pass) {
+    const int64_t R = rows.size();
+    for (int64_t b = 0; b < m; b += KB)
+      for (int64_t r = 0; r < R; r += RB)
+        pass(&rows[r], static_cast<int>(std::min<int64_t>(RB, R - r)), shared + b, std::min(KB, m - b), b);
+    for (int64_t r = 0; r < R;) {
+      int64_t e = r;
+      while (e < R && e - r < RB && rows[e].own == rows[r].own) ++e;
+      pass(&rows[r], static_cast<int>(e - r), plan.slots + rows[r].own, rows[r].n, m);
+      r = e;
+    }
+  }
+
   static void run(const T* q, const T* pool, const Plan& plan, const Layout& at, T scale, T* out, T* lse) {
     const int64_t groups = at.heads / at.kv_heads, dim = at.dim;
     std::vector<T> scores, accs;
@@ -281,44 +299,33 @@ struct Kernel {
     for (int64_t g = 0; g < plan.groups; ++g) {
       const int64_t* shared = plan.shared + plan.shared_offsets[g];
       const int64_t m = plan.shared_offsets[g + 1] - plan.shared_offsets[g];
-      const int64_t* members = plan.members + plan.member_offsets[g];
-      const int64_t count = plan.member_offsets[g + 1] - plan.member_offsets[g];
       for (int64_t h = 0; h < at.kv_heads; ++h) {
         // the group's rows of this K/V head, segment by segment: query head h * groups + c, row i
         rows.clear();
         int64_t space = 0;
-        for (int64_t e = 0; e < count; ++e) {
-          const int64_t s = members[e], n = plan.key_offsets[s + 1] - plan.key_offsets[s];
+        for (int64_t s = plan.member_offsets[g]; s < plan.member_offsets[g + 1]; ++s) {
+          const int64_t n = plan.key_offsets[s + 1] - plan.key_offsets[s];
           const int64_t width = plan.row_offsets[s + 1] - plan.row_offsets[s];
           for (int64_t c = 0; c < groups; ++c)
             for (int64_t i = 0; i < width; ++i) {
               const int64_t row = plan.rows[plan.row_offsets[s] + i], head = h * groups + c;
-              Row<T> x{q + head * at.q_head + row * at.q_row, nullptr, nullptr, plan.key_offsets[s], n,
-                       std::min(n, plan.visible[s] + i), row * at.heads + head, 0, 0};
-              x.top = static_cast<T>(space);  // where its scores start, until they are placed
+              rows.push_back(Row<T>{q + head * at.q_head + row * at.q_row, nullptr, nullptr, space,
+                                    plan.key_offsets[s], n, std::min(n, plan.visible[s] + i),
+                                    row * at.heads + head, 0, 0});
               space += (m + n + W - 1) / W * W;
-              rows.push_back(x);
             }
         }
         if (rows.empty()) continue;
         if (static_cast<int64_t>(scores.size()) < space) scores.resize(space);
         if (accs.size() < rows.size() * dim) accs.resize(rows.size() * dim);
         for (size_t r = 0; r < rows.size(); ++r) {
-          rows[r].scores = scores.data() + static_cast<int64_t>(rows[r].top);
+          rows[r].scores = scores.data() + rows[r].start;
           rows[r].acc = accs.data() + r * dim;
         }
         const int64_t R = rows.size();
-        // scores: the shared keys a block at a time for every row, then each segment's own keys
-        for (int64_t b = 0; b < m; b += KB)
-          for (int64_t r = 0; r < R; r += RB)
-            score(&rows[r], static_cast<int>(std::min<int64_t>(RB, R - r)), pool, shared + b,
-                   std::min(KB, m - b), b, at, h, scale);
-        for (int64_t r = 0; r < R;) {  // runs of rows with the same own keys
-          int64_t e = r;
-          while (e < R && e - r < RB && rows[e].own == rows[r].own) ++e;
-          score(&rows[r], static_cast<int>(e - r), pool, plan.slots + rows[r].own, rows[r].n, m, at, h, scale);
-          r = e;
-        }
+        passes(rows, shared, m, plan, [&](Row<T>* first, int rb, const int64_t* keys, int64_t count, int64_t at_key) {
+          score(first, rb, pool, keys, count, at_key, at, h, scale);
+        });
         // softmax: each row's largest visible score, exp of the differences, their sum
         for (Row<T>& x : rows) {
           const int64_t seen = m + x.sees, padded = (m + x.n + W - 1) / W * W;
@@ -336,16 +343,9 @@ struct Kernel {
         }
         // the weighted values in key order: shared keys a block at a time, then each segment's own
         std::fill(accs.begin(), accs.begin() + R * dim, T(0));
-        for (int64_t b = 0; b < m; b += KB)
-          for (int64_t r = 0; r < R; r += RB)
-            weigh(&rows[r], static_cast<int>(std::min<int64_t>(RB, R - r)), pool, shared + b,
-                   std::min(KB, m - b), b, at, h);
-        for (int64_t r = 0; r < R;) {
-          int64_t e = r;
-          while (e < R && e - r < RB && rows[e].own == rows[r].own) ++e;
-          weigh(&rows[r], static_cast<int>(e - r), pool, plan.slots + rows[r].own, rows[r].n, m, at, h);
-          r = e;
-        }
+        passes(rows, shared, m, plan, [&](Row<T>* first, int rb, const int64_t* keys, int64_t count, int64_t at_key) {
+          weigh(first, rb, pool, keys, count, at_key, at, h);
+        });
         for (const Row<T>& x : rows) {
           T* o = out + x.out * dim;
           for (int64_t v = 0; v < NV; ++v) {
@@ -383,7 +383,7 @@ bool dispatch(int64_t nv, const T* q, const T* pool, const Plan& plan, const Lay
 template <typename T>
 int attend(const T* q, const T* pool, const int64_t* const* index, int64_t groups, const int64_t* layout,
            double scale, T* out, T* lse) {
-  const Plan plan{index[0], index[1], index[2], index[3], index[4], index[5], index[6], index[7], index[8], groups};
+  const Plan plan{index[0], index[1], index[2], index[3], index[4], index[5], index[6], index[7], groups};
   const Layout at{layout[0], layout[1], layout[2], layout[3], layout[4], layout[5], layout[6], layout[7]};
   if (at.kv_heads <= 0 || at.heads % at.kv_heads || at.dim <= 0) return 1;
   constexpr int wide = 64 / sizeof(T), narrow = 16 / sizeof(T);
@@ -395,11 +395,9 @@ int attend(const T* q, const T* pool, const int64_t* const* index, int64_t group
 
 }  // namespace
 
-// index: the nine arrays of a Plan, in its order; layout: the eight Layout fields; lse may be null.
+// index: the eight arrays of a Plan, in its order; layout: the eight Layout fields; lse may be null.
 // Returns 0, or 1 for a bad layout, 2 for a head dim without a kernel (nothing written then).
 extern "C" {
-
-int kvb_version() { return 1; }
 
 int kvb_attend_f32(const float* q, const float* pool, const int64_t* const* index, int64_t groups,
                    const int64_t* layout, double scale, float* out, float* lse) {
