@@ -95,6 +95,13 @@ inline V load(const void* p) {
   return v;
 }
 
+// x in every lane: x - (+0) is x for every x, -0 included, so this is a plain broadcast (`V{} + x`
+// turns -0 into +0, which the compiler must then compute)
+template <typename V, typename T>
+inline V splat(T x) {
+  return x - V{};
+}
+
 // Sum of a vector's lanes in a fixed tree: the halves added lane by lane, down to two lanes.
 template <typename T, int W>
 inline T lanes_sum(typename Vec<T, W>::type v) {
@@ -137,8 +144,8 @@ inline typename Vec<T, W>::type sums_of(typename Vec<T, W>::type* x) {
 }
 
 // exp(x) for x <= 0 (or -inf) lane by lane: Cody-Waite reduction to |r| <= ln2 / 2, a Taylor
-// polynomial (degree 7 in float, 12 in double: within about an ulp) and 2^k by the exponent bits.
-// Plain arithmetic, so every lane of every vector takes the same steps.
+// polynomial (degree 7 in float, 12 in double: within about an ulp) by Horner's rule in explicit
+// fused multiply-adds, and 2^k by the exponent bits. Every lane of every vector takes the same steps.
 template <typename T>
 struct Exp;
 
@@ -175,7 +182,7 @@ inline typename Vec<T, W>::type exp_nonpositive(typename Vec<T, W>::type x) {
   inverse[0] = 1;
   for (int i = 1; i <= E::degree; ++i) inverse[i] = inverse[i - 1] / i;
   V p = V{} + inverse[E::degree];
-  for (int i = E::degree - 1; i >= 0; --i) p = p * r + inverse[i];
+  for (int i = E::degree - 1; i >= 0; --i) p = fmadd<T>(p, r, splat<V>(inverse[i]));
   I exponent = (__builtin_convertvector(k, I) + E::bias) << E::mantissa;
   V scale;
   std::memcpy(&scale, &exponent, sizeof scale);
@@ -210,16 +217,17 @@ struct Kernel {
   typedef typename Vec<T, W>::type V;
   static constexpr int RB = 16 / NV >= 4 ? 4 : 16 / NV >= 1 ? 16 / NV : 1;  // rows per pass (registers)
 
-  // scores of rows[0 .. rb) over `count` keys from `keys`, written from `first` on in each row
+  // scores of rows[0 .. rb) over `count` keys from `keys`, written from `first` on in each row;
+  // with `fetch`, the rows of the keys `ahead` are prefetched
   __attribute__((noinline)) static void score(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
-                     const Layout& at, int64_t h, T scale) {
+                     bool fetch, const Layout& at, int64_t h, T scale) {
     V qv[RB][NV];
     for (int r = 0; r < RB; ++r)
       for (int v = 0; v < NV; ++v) qv[r][v] = load<V>(rows[std::min(r, rb - 1)].q + v * W);
     int64_t j = 0;
     for (; j + W <= count; j += W) {  // W keys at a time: their dots summed together
       for (int64_t l = 0; l < W; ++l)
-        if (j + ahead + l < count) prefetch(pool + keys[j + ahead + l] * at.slot + h * at.kv_head, at.dim);
+        if (fetch && j + ahead + l < count) prefetch(pool + keys[j + ahead + l] * at.slot + h * at.kv_head, at.dim);
       for (int r = 0; r < rb; ++r) {
         V dots[W];
         for (int l = 0; l < W; ++l) {
@@ -248,25 +256,25 @@ struct Kernel {
   // every accumulator is indexed by a constant (a fold over `I`), so it lives in a register. Both
   // passes stay out of line: inlined into `passes`' callbacks they ran 1.4x slower (measured).
   static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
-                    const Layout& at, int64_t h) {
-    weigh(rows, rb, pool, keys, count, first, at, h, std::make_index_sequence<RB * NV>{});
+                    bool fetch, const Layout& at, int64_t h) {
+    weigh(rows, rb, pool, keys, count, first, fetch, at, h, std::make_index_sequence<RB * NV>{});
   }
 
   template <std::size_t... I>
   __attribute__((noinline)) static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
-                    const Layout& at, int64_t h, std::index_sequence<I...>) {
+                    bool fetch, const Layout& at, int64_t h, std::index_sequence<I...>) {
     const T* weights[RB];
     for (int r = 0; r < RB; ++r) weights[r] = rows[std::min(r, rb - 1)].scores + first;
     V acc[RB * NV] = {load<V>(rows[std::min<int>(I / NV, rb - 1)].acc + (I % NV) * W)...};
     const int64_t offset = at.value + h * at.kv_head;
     for (int64_t j = 0; j < count; ++j) {
       const T* value = pool + keys[j] * at.slot + offset;
-      if (j + ahead < count) prefetch(pool + keys[j + ahead] * at.slot + offset, at.dim);
+      if (fetch && j + ahead < count) prefetch(pool + keys[j + ahead] * at.slot + offset, at.dim);
       V vv[NV];
       for (int v = 0; v < NV; ++v) vv[v] = load<V>(value + v * W);
       T w[RB];
       for (int r = 0; r < RB; ++r) w[r] = weights[r][j];
-      ((acc[I] = fmadd<T>(V{} + w[I / NV], vv[I % NV], acc[I])), ...);
+      ((acc[I] = fmadd<T>(splat<V>(w[I / NV]), vv[I % NV], acc[I])), ...);
     }
     (store(rows, rb, static_cast<int>(I / NV), static_cast<int>(I % NV), acc[I]), ...);
   }
@@ -275,21 +283,40 @@ struct Kernel {
     if (r < rb) std::memcpy(rows[r].acc + v * W, &x, sizeof x);
   }
 
-  // `pass(rows, rb, keys, count, first)` over a K/V head's rows in key order, `RB` rows at a time: the
-  // `m` shared keys a block of `KB` at a time for every row (the block stays in L1), then each run of
-  // rows with the same own keys over those, which start at key `m` of each row
+  // `pass(rows, rb, keys, count, first, fetch)` over a K/V head's rows in key order, `RB` rows at a
+  // time: the `m` shared keys a block of `KB` at a time for every row (the block stays in L1), then
+  // each run of rows with the same own keys over those, which start at key `m` of each row. `fetch`:
+  // whether the pass prefetches the keys' rows; only a block's first pass does (for the later ones
+  // the block is in L1 already: their prefetches only took load slots, 2 ms of a 160 ms step).
   template <typename F>
   static void passes(std::vector<Row<T>>& rows, const int64_t* shared, int64_t m, const Plan& plan, F pass) {
     const int64_t R = rows.size();
     for (int64_t b = 0; b < m; b += KB)
       for (int64_t r = 0; r < R; r += RB)
-        pass(&rows[r], static_cast<int>(std::min<int64_t>(RB, R - r)), shared + b, std::min(KB, m - b), b);
+        pass(&rows[r], static_cast<int>(std::min<int64_t>(RB, R - r)), shared + b, std::min(KB, m - b), b, r == 0);
     for (int64_t r = 0; r < R;) {
       int64_t e = r;
       while (e < R && e - r < RB && rows[e].own == rows[r].own) ++e;
-      pass(&rows[r], static_cast<int>(e - r), plan.slots + rows[r].own, rows[r].n, m);
+      pass(&rows[r], static_cast<int>(e - r), plan.slots + rows[r].own, rows[r].n, m, true);
       r = e;
     }
+  }
+
+  // the largest of scores[0 .. n), n >= 1: lane by lane, then across lanes (a maximum is the same in
+  // any order; -0 and +0, which may come out either way, give the same exp and log-sum-exp)
+  static T max_of(const T* scores, int64_t n) {
+    int64_t j = 0;
+    T top = scores[0];
+    if (n >= W) {
+      V m = load<V>(scores);
+      for (j = W; j + W <= n; j += W) {
+        const V x = load<V>(scores + j);
+        m = x > m ? x : m;
+      }
+      for (int l = 0; l < W; ++l) top = std::max(top, m[l]);
+    }
+    for (; j < n; ++j) top = std::max(top, scores[j]);
+    return top;
   }
 
   static void run(const T* q, const T* pool, const Plan& plan, const Layout& at, T scale, T* out, T* lse) {
@@ -323,15 +350,14 @@ struct Kernel {
           rows[r].acc = accs.data() + r * dim;
         }
         const int64_t R = rows.size();
-        passes(rows, shared, m, plan, [&](Row<T>* first, int rb, const int64_t* keys, int64_t count, int64_t at_key) {
-          score(first, rb, pool, keys, count, at_key, at, h, scale);
+        passes(rows, shared, m, plan, [&](Row<T>* first, int rb, const int64_t* keys, int64_t count, int64_t at_key, bool fetch) {
+          score(first, rb, pool, keys, count, at_key, fetch, at, h, scale);
         });
         // softmax: each row's largest visible score, exp of the differences, their sum
         for (Row<T>& x : rows) {
           const int64_t seen = m + x.sees, padded = (m + x.n + W - 1) / W * W;
           for (int64_t j = seen; j < padded; ++j) x.scores[j] = -std::numeric_limits<T>::infinity();
-          T top = x.scores[0];
-          for (int64_t j = 1; j < seen; ++j) top = std::max(top, x.scores[j]);
+          T top = max_of(x.scores, seen);
           V sum{};
           for (int64_t j = 0; j < padded; j += W) {
             V e = exp_nonpositive<T, W>(load<V>(x.scores + j) - top);
@@ -343,8 +369,8 @@ struct Kernel {
         }
         // the weighted values in key order: shared keys a block at a time, then each segment's own
         std::fill(accs.begin(), accs.begin() + R * dim, T(0));
-        passes(rows, shared, m, plan, [&](Row<T>* first, int rb, const int64_t* keys, int64_t count, int64_t at_key) {
-          weigh(first, rb, pool, keys, count, at_key, at, h);
+        passes(rows, shared, m, plan, [&](Row<T>* first, int rb, const int64_t* keys, int64_t count, int64_t at_key, bool fetch) {
+          weigh(first, rb, pool, keys, count, at_key, fetch, at, h);
         });
         for (const Row<T>& x : rows) {
           T* o = out + x.out * dim;
