@@ -192,10 +192,14 @@ inline typename Vec<T, W>::type exp_nonpositive(typename Vec<T, W>::type x) {
 constexpr int64_t ahead = 8;  // keys ahead whose K (V) rows are prefetched: slots lie anywhere in the pool
 constexpr int64_t KB = 64;    // shared keys per block: a block's K (V) rows stay in L1 for every row
 
-template <typename T>
+// A row of `dim` elements prefetched: into L1 for this pass (`Locality` 3), or, for a later pass's
+// rows of the same keys, into L2 (1): a head's V rows while its scores are computed, the next head's
+// K rows while its weighted values are (2.5 ms of a 150 ms decode step, measured: a step's layers
+// of KV do not fit in cache, and a prefetch `ahead` keys before use is too late for memory).
+template <int Locality = 3, typename T>
 inline void prefetch(const T* p, int64_t dim) {
   for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(p) + b);
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, Locality);
 }
 
 // A query row of one K/V head: its query, where its scores and output go, what it sees.
@@ -218,7 +222,7 @@ struct Kernel {
   static constexpr int RB = 16 / NV >= 4 ? 4 : 16 / NV >= 1 ? 16 / NV : 1;  // rows per pass (registers)
 
   // scores of rows[0 .. rb) over `count` keys from `keys`, written from `first` on in each row;
-  // with `fetch`, the rows of the keys `ahead` are prefetched
+  // with `fetch`, the K rows of the keys `ahead` are prefetched, and their V rows into L2
   __attribute__((noinline)) static void score(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
                      bool fetch, const Layout& at, int64_t h, T scale) {
     V qv[RB][NV];
@@ -227,7 +231,11 @@ struct Kernel {
     int64_t j = 0;
     for (; j + W <= count; j += W) {  // W keys at a time: their dots summed together
       for (int64_t l = 0; l < W; ++l)
-        if (fetch && j + ahead + l < count) prefetch(pool + keys[j + ahead + l] * at.slot + h * at.kv_head, at.dim);
+        if (fetch && j + ahead + l < count) {
+          const T* slot = pool + keys[j + ahead + l] * at.slot + h * at.kv_head;
+          prefetch(slot, at.dim);
+          prefetch<1>(slot + at.value, at.dim);  // its V row, for `weigh`
+        }
       for (int r = 0; r < rb; ++r) {
         V dots[W];
         for (int l = 0; l < W; ++l) {
@@ -253,6 +261,7 @@ struct Kernel {
   }
 
   // the weighted values of rows[0 .. rb) over `count` keys from `keys`, their scores from `first` on;
+  // with `fetch`, the V rows of the keys `ahead` are prefetched, and the next head's K rows into L2;
   // every accumulator is indexed by a constant (a fold over `I`), so it lives in a register. Both
   // passes stay out of line: inlined into `passes`' callbacks they ran 1.4x slower (measured).
   static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
@@ -269,7 +278,10 @@ struct Kernel {
     const int64_t offset = at.value + h * at.kv_head;
     for (int64_t j = 0; j < count; ++j) {
       const T* value = pool + keys[j] * at.slot + offset;
-      if (fetch && j + ahead < count) prefetch(pool + keys[j + ahead] * at.slot + offset, at.dim);
+      if (fetch && j + ahead < count) {
+        prefetch(pool + keys[j + ahead] * at.slot + offset, at.dim);
+        if (h + 1 < at.kv_heads) prefetch<1>(pool + keys[j + ahead] * at.slot + (h + 1) * at.kv_head, at.dim);
+      }
       V vv[NV];
       for (int v = 0; v < NV; ++v) vv[v] = load<V>(value + v * W);
       T w[RB];
