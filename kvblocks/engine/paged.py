@@ -85,7 +85,9 @@ from kvblocks.engine import graphs, kernel
 from kvblocks.engine.head import PackedHead, scope
 
 NAME = graphs.BATCH_KEYWORD  # the keyword a packed forward's batch travels under to every layer
-ATTENTION_RANGE = "kvblocks.attention"  # the profiler range around every call of `paged_attention`
+ATTENTION_RANGE = "kvblocks.attention"  # the profiler range around `paged_attention`, under a profiler
+# whether a profiler is recording on this process (a torch without the check: always, as before)
+_profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
 # Model types whose packed forward is tested equal to one request at a time (tests/test_paged.py).
 SUPPORTED = frozenset(
     {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "opt"}
@@ -623,7 +625,7 @@ def paged_attention(*args, **kwargs):
     inside an `attention_clock`."""
     spent = getattr(_clock, "spent", None)
     start = time.process_time() if spent is not None else 0.0
-    if torch._C._autograd._profiler_enabled():  # the range costs about 0.1 ms a call in a step
+    if _profiling():  # the range costs about 0.1 ms a call in a step
         with torch.profiler.record_function(ATTENTION_RANGE):
             out = _paged_attention(*args, **kwargs)
     else:
