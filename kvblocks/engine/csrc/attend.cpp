@@ -8,9 +8,10 @@
 // Exactness and batch invariance. A (segment, query head, row) is computed on its own: its
 // scores, an exact softmax (max, exp, sum) and its weighted values, in an order fixed by the row's
 // query, the keys it sees and their number. Nothing depends on the other rows of a call, on the
-// batch, or on where the keys lie in the pool. Sums over the head dimension and over keys run in
-// fixed lanes added in a fixed tree; the only fused multiply-adds are the explicit ones of `fmadd`
-// (the build passes -ffp-contract=off), so every path through the code rounds a row the same way.
+// batch, or on where the keys lie in the pool. A score's dot product is one chain of multiply-adds
+// over the head dim in order; sums over keys run in fixed lanes added in a fixed tree; the only
+// fused multiply-adds are the explicit ones of `fmadd` (the build passes -ffp-contract=off), so every
+// path through the code rounds a row the same way.
 // A masked key adds exact zeros. The output is normalised and each row's log-sum-exp returned, so results
 // over disjoint key sets merge exactly.
 //
@@ -102,44 +103,46 @@ inline V splat(T x) {
   return x - V{};
 }
 
-// Sum of a vector's lanes in a fixed tree: the halves added lane by lane, down to two lanes.
+// Sum of a vector's lanes in a fixed tree: the halves added lane by lane, down to two lanes (the
+// halves taken by shuffles: a copy through memory kept a loop's running sum on the stack)
+template <typename V, int H, std::size_t... I>
+inline auto half(V v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, (H + I)...);
+}
+
 template <typename T, int W>
 inline T lanes_sum(typename Vec<T, W>::type v) {
   if constexpr (W == 2) {
     return v[0] + v[1];
   } else {
-    typedef typename Vec<T, W / 2>::type H;
-    H low, high;
-    std::memcpy(&low, &v, sizeof low);
-    std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
-    return lanes_sum<T, W / 2>(low + high);
+    const auto lanes = std::make_index_sequence<W / 2>{};
+    return lanes_sum<T, W / 2>(half<decltype(v), 0>(v, lanes) + half<decltype(v), W / 2>(v, lanes));
   }
 }
 
-// The lane sums of W vectors at once, as one vector (lane d: the sum of vector d's lanes), by the same
-// tree as `lanes_sum` (halves added pairwise): at each level two vectors, each holding W / K sums of
-// K partials, become one holding twice as many sums of K / 2 partials.
-template <int W, int K, bool High>
-constexpr int pick_index(int i) {
-  const int half = K / 2, sum = i / half, j = i % half, per = W / K;
-  return (sum < per ? sum * K : W + (sum - per) * K) + j + (High ? half : 0);
+// W vectors of W lanes transposed in registers (x[i][j] becomes x[j][i]): log2(W) stages, the
+// stage of stride s swapping the off-diagonal s-by-s blocks of every 2s-by-2s block.
+template <int W, int S, bool High>
+constexpr int swap_index(int lane) {
+  return High ? ((lane & S) ? W + lane : lane + S) : ((lane & S) ? W + lane - S : lane);
 }
 
-template <typename V, int W, int K, bool High, std::size_t... I>
-inline V pick(V a, V b, std::index_sequence<I...>) {
-  return __builtin_shufflevector(a, b, pick_index<W, K, High>(I)...);
+template <typename V, int W, int S, bool High, std::size_t... I>
+inline V swap(V a, V b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, swap_index<W, S, High>(I)...);
 }
 
-template <typename T, int W, int K = W>
-inline typename Vec<T, W>::type sums_of(typename Vec<T, W>::type* x) {
-  typedef typename Vec<T, W>::type V;
-  if constexpr (K == 1) {
-    return x[0];
-  } else {
+template <typename V, int W, int S = 1>
+inline void transpose(V* x) {
+  if constexpr (S < W) {
     const auto lanes = std::make_index_sequence<W>{};
-    for (int p = 0; p < K / 2; ++p)  // K vectors at this level, each holding W / K sums of K partials
-      x[p] = pick<V, W, K, false>(x[2 * p], x[2 * p + 1], lanes) + pick<V, W, K, true>(x[2 * p], x[2 * p + 1], lanes);
-    return sums_of<T, W, K / 2>(x);
+    for (int i = 0; i < W; ++i)
+      if (!(i & S)) {
+        const V a = x[i], b = x[i + S];
+        x[i] = swap<V, W, S, false>(a, b, lanes);
+        x[i + S] = swap<V, W, S, true>(a, b, lanes);
+      }
+    transpose<V, W, 2 * S>(x);
   }
 }
 
@@ -189,17 +192,40 @@ inline typename Vec<T, W>::type exp_nonpositive(typename Vec<T, W>::type x) {
   return x < low ? V{} : p * scale;
 }
 
-constexpr int64_t ahead = 8;  // keys ahead whose K (V) rows are prefetched: slots lie anywhere in the pool
-constexpr int64_t KB = 64;    // shared keys per block: a block's K (V) rows stay in L1 for every row
+// vector registers: how many sums a score tile may keep
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int registers = 32;
+#else
+constexpr int registers = 16;
+#endif
 
-// A row of `dim` elements prefetched: into L1 for this pass (`Locality` 3), or, for a later pass's
-// rows of the same keys, into L2 (1): a head's V rows while its scores are computed, the next head's
-// K rows while its weighted values are (2.5 ms of a 150 ms decode step, measured: a step's layers
-// of KV do not fit in cache, and a prefetch `ahead` keys before use is too late for memory).
+constexpr int64_t KB = 64;  // keys per span: its K rows transposed and its V rows stay in L1 for every row
+
+// x, held in a register from here: GCC otherwise reads a tile's keys from memory again at every
+// multiply-add that uses them (a load per multiply-add, as many as before the tiles). Only for a
+// vector one register holds (a wider one is several registers to the compiler anyway).
+template <typename V>
+inline void in_register(V& x) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) <= 64) asm("" : "+v"(x));
+#elif defined(__AVX__)
+  if constexpr (sizeof(V) <= 32) asm("" : "+x"(x));
+#elif defined(__x86_64__) || defined(__i386__)
+  if constexpr (sizeof(V) <= 16) asm("" : "+x"(x));
+#elif defined(__aarch64__)
+  if constexpr (sizeof(V) <= 16) asm("" : "+w"(x));
+#endif
+}
+
+// A row of `dim` elements prefetched: into L1 (`Locality` 3), L2 (2, 1) or closest to the core
+// without polluting the caches (0).
 template <int Locality = 3, typename T>
 inline void prefetch(const T* p, int64_t dim) {
-  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, Locality);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) {
+    const char* line = reinterpret_cast<const char*>(p) + b;
+    __builtin_prefetch(line, 0, Locality);
+    asm volatile("" : : "r"(line));  // GCC deletes a loop that only prefetches (no side effects, it says)
+  }
 }
 
 // A query row of one K/V head: its query, where its scores and output go, what it sees.
@@ -215,73 +241,139 @@ struct Row {
   T top, total;
 };
 
-// The rows of a K/V head `RB` at a time, each row's head dim `NV` vectors of `W` lanes.
+// The rows of a K/V head, each row's head dim `NV` vectors of `W` lanes: scores `SR` rows at a time,
+// weighted values `RB` at a time.
 template <typename T, int W, int NV>
 struct Kernel {
   typedef typename Vec<T, W>::type V;
-  static constexpr int RB = 16 / NV >= 4 ? 4 : 16 / NV >= 1 ? 16 / NV : 1;  // rows per pass (registers)
+  static constexpr int RB = 16 / NV >= 4 ? 4 : 16 / NV >= 1 ? 16 / NV : 1;  // rows per weighing (registers)
 
-  // scores of rows[0 .. rb) over `count` keys from `keys`, written from `first` on in each row;
-  // with `fetch`, the K rows of the keys `ahead` are prefetched, and their V rows into L2
-  __attribute__((noinline)) static void score(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
-                     bool fetch, const Layout& at, int64_t h, T scale) {
-    V qv[RB][NV];
-    for (int r = 0; r < RB; ++r)
-      for (int v = 0; v < NV; ++v) qv[r][v] = load<V>(rows[std::min(r, rb - 1)].q + v * W);
-    int64_t j = 0;
-    for (; j + W <= count; j += W) {  // W keys at a time: their dots summed together
-      for (int64_t l = 0; l < W; ++l)
-        if (fetch && j + ahead + l < count) {
-          const T* slot = pool + keys[j + ahead + l] * at.slot + h * at.kv_head;
-          prefetch(slot, at.dim);
-          prefetch<1>(slot + at.value, at.dim);  // its V row, for `weigh`
-        }
-      for (int r = 0; r < rb; ++r) {
-        V dots[W];
-        for (int l = 0; l < W; ++l) {
-          const T* k = pool + keys[j + l] * at.slot + h * at.kv_head;
-          V acc = qv[r][0] * load<V>(k);
-          for (int v = 1; v < NV; ++v) acc = fmadd<T>(qv[r][v], load<V>(k + v * W), acc);
-          dots[l] = acc;
-        }
-        V s = sums_of<T, W>(dots) * scale;
-        std::memcpy(rows[r].scores + first + j, &s, sizeof s);
+  // Scores. A key's score for a row is scale * (its dot product with the row's query), the dot
+  // product one chain of `fmadd`s over the head dim from 0, whichever tile computes it.
+  // The keys are read `KB` at a time into `kt` transposed (kt[d * KB + j]: key j's element d), then
+  // a tile of `SR` rows by `KT` vectors of keys keeps its SR * KT sums in registers and loads, per
+  // head-dim element, KT vectors of keys and SR query elements: no sums across lanes, and each load
+  // feeds several multiply-adds (the untransposed dot products loaded one key row per multiply-add
+  // and summed lanes by a tree of shuffles: 1.5x the time of the weighted values, measured).
+  static constexpr int SR = 4;
+  static constexpr int KT = registers / 8 < KB / W ? registers / 8 : KB / W;
+
+  // `count` keys' K rows into `kt`, whole vectors (zeros past `count`)
+  __attribute__((noinline)) static void gather(T* kt, const T* pool, const int64_t* keys, int64_t count, const Layout& at, int64_t h) {
+    const int64_t offset = h * at.kv_head;
+    for (int64_t j = 0; j < count; j += W) {
+      for (int v = 0; v < NV; ++v) {
+        V x[W];
+        for (int l = 0; l < W; ++l) x[l] = j + l < count ? load<V>(pool + keys[j + l] * at.slot + offset + v * W) : V{};
+        transpose<V, W>(x);
+        for (int l = 0; l < W; ++l) std::memcpy(kt + (v * W + l) * KB + j, &x[l], sizeof(V));
       }
     }
-    for (; j < count; ++j) {
-      const T* k = pool + keys[j] * at.slot + h * at.kv_head;
-      V kv[NV];
-      for (int v = 0; v < NV; ++v) kv[v] = load<V>(k + v * W);
-      for (int r = 0; r < rb; ++r) {
-        V acc = qv[r][0] * kv[0];
-        for (int v = 1; v < NV; ++v) acc = fmadd<T>(qv[r][v], kv[v], acc);
-        rows[r].scores[first + j] = lanes_sum<T, W>(acc) * scale;
+  }
+
+  // the scores of R rows over the K * W keys of `kt`, written from `first` on in each row
+  template <int R, int K>
+  __attribute__((noinline)) static void score_tile(Row<T>* rows, const T* kt, int64_t first, T scale) {
+    const T* q[R];
+    for (int r = 0; r < R; ++r) q[r] = rows[r].q;
+    V acc[R][K] = {};
+    for (int d = 0; d < NV * W; ++d) {
+      V k[K];
+      for (int c = 0; c < K; ++c) in_register(k[c] = load<V>(kt + d * KB + c * W));
+      for (int r = 0; r < R; ++r) {
+        const V x = splat<V>(q[r][d]);
+        for (int c = 0; c < K; ++c) acc[r][c] = fmadd<T>(x, k[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < K; ++c) {
+        const V y = acc[r][c] * scale;
+        std::memcpy(rows[r].scores + first + c * W, &y, sizeof y);
+      }
+  }
+
+  // the scores of rows[0 .. rb) (rb <= SR) over `count` keys of `kt`, whole vectors from `first` on
+  // (past `count` they land where later keys' scores or the row's padding go)
+  template <int R = 1>
+  static void score_rows(Row<T>* rows, int rb, const T* kt, int64_t count, int64_t first, T scale) {
+    if constexpr (R < SR) {
+      if (rb > R) return score_rows<R + 1>(rows, rb, kt, count, first, scale);
+    }
+    int64_t j = 0;
+    for (; j + KT * W <= count; j += KT * W) score_tile<R, KT>(rows, kt + j, first + j, scale);
+    if (j < count) score_tail<R>(static_cast<int>((count - j + W - 1) / W), rows, kt + j, first + j, scale);
+  }
+
+  template <int R, int K = 1>
+  static void score_tail(int vectors, Row<T>* rows, const T* kt, int64_t first, T scale) {
+    if constexpr (K < KT) {
+      if (vectors > K) return score_tail<R, K + 1>(vectors, rows, kt, first, scale);
+    }
+    score_tile<R, K>(rows, kt, first, scale);
+  }
+
+  // Keys whose scores are computed together: read into `kt` once, for rows [row, end), their scores
+  // written from `first` on in each row.
+  struct Span {
+    const int64_t* keys;
+    int64_t count, first, row, end;
+  };
+
+  // The spans of a K/V head's rows: its shared keys a block at a time for all rows, then each
+  // segment's own keys a block at a time for its rows (those of one segment are adjacent and share
+  // `own`), in key order for every row.
+  static void spans_of(std::vector<Span>& spans, const std::vector<Row<T>>& rows, const int64_t* shared, int64_t m,
+                       const Plan& plan) {
+    const int64_t R = rows.size();
+    spans.clear();
+    for (int64_t b = 0; b < m; b += KB) spans.push_back(Span{shared + b, std::min(KB, m - b), b, 0, R});
+    for (int64_t r = 0, e = 0; r < R; r = e) {
+      while (e < R && rows[e].own == rows[r].own) ++e;
+      for (int64_t b = 0; b < rows[r].n; b += KB)
+        spans.push_back(Span{plan.slots + rows[r].own + b, std::min(KB, rows[r].n - b), m + b, r, e});
+    }
+  }
+
+  // `begin(span)`, then `tile(span, t, row, rb)` for each tile of `Per` rows, for each span in
+  // order. Before tile t of a span, `fetch(keys, count)` is given the t-th share of the next span's
+  // keys: a pass prefetches the next span while it computes this one (a step's KV does not fit in
+  // cache: its rows come from memory), a share per tile so the prefetches do not wait on each other.
+  template <int Per, typename B, typename F, typename P>
+  static void walk(const std::vector<Span>& spans, B begin, F tile, P fetch) {
+    for (size_t i = 0; i < spans.size(); ++i) {
+      const Span& s = spans[i];
+      begin(s);
+      const int64_t tiles = (s.end - s.row + Per - 1) / Per;
+      for (int64_t t = 0; t < tiles; ++t) {
+        if (i + 1 < spans.size()) {
+          const Span& next = spans[i + 1];
+          const int64_t from = next.count * t / tiles;
+          fetch(next.keys + from, next.count * (t + 1) / tiles - from);
+        }
+        const int64_t r = s.row + t * Per;
+        tile(s, t, r, static_cast<int>(std::min<int64_t>(Per, s.end - r)));
       }
     }
   }
 
   // the weighted values of rows[0 .. rb) over `count` keys from `keys`, their scores from `first` on;
-  // with `fetch`, the V rows of the keys `ahead` are prefetched, and the next head's K rows into L2;
-  // every accumulator is indexed by a constant (a fold over `I`), so it lives in a register. Both
-  // passes stay out of line: inlined into `passes`' callbacks they ran 1.4x slower (measured).
+  // every accumulator is indexed by a constant (a fold over `I`), so it lives in a register. This and
+  // `score_tile` stay out of line: inlined into `walk`'s callbacks, weighing ran 1.4x slower and a
+  // score tile spilled its keys to the stack (measured).
   static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
-                    bool fetch, const Layout& at, int64_t h) {
-    weigh(rows, rb, pool, keys, count, first, fetch, at, h, std::make_index_sequence<RB * NV>{});
+                    const Layout& at, int64_t h) {
+    weigh(rows, rb, pool, keys, count, first, at, h, std::make_index_sequence<RB * NV>{});
   }
 
   template <std::size_t... I>
   __attribute__((noinline)) static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
-                    bool fetch, const Layout& at, int64_t h, std::index_sequence<I...>) {
+                    const Layout& at, int64_t h, std::index_sequence<I...>) {
     const T* weights[RB];
     for (int r = 0; r < RB; ++r) weights[r] = rows[std::min(r, rb - 1)].scores + first;
     V acc[RB * NV] = {load<V>(rows[std::min<int>(I / NV, rb - 1)].acc + (I % NV) * W)...};
     const int64_t offset = at.value + h * at.kv_head;
     for (int64_t j = 0; j < count; ++j) {
       const T* value = pool + keys[j] * at.slot + offset;
-      if (fetch && j + ahead < count) {
-        prefetch(pool + keys[j + ahead] * at.slot + offset, at.dim);
-        if (h + 1 < at.kv_heads) prefetch<1>(pool + keys[j + ahead] * at.slot + (h + 1) * at.kv_head, at.dim);
-      }
       V vv[NV];
       for (int v = 0; v < NV; ++v) vv[v] = load<V>(value + v * W);
       T w[RB];
@@ -293,25 +385,6 @@ struct Kernel {
 
   static void store(Row<T>* rows, int rb, int r, int v, V x) {
     if (r < rb) std::memcpy(rows[r].acc + v * W, &x, sizeof x);
-  }
-
-  // `pass(rows, rb, keys, count, first, fetch)` over a K/V head's rows in key order, `RB` rows at a
-  // time: the `m` shared keys a block of `KB` at a time for every row (the block stays in L1), then
-  // each run of rows with the same own keys over those, which start at key `m` of each row. `fetch`:
-  // whether the pass prefetches the keys' rows; only a block's first pass does (for the later ones
-  // the block is in L1 already: their prefetches only took load slots, 2 ms of a 160 ms step).
-  template <typename F>
-  static void passes(std::vector<Row<T>>& rows, const int64_t* shared, int64_t m, const Plan& plan, F pass) {
-    const int64_t R = rows.size();
-    for (int64_t b = 0; b < m; b += KB)
-      for (int64_t r = 0; r < R; r += RB)
-        pass(&rows[r], static_cast<int>(std::min<int64_t>(RB, R - r)), shared + b, std::min(KB, m - b), b, r == 0);
-    for (int64_t r = 0; r < R;) {
-      int64_t e = r;
-      while (e < R && e - r < RB && rows[e].own == rows[r].own) ++e;
-      pass(&rows[r], static_cast<int>(e - r), plan.slots + rows[r].own, rows[r].n, m, true);
-      r = e;
-    }
   }
 
   // the largest of scores[0 .. n), n >= 1: lane by lane, then across lanes (a maximum is the same in
@@ -333,8 +406,9 @@ struct Kernel {
 
   static void run(const T* q, const T* pool, const Plan& plan, const Layout& at, T scale, T* out, T* lse) {
     const int64_t groups = at.heads / at.kv_heads, dim = at.dim;
-    std::vector<T> scores, accs;
+    std::vector<T> scores, accs, kt(KB * dim);
     std::vector<Row<T>> rows;
+    std::vector<Span> spans;
     for (int64_t g = 0; g < plan.groups; ++g) {
       const int64_t* shared = plan.shared + plan.shared_offsets[g];
       const int64_t m = plan.shared_offsets[g + 1] - plan.shared_offsets[g];
@@ -351,7 +425,7 @@ struct Kernel {
               rows.push_back(Row<T>{q + head * at.q_head + row * at.q_row, nullptr, nullptr, space,
                                     plan.key_offsets[s], n, std::min(n, plan.visible[s] + i),
                                     row * at.heads + head, 0, 0});
-              space += (m + n + W - 1) / W * W;
+              space += (m + n + W - 1) / W * W + W;  // + W: an own tile's last vector may pass m + n
             }
         }
         if (rows.empty()) continue;
@@ -362,18 +436,26 @@ struct Kernel {
           rows[r].acc = accs.data() + r * dim;
         }
         const int64_t R = rows.size();
-        passes(rows, shared, m, plan, [&](Row<T>* first, int rb, const int64_t* keys, int64_t count, int64_t at_key, bool fetch) {
-          score(first, rb, pool, keys, count, at_key, fetch, at, h, scale);
+        spans_of(spans, rows, shared, m, plan);
+        const int64_t k_offset = h * at.kv_head, v_offset = k_offset + at.value;
+        walk<SR>(spans, [&](const Span& s) { gather(kt.data(), pool, s.keys, s.count, at, h); },
+                 [&](const Span& s, int64_t, int64_t r, int rb) {
+          score_rows(&rows[r], rb, kt.data(), s.count, s.first, scale);
+        }, [&](const int64_t* keys, int64_t count) {
+          for (int64_t l = 0; l < count; ++l) {
+            prefetch<2>(pool + keys[l] * at.slot + k_offset, at.dim);
+          }
         });
         // softmax: each row's largest visible score, exp of the differences, their sum
         for (Row<T>& x : rows) {
           const int64_t seen = m + x.sees, padded = (m + x.n + W - 1) / W * W;
           for (int64_t j = seen; j < padded; ++j) x.scores[j] = -std::numeric_limits<T>::infinity();
           T top = max_of(x.scores, seen);
+          T* const scores = x.scores;  // a local: the stores below could alias `x` for the compiler
           V sum{};
           for (int64_t j = 0; j < padded; j += W) {
-            V e = exp_nonpositive<T, W>(load<V>(x.scores + j) - top);
-            std::memcpy(x.scores + j, &e, sizeof e);
+            V e = exp_nonpositive<T, W>(load<V>(scores + j) - top);
+            std::memcpy(scores + j, &e, sizeof e);
             sum = sum + e;
           }
           x.top = top;
@@ -381,8 +463,13 @@ struct Kernel {
         }
         // the weighted values in key order: shared keys a block at a time, then each segment's own
         std::fill(accs.begin(), accs.begin() + R * dim, T(0));
-        passes(rows, shared, m, plan, [&](Row<T>* first, int rb, const int64_t* keys, int64_t count, int64_t at_key, bool fetch) {
-          weigh(first, rb, pool, keys, count, at_key, fetch, at, h);
+        walk<RB>(spans, [](const Span&) {}, [&](const Span& s, int64_t t, int64_t r, int rb) {
+          weigh(&rows[r], rb, pool, s.keys, s.count, s.first, at, h);
+        }, [&](const int64_t* keys, int64_t count) {
+          for (int64_t l = 0; l < count; ++l) {
+            prefetch<2>(pool + keys[l] * at.slot + v_offset, at.dim);
+            if (h + 1 < at.kv_heads) prefetch<1>(pool + keys[l] * at.slot + k_offset + at.kv_head, at.dim);
+          }
         });
         for (const Row<T>& x : rows) {
           T* o = out + x.out * dim;
