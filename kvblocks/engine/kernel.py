@@ -5,9 +5,10 @@ each request's own prompt and generated tokens wherever the trie put them. Befor
 packed path gathered a request's keys into a new tensor with `index_select` for every layer of every
 step and attended them in small fused calls; that gather and those calls were most of a decode
 step's attention (BENCHMARKS.md, issue 23). The kernel attends segments of at most `MAX_WIDTH` new
-tokens straight from the pool through their slot lists, prefetching the next keys' rows: one call
-per layer for all of them, a shared run read once (64 keys a block, in L1) for every row of the
-segments that start with it. A row gets one exact softmax over all its keys, no log-sum-exp merge.
+tokens straight from the pool through their slot lists, 64 keys at a time, prefetching the next 64
+while it computes these: one call per layer for all of them, a shared run read once for every row
+of the segments that start with it, scores by register tiles of 4 rows by 64 keys. A row gets one
+exact softmax over all its keys, no log-sum-exp merge.
 
 It is built at first use with the machine's C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`)
 for this CPU (`-march=native`), without torch headers (about ten seconds), into the kvblocks cache
