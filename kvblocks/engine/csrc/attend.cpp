@@ -192,11 +192,15 @@ inline typename Vec<T, W>::type exp_nonpositive(typename Vec<T, W>::type x) {
   return x < low ? V{} : p * scale;
 }
 
-// vector registers: how many sums a score tile may keep
-#if defined(__AVX512F__) || defined(__aarch64__)
-constexpr int registers = 32;
+// the target's vector registers and the bytes each holds: how many sums a score tile may keep
+#if defined(__AVX512F__)
+constexpr int registers = 32, register_bytes = 64;
+#elif defined(__AVX__)
+constexpr int registers = 16, register_bytes = 32;
+#elif defined(__aarch64__)
+constexpr int registers = 32, register_bytes = 16;
 #else
-constexpr int registers = 16;
+constexpr int registers = 16, register_bytes = 16;
 #endif
 
 constexpr int64_t KB = 64;  // keys per span: its K rows transposed and its V rows stay in L1 for every row
@@ -254,9 +258,11 @@ struct Kernel {
   // a tile of `SR` rows by `KT` vectors of keys keeps its SR * KT sums in registers and loads, per
   // head-dim element, KT vectors of keys and SR query elements: no sums across lanes, and each load
   // feeds several multiply-adds (the untransposed dot products loaded one key row per multiply-add
-  // and summed lanes by a tree of shuffles: 1.5x the time of the weighted values, measured).
+  // and summed lanes by a tree of shuffles: 1.4x the time of the weighted values, measured). KT:
+  // SR * KT sums, KT keys and a query element in registers.
   static constexpr int SR = 4;
-  static constexpr int KT = registers / 8 < KB / W ? registers / 8 : KB / W;
+  static constexpr int KT = std::clamp<int64_t>(
+      (registers / ((sizeof(V) + register_bytes - 1) / register_bytes) - SR) / (SR + 1), 1, KB / W);
 
   // `count` keys' K rows into `kt`, whole vectors (zeros past `count`)
   __attribute__((noinline)) static void gather(T* kt, const T* pool, const int64_t* keys, int64_t count, const Layout& at, int64_t h) {
