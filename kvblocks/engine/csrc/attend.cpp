@@ -223,7 +223,7 @@ inline void in_register(V& x) {
 
 // A row of `dim` elements prefetched: into L1 (`Locality` 3), L2 (2, 1) or closest to the core
 // without polluting the caches (0).
-template <int Locality = 3, typename T>
+template <int Locality, typename T>
 inline void prefetch(const T* p, int64_t dim) {
   for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) {
     const char* line = reinterpret_cast<const char*>(p) + b;
