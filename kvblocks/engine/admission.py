@@ -2,10 +2,12 @@
 
 A request waits in its tenant's FIFO. Submitting is refused (`QueueFullError`, a 429 at the server)
 when the tenant's queue or the whole room is full, so one client cannot grow the engine's memory or
-its per-step work without bound. Admission asks for tenants in fair order: fewest running requests
-per unit of weight first (then the one whose oldest request waited longest), skipping tenants at
-their `max_running`. A tenant with thousands queued therefore gets its weighted share of the engine
-and no more while others wait. Each step looks at a few queue heads per tenant, never a whole queue.
+its per-step work without bound. Admission asks for tenants in fair order: least recent work per
+unit of weight first, counting the tokens the `TenantLedger` was charged for the tenant plus
+`REQUEST_TOKENS` for each request it has running (then the one whose oldest request waited longest),
+skipping tenants at their `max_running`. A tenant flooding with thousands of long prompts therefore
+gets its weighted share of the engine and no more while others wait. Each step looks at a few queue
+heads per tenant, never a whole queue.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+
+from kvblocks.engine.ledger import TenantLedger
+
+REQUEST_TOKENS = 64  # the work a running request counts as in fair order (about a prompt chunk)
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,9 +72,11 @@ class WaitingRoom:
         limits: RoomLimits | None = None,
         limits_of: LimitsOf = no_limits,
         on_cancelled: Callable[[], None] = lambda: None,
+        ledger: TenantLedger | None = None,
     ) -> None:
         self.limits = limits or RoomLimits()
         self.limits_of = limits_of
+        self.ledger = ledger or TenantLedger(lambda tenant: limits_of(tenant).weight)
         self.on_cancelled = on_cancelled  # called for each cancelled request dropped from a line
         self._queues: dict[str, deque] = {}
         self._size = 0
@@ -153,7 +161,9 @@ class WaitingRoom:
         return heads
 
     def fair_order(self, running: Mapping[str, int], skip: set[str] = frozenset()) -> list[str]:
-        """Tenants with waiting work that may run one more request, the least served first."""
+        """Tenants with waiting work that may run one more request, the least served first: least
+        recent work (charged tokens, plus `REQUEST_TOKENS` a running request and the one it would
+        start) per unit of weight."""
         with self._lock:
             heads = [(tenant, queue[0].submitted) for tenant, queue in self._queues.items() if queue]
         order = []
@@ -162,7 +172,8 @@ class WaitingRoom:
             now = running.get(tenant, 0)
             if tenant in skip or (limits.max_running is not None and now >= limits.max_running):
                 continue
-            order.append(((now + 1) / limits.weight, since, tenant))
+            work = self.ledger.work(tenant) + (now + 1) * REQUEST_TOKENS
+            order.append((work / limits.weight, since, tenant))
         return [tenant for *_, tenant in sorted(order)]
 
     def items(self) -> list:

@@ -26,6 +26,7 @@ from kvblocks.blocks.segments import Block, is_segmented
 from kvblocks.cache.trie import PoolFullError
 from kvblocks.engine import speculative
 from kvblocks.engine.admission import LimitsOf, QueueFullError, RoomLimits, WaitingRoom, no_limits
+from kvblocks.engine.ledger import TenantLedger
 from kvblocks.engine.model_runner import Batch, PackedRunner
 from kvblocks.engine.postprocess import Postprocessor
 from kvblocks.engine.promotion import BlockPromotions
@@ -62,8 +63,11 @@ class Engine:
         if getattr(generator, "seq2seq", None) is not None:
             self.metrics.register(Seq2SeqCollector(generator.seq2seq))
         self.max_active = max_active
+        # the work done for each tenant lately: the scheduler charges its steps, other parts of the
+        # server (tokenizing, KV block fills) charge theirs with `ledger.charge(tenant, tokens)`
+        self.ledger = TenantLedger(lambda tenant: limits_of(tenant).weight)
         self.room = WaitingRoom(
-            limits, limits_of, lambda: self.metrics.inc("kvblocks_requests_cancelled_total")
+            limits, limits_of, lambda: self.metrics.inc("kvblocks_requests_cancelled_total"), self.ledger
         )
         self.report = Reporter(self.metrics)
         self.serial = SerialRunner(generator, self.report, max_active)

@@ -191,6 +191,8 @@ class Scheduler:
             if take > 0:
                 batch.append((s, take))
                 budget -= take
+        for s, take in batch:  # the work of this step, charged to whom it is for
+            self.room.ledger.charge(s.request.tenant, take)
         return batch
 
     def budget(self) -> int:
