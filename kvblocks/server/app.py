@@ -23,6 +23,7 @@ from kvblocks.server import cache_routes, openai_routes, openapi, responses_rout
 from kvblocks.server.bounds import char_limit
 from kvblocks.server.errors import APIError, validation_error
 from kvblocks.server.guard import GuardConfig, RequestGuard, error_response
+from kvblocks.server.parsing import BodyParser
 from kvblocks.server.state import Served, ServerConfig
 from kvblocks.telemetry import tracing
 from kvblocks.telemetry.history import History, sample_of
@@ -37,9 +38,11 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await run_in_threadpool(warm_up, served)
+        await run_in_threadpool(app.state.body_parser.start)
         served.history.start()
         yield
         served.history.stop()
+        await run_in_threadpool(app.state.body_parser.stop)
         # Once requests are done (drained, see `serving.DrainingServer`): stop the engine (closing
         # streams commits their tokens) and flush the spill tier's write queue.
         await run_in_threadpool(engine.stop)
@@ -54,6 +57,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.served = served
+    app.state.body_parser = BodyParser()
     routers = [openai_routes.router, responses_routes.router, cache_routes.router, worker_routes.router]
     for router in routers:
         app.include_router(router)

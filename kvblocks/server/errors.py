@@ -11,7 +11,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from kvblocks.server.guard import error_response
+from kvblocks.server.guard import error_response, principal_of
 from kvblocks.server.schemas import ACCEPTED_DEFAULTS, ECHOED_EMPTY, REFUSED, ROUTER_DEFAULTS
 
 log = logging.getLogger("kvblocks.server")
@@ -40,6 +40,10 @@ class APIError(Exception):
     def response(self):
         return error_response(self.status, self.message, self.type, self.param, self.code)
 
+    def __reduce__(self):
+        """All five fields, not the message only: a body-parsing worker (`parsing`) sends it back."""
+        return APIError, (self.status, self.message, self.type, self.param, self.code)
+
 
 async def parse_request(
     request: Request,
@@ -49,9 +53,26 @@ async def parse_request(
     accepted: dict[str, list] = ACCEPTED_DEFAULTS,
 ) -> M:
     """The body as a validated `model`, or an APIError that names what is wrong. `refused` names
-    the route's parameters that cannot be honoured, `accepted` their values that ask for nothing."""
+    the route's parameters that cannot be honoured, `accepted` their values that ask for nothing.
+    A large body is parsed off the event loop (`parsing.BodyParser`, where the app has one)."""
     raw = await request.body()
     content_type = request.headers.get("content-type", "")
+    parser = getattr(request.app.state, "body_parser", None)
+    if parser is None:
+        return parse_body(raw, content_type, model, lenient, refused, accepted)
+    tenant = principal_of(request.scope).tenant
+    return await parser.parse(tenant, raw, content_type, model, lenient, refused, accepted)
+
+
+def parse_body(
+    raw: bytes,
+    content_type: str,
+    model: type[M],
+    lenient: bool,
+    refused: dict[str, str] = REFUSED,
+    accepted: dict[str, list] = ACCEPTED_DEFAULTS,
+) -> M:
+    """`parse_request`'s work on the bytes: no I/O, so it can run in a worker process."""
     if content_type and "json" not in content_type.split(";")[0].lower():
         raise APIError(
             400, f"the request body must be JSON sent as Content-Type: application/json, got '{content_type}'"
