@@ -4,15 +4,19 @@ One `kvblocks serve` with a keys file, a sealed Redis tier and a small device po
 spill and come back) serves agent tenants holding multi-turn conversations, one victim tenant that
 streams and measures its TTFT, and one tenant that floods the queue. Meanwhile faults arrive in
 turn: Redis paused (SIGSTOP), killed and restarted, FLUSHALL, stored values bit-flipped, replaced by
-oversized ones or by keys of the wrong type; clients that vanish mid-stream; malformed bodies.
+oversized ones or by keys of the wrong type; clients that vanish mid-stream; malformed bodies; and a
+hostile tenant's requests that each cost more than their share unless the server bounds them (issue 41):
+a JSON schema whose `$ref` chain overflows a compiler's stack, a request of hundreds of one-token KV
+blocks in `blend`, 115k one-character messages, 110k Responses input items, oversized `metadata`,
+stored responses past the tenant's byte budget, and `cache_control` pins of the whole cache.
 
 The victim's TTFT and the 400 of a too-long prompt are first measured on the idle server; the
 traffic then runs for a quarter of the duration without faults (RSS is read after this warm-up),
 then for the duration with them. Then every agent and victim request is replayed against a `--no-cache` server: a reply that differs
 is a wrong output. Reported: wrong outputs (target 0), engine deaths (/health not 200 or the process
-gone; 0), 5xx answers to well-formed requests (0) and to malformed ones, RSS growth from warm-up to
-the end (within 10%), and the victim's TTFT p99 during the soak against its p99 on the idle server
-(at most 2x).
+gone; 0), 5xx answers to well-formed requests (0), to malformed ones and to the attacks (0), RSS
+growth from warm-up to the end (within 10%), and the victim's TTFT p99 while a tenant floods and while
+the attacker runs, each against its p99 on the idle server (at most 2x).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import numpy as np
 from kvblocks.bench.fixtures import RedisServer, Service, spawn_serve, wait_serve
 from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, ints
 
-TENANTS = ("victim", "alpha", "beta", "flood")
+TENANTS = ("victim", "alpha", "beta", "flood", "attacker")
 MODEL = "unknown"  # what a request that names no model sends (sglang-router's placeholder): the served one
 TOPICS = ("refunds", "shipping", "invoices", "passwords", "warranty", "upgrades", "outages", "billing")
 
@@ -77,6 +81,7 @@ class Tally:
     faults: list[str] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     huge_prompt_s: list[float] = field(default_factory=list)  # time to the 400 of a prompt too long
+    attacks: list[tuple[str, int, float]] = field(default_factory=list)  # (attack, status, seconds)
 
     def add(self, name: str, value) -> None:
         with self.lock:
@@ -159,6 +164,11 @@ def soak(server: Service, redis: RedisServer, args: argparse.Namespace) -> tuple
     traffic(server, redis, args, flooded, 30, faults_on=False, agents=False)
     readings["flood_ttft_p99"] = float(np.percentile(flooded.ttft_s, 99))
     readings["flood_429"] = flooded.rejected_429
+    attacked = Tally()  # the victim while only the attacker runs
+    traffic(server, redis, args, attacked, 30, faults_on=False, agents=False, flooder=False, attacker=True)
+    readings["attack_ttft_p99"] = float(np.percentile(attacked.ttft_s, 99))
+    readings["attack_5xx"] = len(attacked.bad_5xx)
+    readings["attacks"] = attacked.attacks
     traffic(server, redis, args, Tally(), max(10, args.duration // 4), faults_on=False)
     readings["warm"] = rss_mib(server)
     tally = Tally()
@@ -172,18 +182,24 @@ def soak(server: Service, redis: RedisServer, args: argparse.Namespace) -> tuple
 
 def traffic(
     server: Service, redis: RedisServer, args, tally: Tally, seconds: int, faults_on: bool,
-    agents: bool = True,
+    agents: bool = True, flooder: bool = True, attacker: bool | None = None,
 ) -> None:  # fmt: skip
-    """The victim and the flooder for `seconds`; with `agents`, every other tenant's traffic too (and
-    the Redis faults, if on). The flooder runs six clients of eight prompts each: more than its
-    `max_waiting` of 32, so it meets 429s."""
+    """The victim, the flooder and (by default with `agents`) the attacker for `seconds`; with `agents`,
+    every other tenant's traffic too (and the Redis faults, if on). The flooder runs six clients of
+    eight prompts each: more than its `max_waiting` of 32, so it meets 429s. The attacker runs two
+    clients, each sending the attacks in turn."""
     stop = threading.Event()
     workers = [threading.Thread(target=agent, args=(server, args, tally, t, a, stop))
                for t in ("alpha", "beta") for a in range(args.agents if agents else 0)]  # fmt: skip
     turns = itertools.count()
-    steps = [lambda: victim_turn(server, args, tally, next(turns)), *[lambda: flood(server, tally)] * 6]
+    steps = [lambda: victim_turn(server, args, tally, next(turns))]
+    if flooder:
+        steps += [lambda: flood(server, tally)] * 6
     if agents:
         steps += [lambda: malformed(server, tally), lambda: vanish(server), lambda: health(server, tally)]
+    if attacker if attacker is not None else agents:
+        rounds = itertools.count()
+        steps += [lambda: attack(server, tally, next(rounds))] * 2
     workers += [threading.Thread(target=loop, args=(stop, step)) for step in steps]
     if faults_on:
         workers.append(threading.Thread(target=faults, args=(stop, redis, args, tally)))
@@ -306,6 +322,66 @@ def malformed(server: Service, tally: Tally, only: str | None = None) -> None:
             tally.add("bad_not_4xx", f"{name}: {r.status_code}")
     if only is None:
         time.sleep(1.0)
+
+
+def ref_chain(links: int) -> dict:
+    """A JSON schema whose `$defs` form one flat `$ref` chain of `links` links (~33 bytes a link)."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(links)}
+    defs[f"d{links}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def _attacks() -> list[tuple[str, str, bytes]]:
+    """(name, route, body) of each attack; each must be a 4xx, or a 200 that costs only its sender."""
+    chain = {"type": "json_schema", "json_schema": {"name": "chain", "schema": ref_chain(3000)}}
+    user = [{"role": "user", "content": "hi"}]
+    blocks = [{"text": f" w{i}", "block": True} for i in range(250)] + [{"text": " end"}]
+    few_blocks = [{"text": f" block {i} " * 4, "block": True} for i in range(48)] + [{"text": " end"}]
+    tiny_messages = [{"role": "user", "content": "a"}] * 115_000
+    items = [{"role": "user", "content": "a"}] * 110_000
+    metadata = {f"k{i}": "v" * 4000 for i in range(900)}
+    stored = [{"role": "user", "content": "remember " * 6000}]
+    pinned = [{"role": "system", "content": [{"type": "text", "text": "pin " * 4000,
+                                              "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}, *user]  # fmt: skip
+    bodies = [
+        ("ref chain", "/v1/chat/completions", {"messages": user, "max_tokens": 4, "response_format": chain}),
+        ("ref chain (text.format)", "/v1/responses",
+         {"input": "hi", "max_output_tokens": 4, "text": {"format": {"type": "json_schema", "name": "c",
+                                                                      "schema": ref_chain(3000)}}}),
+        ("250 blocks", "/v1/completions",
+         {"prompt_blocks": blocks, "kv_mode": "blend", "max_tokens": 2}),
+        ("48 blocks", "/v1/completions",
+         {"prompt_blocks": few_blocks, "kv_mode": "blend", "max_tokens": 2}),
+        ("115k messages", "/v1/chat/completions", {"messages": tiny_messages, "max_tokens": 1}),
+        ("110k input items", "/v1/responses", {"input": items, "max_output_tokens": 1}),
+        ("huge metadata", "/v1/responses", {"input": "hi", "max_output_tokens": 1, "metadata": metadata}),
+        ("stored 48 KB", "/v1/responses", {"input": stored, "max_output_tokens": 1, "store": True}),
+        ("pin the cache", "/v1/chat/completions", {"messages": pinned, "max_tokens": 1}),
+    ]  # fmt: skip
+    return [(name, route, json.dumps({"model": MODEL, **body}).encode()) for name, route, body in bodies]
+
+
+ATTACKS: list[tuple[str, str, bytes]] = []
+
+
+def attack(server: Service, tally: Tally, i: int) -> None:
+    """The attacker's next attack: its status and time are recorded; a 5xx or a dead server is a failure."""
+    if not ATTACKS:
+        ATTACKS.extend(_attacks())
+    name, route, raw = ATTACKS[i % len(ATTACKS)]
+    start = time.perf_counter()
+    try:
+        r = httpx.post(f"{server.url}{route}", content=raw, timeout=120,
+                       headers=headers("attacker") | {"Content-Type": "application/json"})  # fmt: skip
+    except httpx.TransportError as exc:
+        tally.add("bad_5xx", f"attack {name}: transport error {exc}")
+        return
+    tally.add("attacks", (name, r.status_code, time.perf_counter() - start))
+    if r.status_code >= 500:
+        tally.add("bad_5xx", f"attack {name}: {r.status_code} {r.text[:200]}")
+    if not server.alive():
+        tally.add("health_failures", f"the server process exited after the attack {name}")
+    time.sleep(0.2)
 
 
 def vanish(server: Service) -> None:
@@ -433,6 +509,7 @@ def report(args: argparse.Namespace, tally: Tally, readings: dict[str, float], w
     soak_p99 = float(np.percentile(tally.ttft_s, 99)) if tally.ttft_s else float("inf")
     growth = (readings["end"] - readings["warm"]) / readings["warm"]
     flood_vs_idle = readings["flood_ttft_p99"] / readings["idle_ttft_p99"]
+    attack_vs_idle = readings["attack_ttft_p99"] / readings["idle_ttft_p99"]
     huge_ms = 1e3 * readings["idle_huge_prompt_s"]
     r.checks += [
         Check("wrong outputs", len(wrong), "", 0),
@@ -440,6 +517,8 @@ def report(args: argparse.Namespace, tally: Tally, readings: dict[str, float], w
         Check("5xx on well-formed requests", len(tally.good_5xx), "", 0),
         Check("5xx on malformed requests", len(tally.bad_5xx), "", 0),
         Check("victim TTFT p99 while a tenant floods / idle p99", flood_vs_idle, "x", 2.0),
+        Check("victim TTFT p99 while a tenant attacks / idle p99", attack_vs_idle, "x", 2.0),
+        Check("5xx on the attacks", readings["attack_5xx"], "", 0),
         Check("RSS growth after warm-up", 100 * growth, "%", 10.0),
         Check("3.5 MB prompt that cannot fit: 400 on the idle server, p50", huge_ms, "ms", 100),
     ]
@@ -454,8 +533,23 @@ def report(args: argparse.Namespace, tally: Tally, readings: dict[str, float], w
         f"RSS {readings['warm']:.0f} MiB after warm-up, {readings['end']:.0f} MiB at the end; the too-long "
         f"prompt's 400 took {1e3 * _median(tally.huge_prompt_s):.0f} ms (p50) under load",
     ]
+    r.notes.append(
+        "attacks (status: count, p50 time): " + attack_summary(readings["attacks"] + tally.attacks)
+    )
     r.notes += [f"wrong: {w}" for w in wrong[:5]] + [
         f"5xx: {e}" for e in (tally.good_5xx + tally.bad_5xx)[:5]
     ]
     r.notes += [f"health: {h}" for h in tally.health_failures[:5]] + tally.bad_not_4xx[:5]
     return r
+
+
+def attack_summary(attacks: list[tuple[str, int, float]]) -> str:
+    by_name: dict[str, list[tuple[int, float]]] = {}
+    for name, status, seconds in attacks:
+        by_name.setdefault(name, []).append((status, seconds))
+    parts = []
+    for name, seen in by_name.items():
+        statuses = sorted({status for status, _ in seen})
+        counts = ", ".join(f"{st}: {sum(1 for x, _ in seen if x == st)}" for st in statuses)
+        parts.append(f"{name} ({counts}, {1e3 * _median([t for _, t in seen]):.0f} ms)")
+    return "; ".join(parts) or "none"
