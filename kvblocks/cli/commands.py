@@ -388,10 +388,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
     if args.drain_timeout < 0:
         raise UserError(f"--drain-timeout must be 0 or more, got {args.drain_timeout:g}")
+    for flag, seconds in (
+        ("--header-timeout", args.header_timeout),
+        ("--keep-alive-timeout", args.keep_alive_timeout),
+    ):
+        if seconds <= 0:
+            raise UserError(f"{flag} must be positive, got {seconds:g}")
+    for flag, cap in (
+        ("--max-connections", args.max_connections),
+        ("--max-connections-per-client", args.max_connections_per_client),
+    ):
+        if cap < 0:
+            raise UserError(f"{flag} must be 0 (no cap) or more, got {cap}")
     from kvblocks import models
     from kvblocks.engine.batch import check_settings
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
-    from kvblocks.server.serving import serve
+    from kvblocks.server.serving import ConnectionLimits, serve
 
     size = batch_size(args)
     try:  # batch invariance only matters where requests are batched
@@ -477,7 +489,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     freeze_startup_objects()
-    serve(app, sock, args.log_level)  # lifespan stops the engine
+    limits = ConnectionLimits(
+        args.header_timeout, args.keep_alive_timeout, args.max_connections_per_client, args.max_connections
+    )
+    serve(app, sock, args.log_level, limits)  # lifespan stops the engine
     return 0
 
 
@@ -636,7 +651,41 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="on SIGTERM, refuse new work (503, /health 503) and let requests in flight finish for up to "
-        "this long before the engine stops and the Redis writes are flushed (default 30)",
+        "this long before the engine stops and the Redis writes are flushed (default 30); streams still "
+        "running then end with a server_shutting_down error event",
+    )
+    sv.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a request's headers must arrive within this long of the connection opening (or of the "
+        "first byte after an idle keep-alive), else the connection is closed (default 10)",
+    )
+    sv.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="an idle keep-alive connection is closed after this long (default 30; keep it above "
+        "the clients' own pool expiry, httpx's is 5)",
+    )
+    sv.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="connections served at once in all; one more gets a 503 with Retry-After and is "
+        "closed (default 1024; 0: no cap, keep it below the process's open-file limit)",
+    )
+    sv.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=256,
+        metavar="N",
+        help="connections served at once from one client address (default 256; 0: no cap). "
+        "Behind a router or proxy every request comes from its address: raise this to "
+        "--max-connections or set 0",
     )
     sv.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: the model's name)"

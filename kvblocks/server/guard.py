@@ -24,11 +24,33 @@ DRAIN_RETRY_AFTER_S = 5
 
 @dataclass(slots=True)
 class Admission:
-    """Whether the server still takes new work, and how many HTTP requests are in flight (streams
-    count until their last byte). Touched only on the event loop, so plain fields suffice."""
+    """Whether the server still takes new work, how many HTTP requests are in flight (streams
+    count until their last byte), and the engine requests running for them (anything with an
+    `end()`: `openai_routes.Submitted`), which a drain that runs out of time ends. Touched only on
+    the event loop, so plain fields suffice."""
 
     draining: bool = False
     in_flight: int = 0
+    running: set = field(default_factory=set)
+    ended: bool = False
+
+    def track(self, request) -> None:
+        """Count `request` as running until `untrack`; one that starts after `end_all` ends at once."""
+        if self.ended:
+            request.end()
+        else:
+            self.running.add(request)
+
+    def untrack(self, request) -> None:
+        self.running.discard(request)
+
+    def end_all(self) -> None:
+        """The drain ran out of time: end every running request now (streams send an error event
+        and their terminator instead of being cut)."""
+        self.ended = True
+        for request in list(self.running):
+            request.end()
+        self.running.clear()
 
 
 @dataclass(slots=True, frozen=True)

@@ -28,12 +28,14 @@ from kvblocks.generate.sampling import TokenLogprob
 from kvblocks.server import kv_blocks
 from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
+from kvblocks.server.guard import Admission
 from kvblocks.server.openapi import answers, json_body
 from kvblocks.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvblocks.server.state import Served, scope_of, served
 
 router = APIRouter()
 SEED_SPACE = 1 << 64
+SHUTTING_DOWN = object()  # put in a branch's inbox by `Submitted.end`
 
 
 @router.get("/v1/models")
@@ -421,14 +423,21 @@ class Call:
 
 @dataclass(slots=True, eq=False)
 class Submitted:
-    """One branch in the engine: its pieces arrive in `inbox`; `cancel` stops it at the next step."""
+    """One branch in the engine: its pieces arrive in `inbox`; `cancel` stops it at the next step,
+    `end` too, its events then raising `server_shutting_down` (a drain that ran out of time)."""
 
     handle: Any
     inbox: asyncio.Queue
+    admission: Admission
 
     def cancel(self) -> None:
         self.handle.cancelled.set()  # a no-op once finished; frees the slot and its locks otherwise
         self.inbox.put_nowait(None)
+        self.admission.untrack(self)
+
+    def end(self) -> None:
+        self.handle.cancelled.set()
+        self.inbox.put_nowait(SHUTTING_DOWN)
 
     async def events(self) -> AsyncIterator[Piece]:
         try:
@@ -436,6 +445,11 @@ class Submitted:
                 item = await self.inbox.get()
                 if item is None:  # cancelled: the client went away
                     return
+                if item is SHUTTING_DOWN:
+                    raise APIError(
+                        503, "the server shut down before this request finished (its --drain-timeout ran out)",
+                        type_="server_error", code="server_shutting_down",
+                    )  # fmt: skip
                 if isinstance(item, BaseException):
                     raise APIError(500, f"generation failed: {item}", type_="server_error")
                 yield item
@@ -474,7 +488,10 @@ def submit_all(s: Served, call: Call, branches: list[Branch]) -> list[Submitted]
         handles = s.engine.submit_all(items, tenant=call.salt.tenant)
     except QueueFullError as exc:
         raise RetryLater(exc) from exc
-    return [Submitted(handle, inbox) for handle, inbox in zip(handles, inboxes)]
+    running = [Submitted(handle, inbox, s.admission) for handle, inbox in zip(handles, inboxes)]
+    for r in running:
+        s.admission.track(r)
+    return running
 
 
 def prompt_of(b: Branch):
@@ -710,7 +727,7 @@ async def sse(
                 open_streams -= 1
                 continue
             if isinstance(item, APIError):
-                yield data({"error": {"message": item.message, "type": item.type}})
+                yield data({"error": {"message": item.message, "type": item.type, "code": item.code}})
                 continue
             b = branches[i]
             piece: Piece = item
