@@ -15,6 +15,8 @@ from kvblocks import Block, CachedGenerator, GenerationParams, KVCacheTrie, Para
 from kvblocks.adapters import hf
 from kvblocks.blocks.prefill import block_scope
 from kvblocks.blocks.rope import RopeShift
+from kvblocks.blocks.segments import flatten
+from kvblocks.generate.generator import Working
 
 VOCAB = 128
 
@@ -246,3 +248,42 @@ def test_blend_of_blocks_whose_stored_kv_is_exact_equals_full_prefill_at_every_s
     assert 0 < result.blocks.reused_tokens < len(DOC_A)
     assert result.token_ids == full.token_ids
     assert all((a - b).abs().max() < 1e-10 for a, b in zip(result.logits, full.logits))
+
+
+@pytest.mark.parametrize("mode", ["concat", "blend"])
+def test_block_work_in_chunks_gives_the_logits_of_the_whole_forwards(model, mode):
+    """`stream(block_chunk=N)` splits the exact prefix, each fill, the probe and the recompute into
+    forwards of at most N tokens; chunks of a causal forward attend to what the whole one does."""
+    prompt = [SYSTEM, Block(DOC_A), QUESTION[:2], Block(DOC_B), Block(DOC_A), QUESTION]
+    whole = run(generator(model), prompt, kv_mode=mode, blend_recompute=0.3)
+    gen = generator(model)
+    steps = list(gen.stream(prompt, max_new_tokens=4, output_logits=True, kv_mode=mode, blend_recompute=0.3,
+                            block_chunk=3))  # fmt: skip
+    work = [s.tokens for s in steps if isinstance(s, Working)]
+    chunked = steps[-1].result
+    assert max(work) <= 3 and chunked.blocks.block_fill_tokens == len(DOC_A) + len(DOC_B)
+    b = chunked.blocks  # the trailing QUESTION is prefilled as usual, after the block work
+    assert sum(work) == b.block_fill_tokens + b.probe_tokens + b.recomputed_tokens - len(QUESTION)
+    assert chunked.token_ids == whole.token_ids
+    assert chunked.blocks.reused_tokens == whole.blocks.reused_tokens
+    assert all((a - b).abs().max() < 1e-10 for a, b in zip(chunked.logits, whole.logits))
+
+
+def test_a_closed_stream_in_the_middle_of_its_block_work_holds_no_lock(model):
+    gen = generator(model)
+    stream = gen.stream([SYSTEM, Block(DOC_A), Block(DOC_B), QUESTION], max_new_tokens=2, kv_mode="blend",
+                        block_chunk=4)  # fmt: skip
+    for _ in range(5):
+        assert isinstance(next(stream), Working)
+    stream.close()
+    assert gen.cache.stats()["locked_tokens"] == 0
+
+
+def test_an_empty_block_is_refused_by_name():
+    from kvblocks.generate.text import PromptError
+
+    with pytest.raises(PromptError, match="must not be empty"):
+        Block([])
+    tokenizer = IdTokenizer()
+    with pytest.raises(PromptError, match="gives no tokens"):
+        flatten(tokenizer, [[1, 2], Block(" ")])

@@ -6,11 +6,16 @@ The exact prefix hit, and the plain tokens before the first block, are computed 
 other token that is not reused (plain segments, chosen block tokens) is recomputed through all
 layers in one forward over a cache holding the reused KV, with a mask under which each sees exactly the tokens before it; the trailing plain segment (and
 the last prompt token, always) is then prefilled by the generator as usual.
+
+`BlockPrefill.steps` is the same work resumable, in forwards of at most a given number of tokens
+(the engine's per-step budget), so an engine can interleave one request's block work with other
+requests' steps; `run` does it at once (every forward whole).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -43,6 +48,8 @@ PROBE_LAYER = 1
 PROMOTE_SHARE = 0.25
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
+# Resumable block work: yields the tokens each forward computed, returns its result.
+Work = Generator[int, None, Any]
 
 
 def block_scope(salt: Salt) -> Scope:
@@ -92,6 +99,21 @@ class BlockPrefill:
     ) -> Prefilled | None:
         """The cache for `ids` up to the end of its last reusable block, or None when no block lies
         past the exact prefix hit (the ordinary prefill then serves the prompt)."""
+        return finish(self.steps(ids, spans, hit, salt, mode, share))
+
+    def steps(
+        self,
+        ids: list[int],
+        spans: list[BlockSpan],
+        hit: Hit | None,
+        salt: Salt,
+        mode: str,
+        share: float,
+        chunk: int | None = None,
+    ) -> Work:
+        """`run` as resumable work: each `next` runs one forward of at most `chunk` tokens (None:
+        each forward whole, as `run`) and yields how many tokens it computed; returns `run`'s result.
+        Chunks of one causal forward attend to exactly what the whole forward would."""
         h = hit.length if hit is not None else 0
         spans = _reusable(spans, h, len(ids) - 1)  # the last prompt token is always computed
         if not spans:
@@ -99,18 +121,18 @@ class BlockPrefill:
         share = share if mode == "blend" else 0.0
         report = BlockReport(mode, share, exact_tokens=h)
         end, first = max(span.end for span in spans), spans[0].start
-        exact = self._exact_kv(ids, hit, h, first)
-        base = self._place(exact, spans, salt, end, report)
+        exact = yield from self._exact_kv(ids, hit, h, first, chunk)
+        base = yield from self._place(exact, spans, salt, end, report, chunk)
         chosen: dict[int, list[int]] = {i: [] for i in range(len(spans))}
         if share > 0:
-            chosen = self._choose(ids, spans, exact, first, base, share, report)
+            chosen = yield from self._choose(ids, spans, exact, first, base, share, report, chunk)
         reused = torch.zeros(end, dtype=torch.bool)
         for i, span in enumerate(spans):
             reused[span.start : span.end] = True
             reused[chosen[i]] = False
             report.blocks[i].reused = span.end - span.start - len(chosen[i])
             report.add_tiers(_tiers(report.blocks[i], reused[span.start : span.end]))
-        past = self._recompute(ids, base, reused, first, end)
+        past = yield from self._recompute(ids, base, reused, first, end, chunk)
         report.reused_tokens = int(reused.sum())
         report.recomputed_tokens = len(ids) - h - report.reused_tokens
         return Prefilled(past, end, first, report)
@@ -121,16 +143,20 @@ class BlockPrefill:
         """A block's keys and values `[n, H, D]` per layer, computed from position 0 on its own, how
         many of its tokens the store held (the rest are computed now and stored), and how many of
         those the device pool held before the lookup (the others came from Redis)."""
+        return finish(self._fill(block, salt, None))
+
+    def _fill(self, block: tuple[int, ...], salt: Salt, chunk: int | None) -> Work:
+        """`block_kv` as resumable work (`steps`); the block's match stays locked until it returns."""
         if self.cache is None:
             past = hf.empty_cache(self.model.config)
-            self.runner.forward(list(block), past)
+            yield from self._forward(list(block), past, chunk)
             return hf.extract(past, self.specs, 0, len(block)), 0, 0
         scope = block_scope(salt)
         device = self.cache.cached_length(block, salt=scope)
         with self.cache.match(block, salt=scope, whole=True) as hit:
             past = hit.to_hf_cache()
             if hit.length < len(block):
-                self.runner.forward(list(block[hit.length :]), past)
+                yield from self._forward(list(block[hit.length :]), past, chunk)
                 self.cache.insert(block, past, salt=scope)
             return hf.extract(past, self.specs, 0, len(block)), hit.length, min(device, hit.length)
 
@@ -151,15 +177,28 @@ class BlockPrefill:
 
     # ---- steps -------------------------------------------------------------------------------
 
-    def _exact_kv(self, ids: list[int], hit: Hit | None, h: int, first: int) -> KV | None:
+    def _forward(self, ids: list[int], past, chunk: int | None) -> Work:
+        """`ids` prefilled into `past`, `chunk` tokens per forward (a chunked prefill)."""
+        for piece in _pieces(ids, chunk):
+            self.runner.forward(piece, past)
+            yield len(piece)
+
+    def _exact_kv(self, ids: list[int], hit: Hit | None, h: int, first: int, chunk: int | None) -> Work:
         """KV of the positions before the first block: the hit, and the plain tokens after it
         prefilled as any request would (they are exact, and enter the prefix cache)."""
         past = hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
-        if first > h:
-            self.runner.forward(ids[h:first], past)
+        yield from self._forward(ids[h:first], past, chunk)
         return hf.extract(past, self.specs, 0, first) if first else None
 
-    def _place(self, exact: KV | None, spans: list[BlockSpan], salt: Salt, end: int, report: BlockReport):
+    def _place(
+        self,
+        exact: KV | None,
+        spans: list[BlockSpan],
+        salt: Salt,
+        end: int,
+        report: BlockReport,
+        chunk: int | None,
+    ) -> Work:
         """Per layer `[end, 2, H, D]`: the exact prefix, each block's KV at its position (keys
         re-rotated), zeros elsewhere (rows the recompute forward never reads)."""
         dtype, device = self.model.dtype, self.runner.device
@@ -170,7 +209,7 @@ class BlockPrefill:
         fetched: dict[tuple[int, ...], tuple[KV, int, int]] = {}
         for span in spans:
             if span.ids not in fetched:
-                fetched[span.ids] = self.block_kv(span.ids, salt)
+                fetched[span.ids] = yield from self._fill(span.ids, salt, chunk)
                 report.block_fill_tokens += len(span.ids) - fetched[span.ids][1]
             kv, stored, device = fetched[span.ids]
             n = span.end - span.start
@@ -181,13 +220,13 @@ class BlockPrefill:
         return base
 
     def _choose(
-        self, ids, spans, exact: KV | None, h: int, base, share: float, report: BlockReport
-    ) -> dict[int, list[int]]:
+        self, ids, spans, exact: KV | None, h: int, base, share: float, report: BlockReport, chunk: int | None
+    ) -> Work:
         """Per block, the positions to recompute: its first `BLEND_LEAD` tokens, then those whose
         fresh layer-1 K/V is furthest from the reused one (`kv_deviation`), `ceil(share * length)`
         in all."""
         end = base[0].shape[0]
-        fresh = self._probe(ids[h:end], exact, h)
+        fresh = yield from self._probe(ids[h:end], exact, h, chunk)
         report.probe_tokens = end - h
         layer = min(PROBE_LAYER, len(self.specs) - 1)
         deviation = kv_deviation(fresh[h:end], base[layer][h:end])
@@ -201,33 +240,47 @@ class BlockPrefill:
             chosen[i] = sorted(lead + top.tolist())
         return chosen
 
-    def _probe(self, ids: list[int], exact: KV | None, h: int) -> torch.Tensor:
-        """Fresh K/V `[h + len(ids), 2, H, D]` of the probe layer: a forward stopped after it."""
+    def _probe(self, ids: list[int], exact: KV | None, h: int, chunk: int | None) -> Work:
+        """Fresh K/V `[h + len(ids), 2, H, D]` of the probe layer: a forward stopped after it (the
+        model's layers are whole again between chunks: other requests run there)."""
         layer = min(PROBE_LAYER, len(self.specs) - 1)
         past = self._cache(exact, h)
-        with self.runner.lock, _first_layers(self.model, layer + 1), torch.inference_mode():
-            self._call(ids, past, position_ids=None, mask=None)
+        for piece in _pieces(ids, chunk):
+            with self.runner.lock, _first_layers(self.model, layer + 1), torch.inference_mode():
+                self._call(piece, past, position_ids=None, mask=None)
+            yield len(piece)
         (k, v) = hf.extract(past, self.specs[: layer + 1], 0, h + len(ids))[layer]
         return torch.stack((k, v), dim=1)
 
-    def _recompute(self, ids: list[int], base: list[torch.Tensor], reused: torch.Tensor, h: int, end: int):
-        """The cache of positions [0, end): `base` where reused, the rest computed in one forward in
-        which each recomputed token attends to reused and recomputed tokens before it only."""
+    def _recompute(
+        self,
+        ids: list[int],
+        base: list[torch.Tensor],
+        reused: torch.Tensor,
+        h: int,
+        end: int,
+        chunk: int | None,
+    ) -> Work:
+        """The cache of positions [0, end): `base` where reused, the rest computed in one forward
+        (or chunks of it) in which each recomputed token attends to reused and recomputed tokens
+        before it only. A chunk's KV is written back in place before the next chunk reads it."""
         past = hf.build_cache(self.model.config, self.specs, base, end)
         todo = torch.nonzero(~reused[h:end]).flatten() + h
-        if not len(todo):
-            return past
-        positions = todo.to(self.runner.device)
-        allowed_cached = (torch.arange(end)[None, :] < todo[:, None]) & reused[None, :]
-        allowed_cached[:, :h] = True
-        allowed_new = todo[None, :] <= todo[:, None]
-        allowed = torch.cat((allowed_cached, allowed_new), dim=1).to(self.runner.device)
+        held = reused.clone()  # positions whose KV the cache holds in place: reused, or recomputed
         dtype = self.model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        with self.runner.lock, torch.inference_mode():
-            self._call([ids[p] for p in todo.tolist()], past, positions[None], mask[None, None])
-            hf.place_appended(past, positions, end)
+        for piece in _pieces(todo, chunk):
+            positions = piece.to(self.runner.device)
+            allowed_cached = (torch.arange(end)[None, :] < piece[:, None]) & held[None, :]
+            allowed_cached[:, :h] = True
+            allowed_new = piece[None, :] <= piece[:, None]
+            allowed = torch.cat((allowed_cached, allowed_new), dim=1).to(self.runner.device)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+            with self.runner.lock, torch.inference_mode():
+                self._call([ids[p] for p in piece.tolist()], past, positions[None], mask[None, None])
+                hf.place_appended(past, positions, end)
+            held[piece] = True
+            yield len(piece)
         return past
 
     def _cache(self, exact: KV | None, h: int):
@@ -257,6 +310,21 @@ def kv_deviation(fresh: torch.Tensor, reused: torch.Tensor) -> torch.Tensor:
     error = (fresh - reused.double()).pow(2).sum(dim=-1)
     scale = fresh.pow(2).sum(dim=-1).mean(dim=0, keepdim=True)
     return (error / scale.clamp_min(torch.finfo(torch.float64).tiny)).sum(dim=(1, 2))
+
+
+def finish(work: Work) -> Any:
+    """Run resumable block work to its end; its result."""
+    while True:
+        try:
+            next(work)
+        except StopIteration as done:
+            return done.value
+
+
+def _pieces(items: Sequence | torch.Tensor, chunk: int | None) -> list:
+    """`items` in consecutive runs of at most `chunk` (None: one run); none when empty."""
+    step = chunk or max(len(items), 1)
+    return [items[i : i + step] for i in range(0, len(items), step)]
 
 
 def _tiers(use: BlockUse, reused: torch.Tensor) -> dict[str, int]:

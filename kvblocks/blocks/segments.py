@@ -71,6 +71,8 @@ def flatten(tokenizer, prompt: SegmentedPrompt) -> tuple[list[int], list[BlockSp
     for segment in prompt:
         if isinstance(segment, Block):
             block_ids = _ids(tokenizer, segment.content, special=False)
+            if not block_ids:
+                raise PromptError(f"a Block must not be empty (its text {segment.content!r} gives no tokens)")
             spans.append(BlockSpan(len(ids), tuple(block_ids), len(block_ids)))
             ids.extend(block_ids)
         elif isinstance(segment, str | list | tuple | np.ndarray):

@@ -430,6 +430,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     if args.kv_event_block_size < 1:
         raise UserError(f"--kv-event-block-size must be at least 1, got {args.kv_event_block_size}")
+    for flag, value in (("--max-blocks", args.max_blocks), ("--max-block-tokens", args.max_block_tokens)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
     if args.kv_events_endpoint and args.no_cache:
         raise UserError("--kv-events-endpoint reports what the cache holds: drop --no-cache")
     publisher = None
@@ -476,6 +479,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         history_window_s=args.history_window,
         kv_mode=args.kv_mode,
         blend_recompute=args.blend_recompute,
+        max_blocks=args.max_blocks,
+        max_block_tokens=args.max_block_tokens,
     )
     app = create_app(engine, config)
     stats = cache.stats()
@@ -729,6 +734,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.15,
         help="share of each block's tokens kv_mode blend recomputes when a request gives no "
         "blend_recompute (default 0.15)",
+    )
+    sv.add_argument(
+        "--max-blocks",
+        type=int,
+        default=64,
+        metavar="N",
+        help="KV blocks (kvblocks_block parts, prompt_blocks with block: true) one request may mark "
+        "(default 64); more is a 400 before the request is queued",
+    )
+    sv.add_argument(
+        "--max-block-tokens",
+        type=int,
+        default=None,
+        metavar="T",
+        help="tokens all KV blocks of one request may hold together (default: the model's context); "
+        "more is a 400 before the request is queued",
     )
     sv.add_argument(
         "--kv-events-endpoint",

@@ -70,7 +70,8 @@ class Engine:
             limits, limits_of, lambda: self.metrics.inc("kvblocks_requests_cancelled_total"), self.ledger
         )
         self.report = Reporter(self.metrics)
-        self.serial = SerialRunner(generator, self.report, max_active)
+        block_chunk = (packed[1] if packed is not None else BatchLimits()).max_batch_tokens
+        self.serial = SerialRunner(generator, self.report, max_active, block_chunk)
         self.promotions = BlockPromotions(generator, self.metrics)
         self.runner: PackedRunner | None = None
         self.scheduler: Scheduler | None = None

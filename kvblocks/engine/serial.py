@@ -3,6 +3,11 @@
 It serves every request of an engine without a packed path, and the requests the packed path does
 not serve (prompt log-probabilities, raw logits, prompts too large for the pool). Each stream
 holds its own transformers cache and commits to the trie itself when it closes.
+
+A prompt's KV block work (fills, blend probe and recompute: `kvblocks.blocks.prefill`) runs one
+forward of at most `block_chunk` tokens (the engine's per-step budget) per step, before its first
+token, so one request's blocks never hold the loop for more than a step's worth of tokens; the
+tokens are charged to its tenant (`block_tokens`).
 """
 
 from __future__ import annotations
@@ -13,16 +18,20 @@ from collections import Counter
 from kvblocks.engine.admission import WaitingRoom
 from kvblocks.engine.report import Reporter, trace_admitted, trace_ended
 from kvblocks.engine.request import EngineError, Request
-from kvblocks.generate.generator import CachedGenerator
+from kvblocks.generate.generator import CachedGenerator, Working
 from kvblocks.telemetry import tracing
 
 
 class SerialRunner:
-    def __init__(self, generator: CachedGenerator, report: Reporter, max_active: int) -> None:
+    def __init__(
+        self, generator: CachedGenerator, report: Reporter, max_active: int, block_chunk: int
+    ) -> None:
         self.generator = generator
         self.report = report
         self.max_active = max_active
+        self.block_chunk = block_chunk
         self.active: list[Request] = []
+        self.block_tokens: Counter[str] = Counter()  # KV block work computed, per tenant
 
     def has_room(self) -> bool:
         return len(self.active) < self.max_active
@@ -49,7 +58,7 @@ class SerialRunner:
         trace_admitted(request)
         o = request.options
         request.stream = self.generator.stream(
-            request.prompt, o.params, salt=o.salt, output_logits=o.output_logits
+            request.prompt, o.params, salt=o.salt, output_logits=o.output_logits, block_chunk=self.block_chunk
         )
         self.active.append(request)
 
@@ -72,6 +81,9 @@ class SerialRunner:
             self.report.failed()
             self.finish(request)
             request.emit(exc)
+            return
+        if isinstance(piece, Working):  # a forward of block work: nothing to say to the client yet
+            self.block_tokens[request.tenant] += piece.tokens
             return
         self.report.observe(request, len(piece.token_ids))
         if piece.result is not None:

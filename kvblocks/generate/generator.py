@@ -28,11 +28,27 @@ from kvblocks.generate.params import GenerationParams, ParamError, params_of
 from kvblocks.generate.sampling import LogitsProcessor, TokenLogprob, seeded_rng, token_logprobs
 from kvblocks.generate.text import Prompt, PromptError, StopTextAssembler, encode_prompt
 
-__all__ = ["CachedGenerator", "DecodeState", "GenerationResult", "ModelRunner", "Piece", "PromptTooLongError"]
+__all__ = [
+    "CachedGenerator",
+    "DecodeState",
+    "GenerationResult",
+    "ModelRunner",
+    "Piece",
+    "PromptTooLongError",
+    "Working",
+]
 
 
 class PromptTooLongError(PromptError):
     """The prompt does not fit in the model's context window."""
+
+
+@dataclass(frozen=True, slots=True)
+class Working:
+    """A stream step that computed `tokens` of a prompt's block KV (fills, probe, recompute) and has
+    no text yet: what `stream(..., block_chunk=N)` yields between its forwards of block work."""
+
+    tokens: int
 
 
 @dataclass(slots=True)
@@ -81,6 +97,20 @@ def eos_token_ids(model, tokenizer) -> frozenset[int]:
         elif isinstance(value, list | tuple):
             ids.update(int(v) for v in value)
     return frozenset(ids)
+
+
+def _working(work: Generator[int, None, Any]) -> Generator[Working, None, Any]:
+    """Resumable block work (`BlockPrefill.steps`) as `Working` steps; its result. Closed with it: the
+    block matches it holds are released when the stream is."""
+    try:
+        while True:
+            try:
+                tokens = next(work)
+            except StopIteration as done:
+                return done.value
+            yield Working(tokens)
+    finally:
+        work.close()
 
 
 class ModelRunner:
@@ -146,7 +176,8 @@ class CachedGenerator:
         """Run to completion; same arguments as `stream`."""
         result = None
         for piece in self.stream(prompt, params, **kwargs):
-            result = piece.result
+            if isinstance(piece, Piece):
+                result = piece.result
         assert result is not None
         return result
 
@@ -210,9 +241,14 @@ class CachedGenerator:
         *,
         salt: Salt = None,
         output_logits: bool = False,
+        block_chunk: int | None = None,
         **options,
-    ) -> Iterator[Piece]:
+    ) -> Iterator[Piece | Working]:
         """Yield text as it is generated; the last piece carries the `GenerationResult`.
+
+        `block_chunk`: a prompt's KV block work (`kv_mode` blend or concat) runs in forwards of at
+        most this many tokens, each followed by a `Working` step, so an engine can interleave it with
+        other requests (None: at once, and only `Piece`s are yielded).
 
         Options come as `params` or as `GenerationParams` fields given by keyword
         (`max_new_tokens=16, temperature=0.7`), not both. Prompt and generated ids are committed to
@@ -233,7 +269,9 @@ class CachedGenerator:
         run = self._start(ids, hit, rows, salt)
         tokens = None
         try:
-            blocks = self._prefill_blocks(ids, spans, hit, run, params) if params.kv_mode != "exact" else None
+            blocks = None
+            if params.kv_mode != "exact":
+                blocks = yield from self._prefill_blocks(ids, spans, hit, run, params, block_chunk)
             if run.past is None:
                 run.past = self._new_past(hit, salt)
             prompt_logprobs = None
@@ -276,16 +314,19 @@ class CachedGenerator:
         hit: Hit | None,
         run: DecodeState,
         params: GenerationParams,
-    ) -> BlockReport:
-        """Start `run` from stored block KV (`kvblocks.blocks`); a blend that recomputes every token,
-        or a prompt with no block past the exact hit, prefills as usual (so share 1.0 is exact)."""
+        chunk: int | None,
+    ) -> Generator[Working, None, BlockReport]:
+        """Start `run` from stored block KV (`kvblocks.blocks`), a `Working` step per forward of at
+        most `chunk` tokens (None: at once, no steps); a blend that recomputes every token, or a
+        prompt with no block past the exact hit, prefills as usual (so share 1.0 is exact)."""
         h = hit.length if hit is not None else 0
-        full = params.kv_mode == "blend" and params.blend_recompute >= 1.0
-        pre = (
-            None
-            if full
-            else self.block_prefill().run(ids, spans, hit, run.salt, params.kv_mode, params.blend_recompute)
-        )
+        pre = None
+        if not (params.kv_mode == "blend" and params.blend_recompute >= 1.0):
+            prefill, mode, share = self.block_prefill(), params.kv_mode, params.blend_recompute
+            if chunk is None:
+                pre = prefill.run(ids, spans, hit, run.salt, mode, share)
+            else:
+                pre = yield from _working(prefill.steps(ids, spans, hit, run.salt, mode, share, chunk))
         if pre is None:
             return BlockReport(params.kv_mode, params.blend_recompute, h, recomputed_tokens=len(ids) - h)
         run.past, run.computed, run.reusable = pre.past, pre.computed, pre.reusable

@@ -48,6 +48,7 @@ def marked_segments(s: Served, chat: list[ChatMessage], messages: list[dict]) ->
         raise APIError(
             400, "kvblocks_block parts cannot be combined with tools or tool turns", param="messages"
         )
+    check_block_count(s, sum(bool(p.kvblocks_block) for m in chat for p in m.parts()), "messages")
     blocks: list[str] = []
     marked = []
     for message, raw in zip(chat, messages):
@@ -73,10 +74,11 @@ def marked_segments(s: Served, chat: list[ChatMessage], messages: list[dict]) ->
 
 
 def completion_block_segments(s: Served, body: CompletionRequest | ExplainRequest) -> Segments:
-    """`prompt_blocks` as id segments: text tokenised per segment (special tokens only at the start)."""
-    parts = [_segment(p) for p in body.prompt_blocks or []]
+    """`prompt_blocks` as id segments: text tokenised per segment (special tokens only at the start).
+    Without any `block: true` segment they are a plain prompt (one id segment)."""
+    check_block_count(s, sum(p.block for p in body.prompt_blocks or []), "prompt_blocks")
     try:
-        ids, spans = flatten(s.gen.tokenizer, parts)
+        ids, spans = flatten(s.gen.tokenizer, [_segment(p) for p in body.prompt_blocks or []])
     except PromptError as exc:
         raise APIError(400, str(exc), param="prompt_blocks") from exc
     return checked(s, segments_of(ids, spans), "prompt_blocks")
@@ -88,12 +90,38 @@ def _segment(p: PromptSegment) -> str | list[int] | Block:
 
 
 def checked(s: Served, segments: Segments, param: str) -> Segments:
-    """`segments`, once their ids fit the vocabulary and the context (the generator's own checks)."""
+    """`segments`, once their ids fit the vocabulary and the context (the generator's own checks) and
+    their blocks' tokens the server's cap (`ServerConfig.max_block_tokens`)."""
     try:
         s.gen.encode(flat(segments))
     except ValueError as exc:
         raise APIError(400, str(exc), param=param) from exc
+    cap = s.config.max_block_tokens or s.gen.max_context
+    tokens = sum(len(seg.content) for seg in segments if isinstance(seg, Block))
+    if cap is not None and tokens > cap:
+        raise APIError(
+            400,
+            f"the KV blocks of one request hold at most {cap} tokens together on this server "
+            f"(--max-block-tokens), these hold {tokens}",
+            param=param,
+        )
     return segments
+
+
+def check_block_count(s: Served, count: int, param: str) -> None:
+    """Refuse more KV blocks than `ServerConfig.max_blocks`, before anything is tokenised: each block
+    is a forward of its own (its fill), and a promotion or blend runs them all for one request."""
+    if count > s.config.max_blocks:
+        raise APIError(
+            400,
+            f"a request marks at most {s.config.max_blocks} KV blocks on this server (--max-blocks), "
+            f"this one marks {count}",
+            param=param,
+        )
+
+
+def has_blocks(segments: Segments) -> bool:
+    return any(isinstance(seg, Block) for seg in segments)
 
 
 def flat(segments: Segments) -> list[int]:

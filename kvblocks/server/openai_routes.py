@@ -106,6 +106,8 @@ async def completions(request: Request):
         check_fanout(s, 1, best_of)
         segments = await tokenizing(s.tokenize_gate, kv_blocks.completion_block_segments, s, body)
         prompts = [kv_blocks.flat(segments)]
+        if not kv_blocks.has_blocks(segments):  # no `block: true` segment: a plain prompt
+            segments = None
     else:
         check_fanout(s, len(split_prompts(body.prompt)), best_of)
         prompts = await encode_prompts(s, body.prompt, s.gen.encode_source if decoder is not None else None)

@@ -38,6 +38,8 @@ class ServerConfig:
     vllm_metrics: bool = True  # /metrics also under vLLM's names (kvblocks.telemetry.vllm_metrics)
     kv_mode: str = "exact"  # how KV blocks are reused when a request does not say (--kv-mode)
     blend_recompute: float = 0.15  # --blend-recompute
+    max_blocks: int = 64  # KV blocks in one request (--max-blocks)
+    max_block_tokens: int | None = None  # their tokens in all (--max-block-tokens; None: the model's context)
 
 
 @dataclass(slots=True)

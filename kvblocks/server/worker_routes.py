@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvblocks import __version__
 from kvblocks.generate.params import GenerationParams
+from kvblocks.server import kv_blocks
 from kvblocks.server.bounds import check_chars, tokenizing
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.openai_routes import (
@@ -244,12 +245,18 @@ async def render_chat(request: Request):
     "/v1/completions/render", openapi_extra=json_body(CompletionRequest), responses=answers(400, 404)
 )
 async def render_completion(request: Request):
-    """vLLM's render of a completion request: one entry per prompt."""
+    """vLLM's render of a completion request: one entry per prompt; `prompt_blocks` are one prompt,
+    their segments' ids in order (what `/v1/completions` prefills, refused by the same caps)."""
     s = served(request)
     body = await parse_request(request, CompletionRequest, s.config.lenient)
     check_model(s, body.model)
+    if body.prompt_blocks is not None:
+        segments = await tokenizing(s.tokenize_gate, kv_blocks.completion_block_segments, s, body)
+        prompts = [kv_blocks.flat(segments)]
+    else:
+        prompts = await encode_prompts(s, body.prompt)
     rendered = []
-    for ids in await encode_prompts(s, body.prompt):
+    for ids in prompts:
         params = sampling(s, body, budget(s, ids, body.max_tokens, none_is_all=True))
         check_params(s, params)
         rendered.append(generate_request(s, ids, params, body))
