@@ -147,6 +147,7 @@ def test_streamed_tool_arguments_arrive_in_fragments_in_openai_shape(http):
     assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "get_weather"
     fragments = [d["function"]["arguments"] for d in deltas[1:]]
     assert deltas[0]["function"]["arguments"] == "" and "city" in json.loads("".join(fragments))
+    assert len(fragments) > 1, "the arguments stream as they are generated, not whole at the end"
     opened = next(
         k for k, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("tool_calls")
     )
@@ -154,19 +155,90 @@ def test_streamed_tool_arguments_arrive_in_fragments_in_openai_shape(http):
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert whole["finish_reason"] == "tool_calls"
+    assert "".join(fragments) == whole["message"]["tool_calls"][0]["function"]["arguments"]
 
 
-def test_continuous_usage_stats_put_usage_on_every_chunk(http):
-    body = {
-        "messages": [{"role": "user", "content": "Count to five."}],
-        "max_tokens": 8,
-        "ignore_eos": True,  # sampled at temperature 1: without it an early EOS would end the stream
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    chunks = sse_chunks(http, body)
-    assert all("usage" in c for c in chunks)
-    completions = [c["usage"]["completion_tokens"] for c in chunks]
-    assert completions == sorted(completions) and completions[-1] == 8
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search_docs",
+        "description": "Search the product manual",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}},
+            "required": ["query"],
+            "additionalProperties": False,
+        },
+    },
+}
+THREE_CITIES = {
+    "messages": [{"role": "user", "content": "What's the weather in Rome, Paris and Berlin?"}],
+    "tools": [WEATHER],
+    "tool_choice": "required",
+    "temperature": 0,
+    "max_tokens": 40,  # room for one call and the start of the next
+}
+
+
+def streamed_calls(chunks: list[dict]) -> list[dict]:
+    """The calls a client assembles from a chat stream's tool_calls deltas."""
+    calls: dict[int, dict] = {}
+    for c in (c for c in chunks if c["choices"]):
+        for d in c["choices"][0]["delta"].get("tool_calls") or []:
+            call = calls.setdefault(d["index"], {"name": "", "arguments": "", "fragments": 0})
+            call["name"] += d["function"].get("name", "")
+            call["arguments"] += d["function"].get("arguments", "")
+            call["fragments"] += bool(d["function"].get("arguments"))
+    return [calls[k] for k in sorted(calls)]
+
+
+def test_a_reply_cut_after_a_complete_call_keeps_it_streamed_or_not(http):
+    choice = http.post("/v1/chat/completions", json=THREE_CITIES).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"]["content"]
+    (call,) = choice["message"]["tool_calls"]  # the next one was cut: dropped
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"]
+    chunks = sse_chunks(http, THREE_CITIES)
+    first = streamed_calls(chunks)[0]
+    assert first["arguments"] == call["function"]["arguments"] and first["fragments"] > 1
+    finishes = [(k, c["choices"][0]["finish_reason"]) for k, c in enumerate(chunks) if c["choices"]]
+    last_call = max(
+        k for k, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("tool_calls")
+    )
+    assert [f for _, f in finishes if f] == ["length"] and finishes[-1][0] > last_call
+
+
+@pytest.mark.parametrize(
+    "question",
+    ["What's the weather in Rome, Paris and Berlin?", "Is it raining in Tokyo?", "How do I reset my router?"],
+)
+def test_required_tool_choice_with_two_tools_and_48_tokens_returns_calls(http, question):
+    body = THREE_CITIES | {"tools": [WEATHER, SEARCH], "max_tokens": 48}
+    body["messages"] = [{"role": "user", "content": question}]
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["message"]["tool_calls"], choice
+    for call in choice["message"]["tool_calls"]:
+        assert isinstance(json.loads(call["function"]["arguments"]), dict)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+def test_a_sampled_reply_cut_by_max_tokens_returns_every_call_before_the_cut_one(http, temperature):
+    """A call followed by the next one's head was complete: only the last streamed call may be cut.
+    (A sampled reply can also spend all its tokens inside the first call's string: no call then.)"""
+    for seed in range(3):
+        body = THREE_CITIES | {
+            "tools": [WEATHER, SEARCH],
+            "max_tokens": 48,
+            "temperature": temperature,
+            "seed": seed,
+        }
+        streamed = streamed_calls(sse_chunks(http, body))
+        choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        returned = [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in choice["message"].get("tool_calls") or []
+        ]
+        assert len(returned) >= len(streamed) - 1, (seed, streamed, choice)
+        assert returned == [(c["name"], c["arguments"]) for c in streamed[: len(returned)]]
 
 
 # ---- start-up --------------------------------------------------------------------------------
@@ -240,6 +312,33 @@ def test_responses_streamed_function_arguments_arrive_as_deltas(client):
     assert json.loads("".join(deltas)) == json.loads(done.arguments)
     final = events[-1].response
     assert [i.call_id for i in final.output if i.type == "function_call"] == [done.item_id[3:]]
+
+
+def test_responses_cut_after_a_complete_call_keeps_it_and_lists_every_streamed_item(client):
+    events = list(
+        client.responses.create(
+            model=MODEL, input=THREE_CITIES["messages"][0]["content"], tools=[RESPONSES_WEATHER],
+            tool_choice="required", max_output_tokens=40, temperature=0, stream=True,
+        )
+    )  # fmt: skip
+    final = events[-1]
+    assert final.type == "response.incomplete"
+    added = [e.item.id for e in events if e.type == "response.output_item.added"]
+    assert [i.id for i in final.response.output] == added and len(added) >= 1
+    first = final.response.output[0]
+    assert first.status == "completed" and json.loads(first.arguments)["city"]
+    deltas = [
+        e.delta
+        for e in events
+        if e.type == "response.function_call_arguments.delta" and e.item_id == first.id
+    ]
+    done = [e for e in events if e.type == "response.function_call_arguments.done" and e.item_id == first.id]
+    assert len(deltas) > 1 and "".join(deltas) == done[0].arguments == first.arguments
+    whole = client.responses.create(
+        model=MODEL, input=THREE_CITIES["messages"][0]["content"], tools=[RESPONSES_WEATHER],
+        tool_choice="required", max_output_tokens=40, temperature=0,
+    )  # fmt: skip
+    assert whole.status == "incomplete" and [i.arguments for i in whole.output] == [first.arguments]
 
 
 def test_responses_json_schema_format_constrains_the_text(client):

@@ -1,15 +1,18 @@
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from kvblocks import models
 from kvblocks.generate.grammar import lark_constraint
-from kvblocks.generate.text import encode_prompt
+from kvblocks.generate.text import StopTextAssembler, encode_prompt
 from kvblocks.generate.tools import (
     HermesParser,
     Llama3JsonParser,
@@ -17,7 +20,6 @@ from kvblocks.generate.tools import (
     ToolCall,
     ToolError,
     ToolStreamParser,
-    cut_unfinished,
     detect_parser,
     get_parser,
     render_messages,
@@ -184,7 +186,8 @@ def test_a_call_cut_by_max_tokens_is_no_call_and_leaves_no_markup():
     text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
     assert stream.feed(text) == "Sure."
     assert stream.finish("length") == ("", [])
-    assert cut_unfinished(HermesParser(), text) == "Sure."
+    assert HermesParser().parse_cut(text) == ("Sure.", [])
+    assert HermesParser().parse_cut("The answer is 4. <tool") == ("The answer is 4.", [])
 
 
 def test_stream_releases_content_before_a_marker_and_holds_a_partial_one():
@@ -445,3 +448,132 @@ def test_special_token_markers_are_written_as_tokens():
     grammar = tool_call_grammar(TOOLS, "required", MistralParser(), tokenizer=special)
     assert grammar.startswith("start: <[5]> calls")
     assert '"[TOOL_CALLS]"' in tool_call_grammar(TOOLS, "required", MistralParser())
+
+
+# ---- streaming whatever the tokenization, cuts that keep complete calls ----------------------
+
+# The markup written with the whitespace each format allows, beside the cases above.
+SPACED = {
+    "hermes": '<tool_call>\n{ "name" : "get_weather" ,\n  "arguments" :\n {"city": "Paris", "unit": "celsius"} }'
+    '\n</tool_call>\n<tool_call>{"name":"search","arguments":{"query":"llamas","max_results":3}}</tool_call>',
+    "llama3_json": '<|python_tag|> {"name" :"search","parameters":   {"query":"llamas","max_results":3}} ;  '
+    '{"name": "get_weather", "parameters":{"city": "Paris", "unit": "celsius"}}',
+    "mistral": '[TOOL_CALLS] [ {"name":"get_weather" , "arguments" :{"city":"Paris","unit":"celsius"}} ,'
+    '{"name": "search", "arguments": {"query": "llamas", "max_results": 3}}]',
+}
+STREAMED = [(p, t) for p, t, _, calls in ALL_CASES if calls] + list(SPACED.items())
+
+
+def _replay(parser, pieces: list[str], finish_reason: str | None = None):
+    """Feed `pieces` as a server does (deltas after every piece); the parse's calls and, per call,
+    the argument fragments its deltas carried."""
+    stream, deltas = ToolStreamParser(parser), []
+    for piece in pieces:
+        stream.feed(piece)
+        deltas += stream.call_deltas()
+    _, calls = stream.finish(finish_reason)
+    deltas += stream.finish_deltas(calls)
+    fragments: dict[int, list[str]] = {}
+    for d in deltas:
+        fragments.setdefault(d["index"], [])
+        if d["function"].get("arguments"):
+            fragments[d["index"]].append(d["function"]["arguments"])
+    return calls, fragments
+
+
+def _check_streamed(parser_name: str, text: str, cuts: list[int]) -> None:
+    """The fragments of each call join to exactly its final arguments, and a call's arguments come
+    in as many fragments as pieces they were written across (one per piece, none held back)."""
+    parser = get_parser(parser_name)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]) if b > a]
+    calls, fragments = _replay(parser, pieces)
+    whole = parser.parse(text)[1]
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole]
+    bounds = [0, *itertools.accumulate(map(len, pieces))]
+    at = 0
+    for k, c in enumerate(calls):
+        assert "".join(fragments[k]) == c.arguments
+        begin = text.find(c.arguments, at)
+        if begin >= 0:  # written as an object, not as a JSON string: streamed as written
+            at = begin + len(c.arguments)
+            across = sum(1 for a, b in itertools.pairwise(bounds) if a < at and b > begin)
+            assert len(fragments[k]) == across
+
+
+def _token_pieces(tok, text: str) -> list[str]:
+    """`text` as the server streams it when the model writes SmolLM2's tokens of it."""
+    assembler = StopTextAssembler(tok)
+    pieces = [assembler.push(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
+    return [*pieces, assembler.flush()]
+
+
+@pytest.mark.parametrize(("parser", "text"), STREAMED)
+def test_streamed_arguments_join_to_the_final_arguments_split_per_character(parser, text):
+    _check_streamed(parser, text, list(range(1, len(text))))
+
+
+@pytest.mark.parametrize(("parser", "text"), STREAMED)
+def test_streamed_arguments_join_to_the_final_arguments_split_per_smollm2_token(tok, parser, text):
+    pieces = _token_pieces(tok, text)
+    assert "".join(pieces) == text
+    _check_streamed(parser, text, list(itertools.accumulate(map(len, pieces[:-1]))))
+    calls, fragments = _replay(get_parser(parser), pieces)
+    for k, c in enumerate(calls):
+        if c.arguments in text and len(tok(c.arguments)["input_ids"]) > 4:
+            assert len(fragments[k]) > 1, "a call longer than a few tokens streams in fragments"
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(STREAMED), data=st.data())
+def test_streamed_arguments_join_to_the_final_arguments_split_anywhere(case, data):
+    parser, text = case
+    cuts = data.draw(st.lists(st.integers(1, len(text) - 1), max_size=40, unique=True).map(sorted))
+    _check_streamed(parser, text, cuts)
+
+
+def test_smollm2_writes_the_arguments_object_after_the_head_as_its_own_token(tok):
+    """The tokenization that hid SmolLM2's arguments until the end: `":` then ` {"`."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    pieces = _token_pieces(tok, text)
+    assert '":' in pieces and ' {"' in pieces
+    calls, fragments = _replay(HermesParser(), pieces[:-4])  # before the call's end
+    assert calls == [] and "".join(fragments[0]).startswith('{"city": "')
+
+
+# (parser, text, where each call's text ends): two calls after some content.
+TWO_CALLS = [
+    ("hermes", 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+     '\n</tool_call>\n<tool_call>\n{"name": "search", "arguments": {"query": "llamas", "max_results": 3}}'
+     "\n</tool_call>", "}"),
+    ("llama3_json", 'Sure. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+     '{"name": "search", "parameters": {"query": "llamas", "max_results": 3}}', "}"),
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+     '{"name": "search", "arguments": {"query": "llamas", "max_results": 3}}]', "}"),
+    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+     '[TOOL_CALLS]search[ARGS]{"query": "llamas", "max_results": 3}', ""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "text", "closer"), TWO_CALLS)
+def test_a_reply_cut_anywhere_keeps_every_complete_call_and_no_markup(parser, text, closer):
+    p = get_parser(parser)
+    full = p.parse(text)[1]
+    ends, at = [], 0
+    for c in full:
+        at = text.index(c.arguments, at) + len(c.arguments) + len(closer)
+        ends.append(at)
+    for cut in range(len(text) + 1):
+        content, calls = p.parse_cut(text[:cut])
+        complete = [c for c, end in zip(full, ends) if end <= cut]
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in complete], cut
+        assert content is None or "Sure.".startswith(content), (cut, content)
+
+
+@pytest.mark.parametrize(("parser", "text", "closer"), TWO_CALLS)
+def test_a_stream_cut_after_a_call_sends_its_whole_arguments(tok, parser, text, closer):
+    p = get_parser(parser)
+    first = p.parse(text)[1][0]
+    cut = text.index(first.arguments) + len(first.arguments) + len(closer) + 3
+    calls, fragments = _replay(p, _token_pieces(tok, text[:cut]), "length")
+    assert [(c.name, c.arguments) for c in calls] == [(first.name, first.arguments)]
+    assert "".join(fragments[0]) == first.arguments and len(fragments[0]) > 1

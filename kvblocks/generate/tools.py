@@ -7,8 +7,11 @@
   default); earlier calls are written in that format in the assistant turn, and tool results
   come back as a user turn of `<tool_response>` blocks (the Hermes convention).
 - Parsing. A `ToolParser` per output format (`hermes`, `llama3_json`, `mistral`) splits generated
-  text into content and `ToolCall`s; `ToolStreamParser` does the same piece by piece. Malformed
-  calls are never an error: their text stays content.
+  text into content and `ToolCall`s; `ToolStreamParser` does the same piece by piece, whatever
+  the tokenization of the markup. Malformed calls are never an error: their text stays content.
+  A call's arguments are the JSON text the model wrote (when it wrote an object), so streamed
+  fragments join to exactly the final arguments. A reply cut by max_tokens keeps every complete
+  call and drops only the unfinished one (`parse_cut`).
 - Constraining. `tool_call_grammar` gives an llguidance Lark grammar for `tool_choice="required"`
   or a named function, in the parser's own format, so a constrained reply always parses with
   that parser and its arguments follow the tool's `parameters` schema.
@@ -23,7 +26,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from jinja2 import TemplateError
@@ -114,14 +117,33 @@ def _call_from(obj) -> ToolCall | None:
 _DECODER = json.JSONDecoder()
 
 
-def _decode_at(text: str, pos: int):
-    """(value, end) of the JSON value starting at `pos` (after whitespace); None if there is none."""
+def _skip_space(text: str, pos: int) -> int:
     while pos < len(text) and text[pos].isspace():
         pos += 1
+    return pos
+
+
+def _decode_at(text: str, pos: int):
+    """(value, end) of the JSON value starting at `pos` (after whitespace); None if there is none."""
     try:
-        return _DECODER.raw_decode(text, pos)
+        return _DECODER.raw_decode(text, _skip_space(text, pos))
     except json.JSONDecodeError:
         return None
+
+
+def _complete_items(text: str, pos: int) -> list:
+    """The complete values of a JSON array that opens at `pos` (after whitespace) and may be cut off."""
+    pos = _skip_space(text, pos)
+    if not text.startswith("[", pos):
+        return []
+    items, pos = [], pos + 1
+    while (decoded := _decode_at(text, pos)) is not None:
+        items.append(decoded[0])
+        pos = _skip_space(text, decoded[1])
+        if not text.startswith(",", pos):
+            break
+        pos += 1
+    return items
 
 
 class ToolParser:
@@ -138,12 +160,24 @@ class ToolParser:
     example: ClassVar[str]  # the format, as the built-in preamble teaches it
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return self._split(text, cut=False)
+
+    def parse_cut(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """`parse` of a reply stopped by max_tokens: every complete call, and the content less the
+        unfinished call and its markup (a half call is not a call)."""
+        return self._split(text, cut=True)
+
+    def _split(self, text: str, cut: bool) -> tuple[str | None, list[ToolCall]]:
         kept, calls, pos = [], [], 0
-        for start, end, found in self._spans(text):
+        for start, end, found in self._spans(text, cut):
             kept.append(text[pos:start])
-            calls.extend(found)
+            calls.extend(_as_written(text[start:end], found))
             pos = end
-        kept.append(text[pos:])
+        tail = text[pos:]
+        if cut:  # the unfinished call, or the marker it was beginning with
+            unfinished = self.call_start(tail)
+            tail = tail[: len(tail) - self.partial_marker(tail) if unfinished is None else unfinished]
+        kept.append(tail)
         content = "".join(kept).strip()
         return content or None, calls
 
@@ -176,7 +210,9 @@ class ToolParser:
         literal (or as the special token it is)."""
         raise NotImplementedError
 
-    def _spans(self, text: str) -> Iterator[tuple[int, int, list[ToolCall]]]:
+    def _spans(self, text: str, cut: bool) -> Iterator[tuple[int, int, list[ToolCall]]]:
+        """(start, end, calls) of each well-formed call span; with `cut` (the text stopped early)
+        also the complete calls of a span whose end was cut off, the span running to the end."""
         raise NotImplementedError
 
 
@@ -195,12 +231,14 @@ class HermesParser(ToolParser):
     )
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
-    def _spans(self, text):
+    def _spans(self, text, cut):
         for m in self._BLOCK.finditer(text):
-            try:
-                call = _call_from(json.loads(m.group(1)))
-            except json.JSONDecodeError:
+            decoded = _decode_at(m.group(1), 0)
+            if decoded is None:
                 continue
+            rest = m.group(1)[decoded[1] :].strip()
+            closing = cut and m.end() == len(text) and "</tool_call>".startswith(rest)
+            call = _call_from(decoded[0]) if not rest or closing else None
             if call is not None:
                 yield m.start(), m.end(), [call]
 
@@ -240,16 +278,18 @@ class Llama3JsonParser(ToolParser):
             return body
         return tag
 
-    def _spans(self, text):
+    def _spans(self, text, cut):
         start = self.call_start(text)
         if start is None:
             return
         pos = start + len(self.markers[0]) if text.startswith(self.markers[0], start) else start
         calls = []
-        while True:  # call (";" call)*; any malformed call and none of them count
+        while True:  # call (";" call)*; any malformed call and none of them count, unless cut off
             decoded = _decode_at(text, pos)
             call = _call_from(decoded[0]) if decoded is not None else None
             if call is None:
+                if cut and calls:
+                    yield start, len(text), calls
                 return
             calls.append(call)
             pos = decoded[1]
@@ -280,7 +320,7 @@ class MistralParser(ToolParser):
     example = '[TOOL_CALLS][{"name": <function-name>, "arguments": <arguments-json-object>}, ...]'
     _NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
 
-    def _spans(self, text):
+    def _spans(self, text, cut):
         marker = self.markers[0]
         pos = text.find(marker)
         while pos >= 0:
@@ -293,6 +333,10 @@ class MistralParser(ToolParser):
                     calls = [ToolCall(named.group(1), json.dumps(decoded[0], ensure_ascii=False))]
             elif decoded is not None and isinstance(decoded[0], list) and decoded[0]:
                 calls = [_call_from(obj) for obj in decoded[0]]
+            elif decoded is None and cut and not named:  # an array cut off: its complete calls
+                items = _complete_items(text, body)
+                calls = [_call_from(obj) for obj in items]
+                decoded = (items, len(text))
             if calls and None not in calls:
                 yield pos, decoded[1], calls
                 body = decoded[1]
@@ -347,20 +391,29 @@ _CALL_HEAD = re.compile(
 )
 
 
+def _as_written(span: str, calls: list[ToolCall]) -> list[ToolCall]:
+    """`calls` with their arguments as the model wrote them in `span`: the object after each call's
+    head, where it decodes to the parsed arguments (a call written otherwise keeps its re-encoding)."""
+    heads, out = _CALL_HEAD.finditer(span), []
+    for call in calls:
+        parsed = json.loads(call.arguments)
+        for head in heads:
+            begin = _skip_space(span, head.end())
+            decoded = _decode_at(span, begin)
+            if (head.group(1) or head.group(2)) == call.name and decoded is not None:
+                if span.startswith("{", begin) and decoded[0] == parsed:
+                    call = replace(call, arguments=span[begin : decoded[1]])
+                break
+        out.append(call)
+    return out
+
+
 @dataclass(slots=True)
 class _StreamedCall:
     id: str
     name: str
     sent: int = 0  # characters of the arguments text sent so far
     closed: bool = False  # its arguments object is complete
-
-
-def cut_unfinished(parser: ToolParser, text: str) -> str | None:
-    """The content of a reply that stopped inside a call (max_tokens): the text before the call,
-    so neither the half call nor its markup reaches the client."""
-    start = parser.call_start(text)
-    content = (text if start is None else text[:start]).strip()
-    return content or None
 
 
 class ToolStreamParser:
@@ -370,8 +423,9 @@ class ToolStreamParser:
     Text before the first call marker is released as it arrives, less an end that could grow
     into a marker and trailing whitespace (the parse strips it). From the first marker on, content
     is held and `finish()` settles it with the full parse, so the deltas always join to exactly
-    the content `parse` gives for the whole text. Arguments are streamed as the raw JSON text the
-    model writes, which decodes to the same object as the parsed call's `arguments`.
+    the content `parse` gives for the whole text. Arguments are streamed as the JSON text the
+    model writes, which is the parsed call's `arguments`: the head that names a call may end
+    anywhere in the whitespace before its object, and the object is sent as far as it is written.
     """
 
     def __init__(self, parser: ToolParser) -> None:
@@ -410,6 +464,7 @@ class ToolStreamParser:
                 self._args_at = head.end()
                 out.append(self._delta({"name": self.streamed[-1].name, "arguments": ""}, first=True))
             call = self.streamed[-1]
+            self._args_at = _skip_space(self.text, self._args_at)
             if not self.text.startswith("{", self._args_at):
                 break  # arguments not begun yet, or not an object (then `finish_deltas` sends them)
             decoded = _decode_at(self.text, self._args_at)
@@ -431,7 +486,7 @@ class ToolStreamParser:
         for k, c in enumerate(calls):
             if k >= len(self.streamed):
                 out.append(c.as_openai() | {"index": k})
-            elif not self.streamed[k].closed and self.streamed[k].sent == 0:
+            elif self.streamed[k].sent == 0:
                 out.append({"index": k, "function": {"arguments": c.arguments}})
         return out
 
@@ -441,11 +496,10 @@ class ToolStreamParser:
         return {"index": k, **head, "function": fn}
 
     def finish(self, finish_reason: str | None = None) -> tuple[str, list[ToolCall]]:
-        """The stream ended: the last content delta and every tool call (none when the reply was
-        cut by max_tokens, `finish_reason` "length": a half call is not a call)."""
-        if finish_reason == "length":
-            return self._release(cut_unfinished(self.parser, self.text) or ""), []
-        content, calls = self.parser.parse(self.text)
+        """The stream ended: the last content delta and every tool call (when the reply was cut by
+        max_tokens, `finish_reason` "length", every complete one: `ToolParser.parse_cut`)."""
+        parse = self.parser.parse_cut if finish_reason == "length" else self.parser.parse
+        content, calls = parse(self.text)
         return self._release(content or ""), calls
 
     def _release(self, content: str) -> str:

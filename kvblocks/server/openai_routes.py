@@ -598,19 +598,19 @@ def completion_logprobs(s: Served, entries: list[TokenLogprob | None], offset: i
 
 
 def chat_choice(s: Served, call: Call, branch: Branch, r: GenerationResult) -> dict:
-    """A reply cut by max_tokens says "length" and carries no call: a half call is not a call, and
-    its markup is not content."""
+    """A reply cut by max_tokens says "length" and carries every call it completed: the half call
+    it was writing is not a call, and its markup is not content."""
     message: dict[str, Any] = {"role": "assistant", "content": r.text}
     finish = r.finish_reason
     parser = call.plan.parser if call.plan is not None else None
-    if parser is not None and finish == "length":
-        message["content"] = tools.cut_unfinished(parser, r.text)
-    elif parser is not None:
-        content, calls = parser.parse(r.text)
+    if parser is not None:
+        cut = finish == "length"
+        content, calls = parser.parse_cut(r.text) if cut else parser.parse(r.text)
+        if calls or cut:
+            message["content"] = content
         if calls:
-            message["content"] = content or None
             message["tool_calls"] = [c.as_openai() for c in calls]
-            finish = "tool_calls"
+            finish = finish if cut else "tool_calls"
     choice = {"index": branch.index, "message": message, "finish_reason": finish, "logprobs": None}
     if branch.params.logprobs is not None:
         choice["logprobs"] = chat_logprobs(s, r.logprobs or [])
@@ -753,12 +753,17 @@ async def sse(
                         rest, calls = ts.finish(finish)
                         text += rest
                         calls_delta += ts.finish_deltas(calls)
-                        if calls:
+                        if calls and finish != "length":
                             finish = "tool_calls"
                     if calls_delta:
                         delta["tool_calls"] = calls_delta
                 if text:
                     delta["content"] = text
+                if "tool_calls" in delta and finish:  # the calls' last arguments, then the finish
+                    yield data(
+                        base | {"object": obj, "choices": [chunk_choice(b.index, delta, None, logprobs)]}
+                    )
+                    delta, logprobs = {}, None
                 if delta or finish or logprobs:
                     yield data(
                         base | {"object": obj, "choices": [chunk_choice(b.index, delta, finish, logprobs)]}

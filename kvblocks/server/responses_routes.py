@@ -411,6 +411,10 @@ async def events(
         keep_prefix(s, call)
         final = finish(s, call, branch, result, body, conversation, [it["call_id"] for it in calls.values()])
         status, done_items = final["status"], {item["id"]: item for item in final["output"]}
+        unfinished = [it | {"status": "incomplete"} for it in calls.values() if it["id"] not in done_items]
+        if unfinished:  # the cut left a streamed call unfinished: the response still lists it
+            done_items |= {it["id"]: it for it in unfinished}
+            final["output"] = sorted(done_items.values(), key=lambda it: opened.get(it["id"], len(opened)))
         if msg_id in opened:
             where = {"item_id": msg_id, "output_index": opened[msg_id], "content_index": 0}
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -419,7 +423,7 @@ async def events(
             item = message_item(msg_id, text, status)
             yield event("response.output_item.done", {"output_index": opened[msg_id], "item": item})
         for streamed in calls.values():
-            item = done_items.get(streamed["id"], streamed | {"status": "incomplete"})
+            item = done_items[streamed["id"]]
             where = {"item_id": item["id"], "output_index": opened[item["id"]]}
             args = {"name": item["name"], "arguments": item["arguments"]}
             yield event("response.function_call_arguments.done", where | args)
