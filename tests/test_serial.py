@@ -1,6 +1,6 @@
 """The serial runner (`kvblocks.engine.serial`): a request's KV block work (fills, blend probe and
 recompute) runs one forward of at most the engine's per-step budget per step, interleaved with the
-other requests, and is charged to its tenant."""
+other requests, and is charged to its tenant in the engine's `TenantLedger`."""
 
 from __future__ import annotations
 
@@ -48,12 +48,13 @@ def test_another_tenants_short_request_finishes_while_one_requests_block_work_ru
     model = tiny_llama(torch.float32)
     gen = CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, capacity_tokens=4096))
     engine = Engine(gen)
+    engine.ledger.clock = lambda: 0.0  # no decay: the charges add up exactly
     seen = Requests()
     blocks = [Block([(7 * i + j) % 128 for j in range(3)]) for i in range(40)]
     seen.submit(engine, "blocks", [[1, 2], *blocks, [3, 4]], "attacker", kv_mode="blend")
     for _ in range(3):
         engine.step()
-    assert engine.serial.block_tokens["attacker"] > 0 and not seen.events
+    assert engine.ledger.work("attacker") > 0 and not seen.events
     seen.submit(engine, "short", [5, 6, 7, 8], "victim")
     while not seen.done["short"].is_set():
         engine.step()
@@ -64,9 +65,8 @@ def test_another_tenants_short_request_finishes_while_one_requests_block_work_ru
     assert b.reused_tokens > 0
     # every forward of its block work was charged to its tenant: the exact start, 40 fills, the probe,
     # the recompute (all but the trailing [3, 4], which the ordinary prefill computes)
-    assert engine.serial.block_tokens == {
-        "attacker": b.block_fill_tokens + b.probe_tokens + b.recomputed_tokens - 2
-    }
+    assert engine.ledger.work("attacker") == b.block_fill_tokens + b.probe_tokens + b.recomputed_tokens - 2
+    assert engine.ledger.work("victim") == 0  # the serial runner charges block work only
 
 
 def test_the_engine_completes_a_step_every_2_s_while_a_request_blends_64_one_token_blocks(smollm2):

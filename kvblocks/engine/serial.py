@@ -7,13 +7,14 @@ holds its own transformers cache and commits to the trie itself when it closes.
 A prompt's KV block work (fills, blend probe and recompute: `kvblocks.blocks.prefill`) runs one
 forward of at most `block_chunk` tokens (the engine's per-step budget) per step, before its first
 token, so one request's blocks never hold the loop for more than a step's worth of tokens; the
-tokens are charged to its tenant (`block_tokens`).
+tokens are charged to its tenant (`charge`: the engine's `TenantLedger`, which the fair order reads).
 """
 
 from __future__ import annotations
 
 import traceback
 from collections import Counter
+from collections.abc import Callable
 
 from kvblocks.engine.admission import WaitingRoom
 from kvblocks.engine.report import Reporter, trace_admitted, trace_ended
@@ -24,14 +25,19 @@ from kvblocks.telemetry import tracing
 
 class SerialRunner:
     def __init__(
-        self, generator: CachedGenerator, report: Reporter, max_active: int, block_chunk: int
+        self,
+        generator: CachedGenerator,
+        report: Reporter,
+        max_active: int,
+        block_chunk: int,
+        charge: Callable[[str, float], None],
     ) -> None:
         self.generator = generator
         self.report = report
         self.max_active = max_active
         self.block_chunk = block_chunk
+        self.charge = charge  # (tenant, tokens) of KV block work computed for it
         self.active: list[Request] = []
-        self.block_tokens: Counter[str] = Counter()  # KV block work computed, per tenant
 
     def has_room(self) -> bool:
         return len(self.active) < self.max_active
@@ -83,7 +89,7 @@ class SerialRunner:
             request.emit(exc)
             return
         if isinstance(piece, Working):  # a forward of block work: nothing to say to the client yet
-            self.block_tokens[request.tenant] += piece.tokens
+            self.charge(request.tenant, piece.tokens)
             return
         self.report.observe(request, len(piece.token_ids))
         if piece.result is not None:
