@@ -388,6 +388,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
     if args.drain_timeout < 0:
         raise UserError(f"--drain-timeout must be 0 or more, got {args.drain_timeout:g}")
+    if not 1024 <= args.store_max_bytes_per_tenant <= args.store_max_bytes:
+        raise UserError("need 1024 <= --store-max-bytes-per-tenant <= --store-max-bytes")
+    if args.store_ttl <= 0:
+        raise UserError(f"--store-ttl must be positive, got {args.store_ttl:g}")
     for flag, seconds in (
         ("--header-timeout", args.header_timeout),
         ("--keep-alive-timeout", args.keep_alive_timeout),
@@ -479,6 +483,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         history_window_s=args.history_window,
         kv_mode=args.kv_mode,
         blend_recompute=args.blend_recompute,
+        stored_bytes_per_tenant=args.store_max_bytes_per_tenant,
+        stored_bytes=args.store_max_bytes,
+        stored_ttl_s=args.store_ttl,
         max_blocks=args.max_blocks,
         max_block_tokens=args.max_block_tokens,
     )
@@ -694,6 +701,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: the model's name)"
+    )
+    sv.add_argument(
+        "--store-max-bytes-per-tenant",
+        type=int,
+        default=64 << 20,
+        metavar="BYTES",
+        help="bytes of stored /v1/responses one tenant may keep; its own oldest go first (default 64 MiB)",
+    )
+    sv.add_argument(
+        "--store-max-bytes",
+        type=int,
+        default=512 << 20,
+        metavar="BYTES",
+        help="bytes of stored /v1/responses all tenants may keep; the tenant most over its share of it "
+        "loses its oldest first (default 512 MiB)",
+    )
+    sv.add_argument(
+        "--store-ttl",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="how long a stored /v1/responses entry is kept (default 3600)",
     )
     sv.add_argument("--history-interval", type=float, default=5.0, metavar="SECONDS",
                     help="seconds between the samples of /v1/cache/history (default 5)")  # fmt: skip

@@ -24,9 +24,11 @@ from kvblocks.server.bounds import char_limit
 from kvblocks.server.errors import APIError, validation_error
 from kvblocks.server.guard import GuardConfig, RequestGuard, error_response
 from kvblocks.server.parsing import BodyParser
+from kvblocks.server.response_store import EVICTION_REASONS
 from kvblocks.server.state import Served, ServerConfig
 from kvblocks.telemetry import tracing
 from kvblocks.telemetry.history import History, sample_of
+from kvblocks.telemetry.metrics import TenantHoldingsCollector
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
@@ -34,6 +36,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     served.history = History(lambda: take_sample(served), config.history_interval_s, config.history_window_s)
     if config.vllm_metrics:
         engine.metrics.export_vllm(config.model_name, lambda: running_waiting(engine), engine.generator.cache)
+    engine.metrics.register(TenantHoldingsCollector(lambda: holdings(served)))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -77,6 +80,19 @@ def take_sample(served: Served) -> dict:
     tenants = {} if cache is None else cache.tenant_counters()
     engine = served.engine
     return sample_of(stats, tenants, engine.active, engine.queued, engine.metrics.counters)
+
+
+def holdings(served: Served) -> dict:
+    """What `TenantHoldingsCollector` exports: stored responses and pins, per tenant."""
+    store, pins = served.response_store(), served.pins
+    return {
+        "stored_bytes": store.bytes_by_tenant(),
+        "stored_responses": store.entries_by_tenant(),
+        "stored_evicted": {reason: store.evicted[reason] for reason in EVICTION_REASONS},
+        "stored_refused": store.refused,
+        "pinned_tokens": {} if pins is None else pins.pinned_by_tenant(),
+        "pins_refused": {} if pins is None else dict(pins.refused),
+    }
 
 
 def running_waiting(engine: Engine) -> tuple[int, int]:

@@ -71,6 +71,10 @@ class ApiKeys:
         """The bounds the keys file sets for `tenant` (none set: no bounds of its own, weight 1)."""
         return self._limits.get(tenant, TenantLimits())
 
+    def weights(self) -> dict[str, float]:
+        """Every tenant some key names, with its weight."""
+        return {p.tenant: self.limits(p.tenant).weight for p in self._by_digest.values()}
+
     @classmethod
     def single_admin(cls, key: str) -> ApiKeys:
         """`--api-key KEY`: one admin key in the default tenant."""

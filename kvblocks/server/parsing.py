@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -84,7 +85,16 @@ class BodyParser:
 
     def _new_pool(self) -> ProcessPoolExecutor:
         # spawn, not fork: the server process runs the engine's threads and holds the model
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        return ProcessPoolExecutor(
+            self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_signals
+        )
+
+
+def _ignore_signals() -> None:
+    """A worker leaves shutting down to the server: Ctrl-C or a SIGTERM sent to the process group
+    would otherwise kill it mid-parse, with a traceback, while the server drains."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _ready() -> None:

@@ -15,12 +15,9 @@ begins with the tokens the first request prefilled and generated: a trie hit by 
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from starlette.background import BackgroundTask
@@ -45,6 +42,7 @@ from kvblocks.server.openai_routes import (
     usage,
 )
 from kvblocks.server.openapi import answers, json_body
+from kvblocks.server.response_store import ResponseStore, as_json
 from kvblocks.server.schemas import (
     RESPONSES_ACCEPTED_DEFAULTS,
     RESPONSES_REFUSED,
@@ -57,62 +55,11 @@ from kvblocks.server.schemas import (
 from kvblocks.server.state import Served, scope_of, served
 
 router = APIRouter()
-MAX_STORED_PER_TENANT = 256
-STORED_TTL_S = 3600.0
-
-
-# ---- the store -------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Stored:
-    messages: list[dict]  # the conversation so far as chat messages, the reply included
-    response: dict
-    expires: float
-
-
-@dataclass(slots=True)
-class ResponseStore:
-    """Each tenant's stored responses, oldest first; expired ones go when the tenant stores or looks."""
-
-    per_tenant: int = MAX_STORED_PER_TENANT
-    ttl_s: float = STORED_TTL_S
-    _kept: dict[Any, OrderedDict[str, Stored]] = field(default_factory=dict)
-
-    def put(self, tenant, response_id: str, messages: list[dict], response: dict) -> None:
-        kept = self._fresh(tenant)
-        kept[response_id] = Stored(messages, response, time.monotonic() + self.ttl_s)
-        while len(kept) > self.per_tenant:
-            kept.popitem(last=False)
-
-    def get(self, tenant, response_id: str) -> Stored:
-        stored = self._fresh(tenant).get(response_id)
-        if stored is None:
-            raise APIError(
-                404,
-                f"no stored response with id '{response_id}'",
-                param="previous_response_id",
-                code="not_found",
-            )
-        return stored
-
-    def delete(self, tenant, response_id: str) -> None:
-        self.get(tenant, response_id)
-        del self._kept[tenant][response_id]
-
-    def _fresh(self, tenant) -> OrderedDict[str, Stored]:
-        kept = self._kept.setdefault(tenant, OrderedDict())
-        now = time.monotonic()
-        for key in [k for k, v in kept.items() if v.expires <= now]:
-            del kept[key]
-        return kept
+ECHOED = {"instructions", "metadata", "tools", "text", "user"}  # request fields a response repeats
 
 
 def store_of(request: Request) -> ResponseStore:
-    state = request.app.state
-    if not hasattr(state, "responses"):
-        state.responses = ResponseStore()
-    return state.responses
+    return served(request).response_store()
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -136,6 +83,9 @@ async def create_response(request: Request):
         else []
     )
     conversation = history + input_messages(body)
+    if body.store:  # what its entry holds before any output (the response echoes these): over budget, a 400
+        echoed = body.model_dump(include=ECHOED, by_alias=True, exclude_none=True)
+        store_of(request).check_fits(len(as_json(conversation)) + len(as_json(echoed)))
     chat = as_chat(body, conversation, s.config.lenient)
     plan = await bounded_plan_chat(s, chat)
     params = sampling(s, chat, budget(s, plan.ids, body.max_output_tokens))
@@ -328,7 +278,9 @@ def finish(
         reply = {k: v for k, v in choice["message"].items() if v is not None}
         if reply.get("content") is None and not reply.get("tool_calls"):
             reply["content"] = ""
-        store_of(call.request).put(call.salt.tenant, call.id, [*conversation, reply], response)
+        messages = [*conversation, reply]
+        if not store_of(call.request).put(call.salt.tenant, call.id, messages, response):
+            response["store"] = False  # larger than the tenant's budget: said, counted and logged
     return response
 
 

@@ -402,6 +402,17 @@ class TextFormat(_Model):
         return self
 
 
+# `metadata` as OpenAI bounds it: the bytes a stored response keeps for it stay small.
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+Metadata = Annotated[
+    dict[
+        Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
+        Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)],
+    ],
+    Field(max_length=MAX_METADATA_KEYS),
+]
+
+
 class TextOptions(_Model):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None  # the only verbosity a plain model has
@@ -422,7 +433,7 @@ class ResponsesRequest(_Model):
     store: bool | None = True
     previous_response_id: str | None = None
     user: str | None = None
-    metadata: dict[str, str] | None = None  # kept with a stored response, returned as given
+    metadata: Metadata | None = None  # kept with a stored response, returned as given
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
     prompt_cache_key: str | None = None
@@ -435,6 +446,23 @@ class ResponsesRequest(_Model):
     top_logprobs: int | None = None
     service_tier: str | None = None
     max_tool_calls: None = None
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _metadata_within_limits(cls, v):
+        """OpenAI's limits, said in one message naming `metadata` (the schema states them too)."""
+        if not isinstance(v, dict):
+            return v
+        if len(v) > MAX_METADATA_KEYS:
+            raise ValueError(f"at most {MAX_METADATA_KEYS} keys, got {len(v)}")
+        for key, value in v.items():
+            if len(key) > MAX_METADATA_KEY_CHARS:
+                raise ValueError(f"keys have at most {MAX_METADATA_KEY_CHARS} characters, got {len(key)}")
+            if isinstance(value, str) and len(value) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(
+                    f"values have at most {MAX_METADATA_VALUE_CHARS} characters, got {len(value)}"
+                )
+        return v
 
     @field_validator("include")
     @classmethod

@@ -16,6 +16,7 @@ from kvblocks.server.bounds import MAX_TOKENIZING
 from kvblocks.server.errors import APIError
 from kvblocks.server.guard import Admission, principal_of
 from kvblocks.server.pins import PrefixPins
+from kvblocks.server.response_store import ResponseStore
 from kvblocks.telemetry.history import History
 
 
@@ -38,6 +39,9 @@ class ServerConfig:
     vllm_metrics: bool = True  # /metrics also under vLLM's names (kvblocks.telemetry.vllm_metrics)
     kv_mode: str = "exact"  # how KV blocks are reused when a request does not say (--kv-mode)
     blend_recompute: float = 0.15  # --blend-recompute
+    stored_bytes_per_tenant: int = 64 << 20  # stored /v1/responses (--store-max-bytes-per-tenant)
+    stored_bytes: int = 512 << 20  # all tenants' together (--store-max-bytes)
+    stored_ttl_s: float = 3600.0  # --store-ttl
     max_blocks: int = 64  # KV blocks in one request (--max-blocks)
     max_block_tokens: int | None = None  # their tokens in all (--max-block-tokens; None: the model's context)
 
@@ -55,6 +59,7 @@ class Served:
     tokenize_gate: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_TOKENIZING))
     history: History | None = None
     pins: PrefixPins | None = None  # `cache_control` pins, made on first use (None: no cache)
+    responses: ResponseStore | None = None  # stored /v1/responses, made on first use
 
     @property
     def gen(self) -> CachedGenerator:
@@ -77,8 +82,23 @@ class Served:
 
     def prefix_pins(self) -> PrefixPins | None:
         if self.pins is None and self.cache is not None:
-            self.pins = PrefixPins(self.cache)
+            self.pins = PrefixPins(self.cache, self.tenant_weights())
         return self.pins
+
+    def response_store(self) -> ResponseStore:
+        if self.responses is None:
+            c, weights = self.config, self.tenant_weights()
+            self.responses = ResponseStore(
+                c.stored_bytes_per_tenant,
+                c.stored_bytes,
+                c.stored_ttl_s,
+                weight=lambda t: weights.get(t, 1.0),
+            )
+        return self.responses
+
+    def tenant_weights(self) -> dict[str, float]:
+        """Every tenant this server knows, with its weight (the keys file's; an open server has one)."""
+        return {"": 1.0} if self.config.keys is None else self.config.keys.weights()
 
 
 def served(request: Request) -> Served:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvblocks.adapters.hf_trie import KVCacheTrie
     from kvblocks.seq2seq.cache import Seq2SeqCache
 
-__all__ = ["CONTENT_TYPE_LATEST", "CacheCollector", "Metrics", "Seq2SeqCollector"]
+__all__ = ["CONTENT_TYPE_LATEST", "CacheCollector", "Metrics", "Seq2SeqCollector", "TenantHoldingsCollector"]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -327,3 +327,47 @@ def tenant_families(tenants: dict[str, dict[str, int]], spills: bool) -> Iterato
             hits.add_metric([tenant, "redis"], c["spill_hit_tokens"])
         evicted.add_metric([tenant], c["evicted_tokens"])
     yield from (queried, hits, evicted)
+
+
+class TenantHoldingsCollector(Collector):
+    """What the server holds per tenant outside the engine, read at scrape time from `read()`:
+    {"stored_bytes": {tenant: bytes}, "stored_responses": {tenant: entries}, "stored_evicted":
+    {reason: entries}, "stored_refused": entries, "pinned_tokens": {tenant: tokens},
+    "pins_refused": {tenant: hints}}."""
+
+    def __init__(self, read: Callable[[], dict]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        held = self.read()
+        for name, doc, key in (
+            ("kvblocks_tenant_stored_response_bytes", "Stored responses bytes, per tenant.", "stored_bytes"),
+            ("kvblocks_tenant_stored_responses", "Stored responses, per tenant.", "stored_responses"),
+            ("kvblocks_tenant_pinned_tokens", "Tokens pinned by cache_control, per tenant.", "pinned_tokens"),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["tenant"])
+            for tenant, value in sorted(held[key].items()):
+                family.add_metric([tenant], value)
+            yield family
+        refused = CounterMetricFamily(
+            "kvblocks_tenant_pins_refused",
+            "cache_control hints not honoured: over the tenant's share of the pin cap, or the cap.",
+            labels=["tenant"],
+        )
+        for tenant, value in sorted(held["pins_refused"].items()):
+            refused.add_metric([tenant], value)
+        yield refused
+        evicted = CounterMetricFamily(
+            "kvblocks_stored_responses_evicted",
+            "Stored /v1/responses dropped before being deleted, by reason: expired, tenant_count, "
+            "tenant_bytes (the tenant's own budget), total_bytes (the server's).",
+            labels=["reason"],
+        )
+        for reason, value in held["stored_evicted"].items():
+            evicted.add_metric([reason], value)
+        yield evicted
+        yield CounterMetricFamily(
+            "kvblocks_stored_responses_refused",
+            "/v1/responses not stored (answered with store: false): larger than a tenant's budget.",
+            value=held["stored_refused"],
+        )
