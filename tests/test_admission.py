@@ -66,6 +66,26 @@ def test_fair_order_puts_the_least_served_tenant_per_weight_first_and_skips_full
     assert room.fair_order({"heavy": 3, "light": 0, "capped": 1}) == ["light", "heavy"]
 
 
+def test_work_charged_from_outside_the_engine_shifts_the_fair_order():
+    room = WaitingRoom()
+    for tenant in ("a", "b"):
+        room.put_all(tenant, [Item(tenant)])
+    assert room.fair_order({"a": 1, "b": 1}) == ["a", "b"]  # a's request waited longer
+    room.ledger.charge("a", 1000)  # e.g. tokenizing its prompts
+    assert room.fair_order({"a": 1, "b": 1}) == ["b", "a"]
+
+
+def test_fair_order_counts_tokens_not_only_running_requests():
+    limits = {"gold": TenantLimits(weight=2.0)}
+    room = WaitingRoom(limits_of=lambda t: limits.get(t, TenantLimits()))
+    for tenant in ("flood", "gold", "light"):
+        room.put_all(tenant, [Item(tenant)])
+    room.ledger.charge("flood", 5000)  # long prompts: a few requests, much work
+    room.ledger.charge("gold", 400)
+    room.ledger.charge("light", 300)
+    assert room.fair_order({"flood": 1, "gold": 1, "light": 1}) == ["gold", "light", "flood"]
+
+
 def test_cancelled_requests_at_the_head_of_a_line_leave_it():
     dropped = []
     room = WaitingRoom(on_cancelled=lambda: dropped.append(1))
@@ -116,6 +136,51 @@ def test_a_flooding_tenant_gets_its_share_and_a_newcomer_is_admitted_next(model)
     assert "victim" in running_tenants(engine)
 
 
+def run_until_idle(engine) -> None:
+    while engine._running or len(engine.room):
+        engine._admit()
+        engine._step_packed()
+
+
+def greedy(engine, tenant: str, prompts: list[list[int]], new: int) -> list:
+    out: dict[int, list[int]] = {}
+    params = GenerationParams(max_new_tokens=new, min_tokens=new)
+    items = [(p, lambda piece, i=i: out.setdefault(i, []).extend(piece.token_ids), {"params": params})
+             for i, p in enumerate(prompts)]  # fmt: skip
+    engine.submit_all(items, tenant=tenant)
+    return out
+
+
+def test_a_tenant_holding_every_place_gives_one_up_to_a_newcomer_and_outputs_stay_exact(model):
+    flood_prompts = [[7, 8, 9, 30 + i] * 3 for i in range(4)]
+    victim_prompt = [[5, 6, 40, 41, 42]]
+    engine = engine_for(model, batch=4)  # no max_running: the flooder may fill the batch
+    flood = greedy(engine, "flood", flood_prompts, 24)
+    engine._admit()
+    while any(not s.generated for s in engine._running):  # every flood prompt computed
+        engine._step_packed()
+    victim = greedy(engine, "victim", victim_prompt, 6)
+    engine._admit()
+    assert "victim" in running_tenants(engine) and engine.preemptions == 1
+    run_until_idle(engine)
+    alone = engine_for(model, batch=1)
+    expected_flood = greedy(alone, "flood", flood_prompts, 24)
+    expected_victim = greedy(alone, "victim", victim_prompt, 6)
+    run_until_idle(alone)
+    assert victim == expected_victim and flood == expected_flood
+
+
+def test_two_tenants_at_their_shares_take_no_places_from_each_other(model):
+    engine = engine_for(model, batch=4)
+    submit(engine, "a", 10, new=8)
+    submit(engine, "b", 10, new=8)
+    engine._admit()
+    while any(not s.generated for s in engine._running):
+        engine._step_packed()
+        engine._admit()  # both still wait for more: neither may preempt the other
+    assert running_tenants(engine) == ["a", "a", "b", "b"] and engine.preemptions == 0
+
+
 def test_weights_share_the_batch_and_max_running_caps_a_tenant(model):
     limits = {"gold": TenantLimits(weight=3.0), "capped": TenantLimits(max_running=1)}
     engine = engine_for(model, limits, batch=5)
@@ -142,7 +207,7 @@ def test_admission_looks_at_a_few_heads_per_tenant_not_the_whole_line(model):
 
 # ---- over HTTP ----------------------------------------------------------------------------------
 
-KEYS = {"flood": "sk-flood-0001", "victim": "sk-victim-0002"}
+KEYS = {"flood": "sk-flood-0001", "victim": "sk-victim-0002", "greedy": "sk-greedy-0003"}
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +216,7 @@ def server(tmp_path_factory):
     entries = [
         {"key": KEYS["flood"], "tenant": "flood", "max_waiting": 4, "max_running": 1},
         {"key": KEYS["victim"], "tenant": "victim"},
+        {"key": KEYS["greedy"], "tenant": "greedy"},  # no max_running: it may take every place
     ]
     path.write_text(json.dumps({"keys": entries}))
     path.chmod(0o600)
@@ -198,3 +264,29 @@ def test_a_flooding_tenant_does_not_hold_up_another(server):
         ends = [f.result() for f in floods]
     assert r.choices[0].text is not None
     assert victim_done < max(ends), "the victim waited for the whole flood"
+
+
+def test_a_tenant_without_max_running_holding_every_place_does_not_keep_another_waiting(server):
+    """Both batch places hold the greedy tenant's long replies; the victim's short request takes a
+    place from one of them (preempted, it resumes later) instead of waiting for one to end."""
+
+    def greedy(i: int) -> float:
+        with client(server, "greedy") as c:
+            c.completions.create(
+                model="tiny",
+                prompt=f"greedy {i} " * 10,
+                max_tokens=600,
+                temperature=0,
+                extra_body={"min_tokens": 600},
+            )
+        return time.perf_counter()
+
+    with ThreadPoolExecutor(2) as pool:
+        long = [pool.submit(greedy, i) for i in range(2)]
+        time.sleep(0.5)
+        with client(server, "victim") as c:
+            r = c.completions.create(model="tiny", prompt="hello there", max_tokens=4, temperature=0)
+        victim_done = time.perf_counter()
+        ends = [f.result() for f in long]
+    assert r.choices[0].text is not None
+    assert victim_done < min(ends), "the victim waited for a place until the greedy tenant's reply ended"

@@ -1,37 +1,48 @@
 """The scheduler decides from token counts alone: budget order, the head-of-line rule, invariant
-cuts and the preemption victim, with no model and no forward."""
+cuts, tenants' prefill shares and the preemption victim, with no model and no forward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny_models import tiny_model
 
 from kvblocks import GenerationParams, KVCacheTrie
-from kvblocks.engine.admission import WaitingRoom
+from kvblocks.engine.admission import TenantLimits, WaitingRoom
+from kvblocks.engine.ledger import TenantLedger
 from kvblocks.engine.request import Options, Request
-from kvblocks.engine.scheduler import FULL_BATCH_TOKENS, BatchLimits, Scheduler
+from kvblocks.engine.scheduler import FULL_BATCH_TOKENS, RECENT_S, BatchLimits, Scheduler
 from kvblocks.engine.sequence import Sequence
 from kvblocks.engine.slots import SlotManager
 from kvblocks.generate.decoding import Decoding
 from kvblocks.generate.text import IdTokenizer, StopTextAssembler
 
 
-def scheduler(**limits) -> Scheduler:
+def scheduler(room: WaitingRoom | None = None, **limits) -> Scheduler:
     model = tiny_model("llama", torch.float32)
     slots = SlotManager(KVCacheTrie.for_model(model, capacity_tokens=256))
     failed = []
-    return Scheduler(WaitingRoom(), slots, BatchLimits(**limits), lambda s, exc, phase: failed.append(exc))
+    room = room if room is not None else WaitingRoom()
+    return Scheduler(room, slots, BatchLimits(**limits), lambda s, exc, phase: failed.append(exc))
 
 
-def sequence(prompt: int, computed: int = 0, generated: int = 0, admitted_at: int = 0) -> Sequence:
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sequence(
+    prompt: int, computed: int = 0, generated: int = 0, admitted_at: int = 0, tenant: str = ""
+) -> Sequence:
     params = GenerationParams()
     out = Decoding(
         list(range(prompt)), params, 64, StopTextAssembler(IdTokenizer()), None, None, frozenset(), 0.0
     )
     out.generated.extend([1] * generated)
-    s = Sequence(
-        Request(out.prompt_ids, Options(params), lambda item: None), out, None, out.prompt_ids + out.generated
-    )
+    request = Request(out.prompt_ids, Options(params), lambda item: None, tenant=tenant)
+    s = Sequence(request, out, None, out.prompt_ids + out.generated)
     s.computed, s.admitted_at = computed, admitted_at
     return s
 
@@ -92,3 +103,77 @@ def test_the_victim_is_the_youngest_running_request_outside_the_batch():
     sched.running = [old, young, youngest, me]
     assert sched.victim(me, batch=[(youngest, 1)]) is young
     assert sched.victim(me, batch=[(old, 1), (young, 1), (youngest, 1)]) is None
+
+
+# ---- tenants' shares of a step ------------------------------------------------------------------
+
+
+def test_a_flooders_prefill_is_bounded_by_its_share_while_another_tenant_waits():
+    sched = scheduler(max_batch_tokens=80, chunk=8)
+    flood = [sequence(200, tenant="flood", admitted_at=i) for i in range(2)]
+    decode = sequence(8, 8, generated=1, tenant="flood")
+    sched.running = [*flood, decode]
+    sched.room.put_all("victim", [sequence(20, tenant="victim").request])
+    batch = sched.schedule(everything)
+    assert batch == [(decode, 1), (flood[0], 39)]  # half of what the decode leaves
+    assert sum(n for s, n in batch if s.request.tenant == "flood" and s.left > 1) <= 79 // 2
+
+
+def test_a_flooder_alone_takes_the_whole_budget():
+    sched = scheduler(max_batch_tokens=80, chunk=8)
+    flood = [sequence(200, tenant="flood", admitted_at=i) for i in range(2)]
+    sched.running = list(flood)
+    sched.room.put_all("flood", [sequence(20, tenant="flood").request])  # its own line is no one else
+    assert sched.schedule(everything) == [(flood[0], 80)]
+
+
+def test_a_victims_prefill_runs_beside_the_flooders_share():
+    sched = scheduler(max_batch_tokens=80, chunk=8)
+    flood, victim = sequence(200, tenant="flood"), sequence(300, tenant="victim", admitted_at=1)
+    sched.running = [flood, victim]
+    assert sorted(sched.schedule(everything), key=lambda b: b[0].request.tenant) == [
+        (flood, 40),
+        (victim, 40),
+    ]
+
+
+def test_weights_set_the_prefill_shares():
+    limits = {"gold": TenantLimits(weight=3.0)}
+    room = WaitingRoom(limits_of=lambda t: limits.get(t, TenantLimits()))
+    sched = scheduler(room, max_batch_tokens=80, chunk=8)
+    gold, bronze = sequence(200, tenant="gold"), sequence(200, tenant="bronze")
+    sched.running = [gold, bronze]
+    assert sched.prefill_shares(80) == {"gold": 60, "bronze": 20}
+    assert sorted(n for _, n in sched.schedule(everything)) == [20, 60]
+
+
+def test_a_tenant_served_moments_ago_still_bounds_the_flooder_and_later_does_not():
+    clock = Clock()
+    room = WaitingRoom(ledger=TenantLedger(clock=clock))
+    sched = scheduler(room, max_batch_tokens=80, chunk=8)
+    flood = sequence(400, tenant="flood")
+    sched.running = [flood]
+    room.ledger.charge("victim", 5)  # its reply just ended; its next request is moments away
+    assert sched.schedule(everything) == [(flood, 40)]
+    clock.now += RECENT_S + 0.1
+    assert sched.schedule(everything) == [(flood, 80)]
+
+
+def test_each_step_charges_its_tokens_to_the_tenant_they_were_for():
+    sched = scheduler(max_batch_tokens=80, chunk=8)
+    sched.running = [sequence(30, tenant="a"), sequence(8, 8, generated=1, tenant="b")]
+    sched.schedule(everything)
+    assert sched.room.ledger.work("a") == pytest.approx(30, rel=1e-3)
+    assert sched.room.ledger.work("b") == pytest.approx(1, rel=1e-3)
+
+
+def test_the_pool_preemption_victim_is_the_busiest_tenants_youngest():
+    sched = scheduler()
+    flood_old, flood_young = (
+        sequence(4, tenant="flood", admitted_at=1),
+        sequence(4, tenant="flood", admitted_at=2),
+    )
+    newcomer, me = sequence(4, tenant="victim", admitted_at=3), sequence(4, tenant="flood", admitted_at=4)
+    sched.running = [flood_old, flood_young, newcomer, me]
+    sched.room.ledger.charge("flood", 5000)
+    assert sched.victim(me, batch=[]) is flood_young

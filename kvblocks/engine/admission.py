@@ -108,6 +108,11 @@ class WaitingRoom:
             )
         return None
 
+    def tenants(self) -> set[str]:
+        """The tenants with requests waiting."""
+        with self._lock:
+            return {tenant for tenant, queue in self._queues.items() if queue}
+
     def put_all(self, tenant: str, items: Iterable) -> None:
         """Queue every item or none of them (a request's branches wait together)."""
         items = list(items)

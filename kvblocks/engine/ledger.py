@@ -56,6 +56,12 @@ class TenantLedger:
         """Recent work per unit of weight: the least served tenant has the smallest."""
         return self.work(tenant) / self.weight_of(tenant)
 
+    def recent(self, within_s: float) -> set[str]:
+        """The tenants charged within the last `within_s` seconds."""
+        since = self.clock() - within_s
+        with self._lock:
+            return {tenant for tenant, (_, then) in self._work.items() if then >= since}
+
     def _decayed(self, tenant: str, now: float) -> float:
         tokens, then = self._work.get(tenant, (0.0, now))
         return tokens * math.exp(-self.rate * (now - then))

@@ -29,6 +29,7 @@ from kvblocks.telemetry import tracing
 
 CHUNK = 64  # batch-invariant mode cuts prompts at every multiple of this many positions
 FULL_BATCH_TOKENS = 256  # the server's budget while the batch is full and nobody waits
+RECENT_S = 1.0  # a tenant served this lately still has work in `prefill_shares` (see there)
 LOOK = 32  # waiting requests per tenant that admission considers each step (never the whole line)
 
 Fail = Callable[[Sequence, BaseException, str], None]
@@ -77,11 +78,13 @@ class Scheduler:
         another path or failed."""
         admission = _AdmissionPass(self.slots.free)
         done: set[str] = set()
-        while len(self.running) < self.places:
+        while True:
             order = self.room.fair_order(running, done)
             if not order:
                 break
             tenant = order[0]
+            if len(self.running) >= self.places and not self._make_place(tenant, running):
+                break
             admitted = self._admit_from(tenant, prepare, admission)
             if admitted is None:
                 done.add(tenant)
@@ -92,6 +95,27 @@ class Scheduler:
         for s in admission.seen.values():
             if s not in self.running:
                 s.waited += 1
+
+    def _make_place(self, tenant: str, running: Counter) -> bool:
+        """With every place taken, preempt a decoding request of the tenant holding the most places
+        per unit of weight, when `tenant` would still hold no more per weight than it after the
+        swap: a tenant cannot keep the whole batch while another waits (`max_running` or not), and
+        two tenants at their shares never take places from each other. Only a request whose prompt
+        is committed is taken (it resumes by recomputing just its reply); False: nobody is."""
+        weight = self.room.limits_of
+        rich = max(self.running, key=lambda s: running[s.request.tenant] / weight(s.request.tenant).weight)
+        owner = rich.request.tenant
+        if (
+            owner == tenant
+            or (running[tenant] + 1) / weight(tenant).weight > (running[owner] - 1) / weight(owner).weight
+        ):
+            return False
+        taken = [s for s in self.running if s.request.tenant == owner and s.committed_prompt]
+        if not taken:
+            return False
+        self.preempt(max(taken, key=lambda s: s.admitted_at))
+        running[owner] -= 1
+        return True
 
     def _admit_from(self, tenant: str, prepare, admission: _AdmissionPass) -> Sequence | bool | None:
         """Admit one waiting request of `tenant`: its Sequence, None when none of its first ones can
@@ -178,22 +202,43 @@ class Scheduler:
         # held behind a long one, which takes what budget is left every step
         order = sorted(self.running, key=lambda s: (s.left, s.admitted_at))
         urgent = any(not s.generated and 0 < s.left <= self.limits.chunk for s in order)
+        shares = self.prefill_shares(budget)
         for s in order:
             if urgent and self._held_back(s):
                 continue
             if s not in self.running:  # preempted for an earlier one's slots
                 continue
+            tenant, prefill = s.request.tenant, s.left > 1
+            allowed = min(budget, shares.get(tenant, budget)) if prefill else budget
             try:
-                take = self._planned(s, budget, batch, plan)
+                take = self._planned(s, allowed, batch, plan)
             except Exception as exc:
                 self.fail(s, exc, "scheduling")
                 continue
             if take > 0:
                 batch.append((s, take))
                 budget -= take
+                if prefill and tenant in shares:
+                    shares[tenant] -= take
         for s, take in batch:  # the work of this step, charged to whom it is for
             self.room.ledger.charge(s.request.tenant, take)
         return batch
+
+    def prefill_shares(self, budget: int) -> dict[str, int]:
+        """Prefill tokens each tenant may take this step when more than one has prefill to do or
+        requests waiting or was served within `RECENT_S`: its weighted share of what the decodes
+        leave of `budget` (at least one token), so a tenant flooding with long prompts takes whole
+        steps only while nobody else has work. An interactive client's next request comes within
+        moments of its last reply, and arrives during the step in flight: that step is bounded too.
+        Empty: one tenant alone, no bound."""
+        tenants = self.room.tenants() | {s.request.tenant for s in self.running if s.left > 1}
+        tenants |= self.room.ledger.recent(RECENT_S)
+        if len(tenants) < 2:
+            return {}
+        weights = {t: self.room.limits_of(t).weight for t in tenants}
+        left = budget - sum(1 for s in self.running if s.left == 1)
+        least = self.limits.chunk if self.limits.invariant else 1  # a cut within reach: progress
+        return {t: max(least, int(left * w / sum(weights.values()))) for t, w in weights.items()}
 
     def budget(self) -> int:
         """This step's token budget: `max_batch_tokens`, or `full_batch_tokens` when larger and every
@@ -252,10 +297,12 @@ class Scheduler:
                 self.preempt(victim)
 
     def victim(self, s: Sequence, batch: list[tuple[Sequence, int]]) -> Sequence | None:
-        """Whom to preempt for `s`'s slots: the youngest other running request not in this batch."""
+        """Whom to preempt for `s`'s slots: the youngest other running request not in this batch of
+        the tenant with the most recent work per weight (the flooder's, not the newcomer's)."""
         taken = {id(t) for t, _ in batch}
         victims = [t for t in self.running if t is not s and id(t) not in taken]
-        return max(victims, key=lambda t: t.admitted_at) if victims else None
+        usage = {t: self.room.ledger.usage(t) for t in {v.request.tenant for v in victims}}
+        return max(victims, key=lambda t: (usage[t.request.tenant], t.admitted_at)) if victims else None
 
     def preempt(self, s: Sequence) -> None:
         """Free `s`'s own slots and lock; it waits again, first in its tenant's line, with its output
