@@ -6,9 +6,11 @@ then the longest cached prefix, and only while the pool has room for the uncache
 watermark (`can_admit` before `admit`). Each step feeds decode tokens first, then chunks of
 prefill, fewest tokens left first, under `max_batch_tokens` (`full_batch_tokens` while every batch
 place is taken and nobody waits); a step in which some request can get its first token leaves long
-prefills out (head-of-line blocking is then the step in flight plus one short step). When the pool
-runs out of slots, the youngest other running request is the preemption victim: it waits again,
-first in its tenant's line, and resumes later.
+prefills out (head-of-line blocking is then the step in flight plus one short step). Tenants share
+in tokens: while another tenant has work, a tenant's prefill takes at most its weighted share of a
+step, and a tenant holding every batch place gives one up to a tenant under its share. When the
+pool runs out of slots, the busiest tenant's youngest other running request is the preemption
+victim: it waits again, first in its tenant's line, and resumes later.
 """
 
 from __future__ import annotations
