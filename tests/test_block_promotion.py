@@ -15,6 +15,7 @@ from test_blocks_reuse import DOC_A, DOC_B, rag
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie
 from kvblocks.blocks.prefill import block_scope
 from kvblocks.blocks.segments import flatten
+from kvblocks.cache.namespace import Scope
 from kvblocks.engine import promotion
 from kvblocks.engine.batch import BatchEngine
 
@@ -75,12 +76,25 @@ def test_promotions_beyond_the_queue_are_dropped_and_a_failed_one_is_counted(eng
         queue.add(spans, None)
     assert len(queue.pending) == promotion.PENDING and queue.counts.dropped == 3
 
-    def broken(spans, salt):
+    def broken(spans, salt, chunk):
         raise RuntimeError("the block store is gone")
 
-    monkeypatch.setattr(queue.generator, "promote_blocks", broken)
+    monkeypatch.setattr(queue.generator, "promotion", broken)
     assert queue.run_one() and queue.counts.failed == 1
     assert queue.run_one() and queue.counts.failed == 2
+
+
+def test_a_promotion_runs_one_forward_of_at_most_its_chunk_per_idle_step_charged_to_its_tenant(engine):
+    charged = []
+    queue = promotion.BlockPromotions(engine.generator, chunk=8, charge=lambda t, n: charged.append((t, n)))
+    salt = Scope("acme", "")
+    queue.add(flatten(IdTokenizer(), rag("AB"))[1], salt)
+    steps = 0
+    while queue.run_one():
+        steps += 1
+    assert charged == [("acme", n) for n in (8, 8, 4, 8, 7)]  # DOC_A's 20 tokens, then DOC_B's 15
+    assert steps == len(charged) + 1 and queue.counts.done == 1 and queue.current is None
+    assert engine.cache.cached_length(DOC_B, salt=block_scope(salt)) == len(DOC_B)
 
 
 def test_a_block_marked_prompt_of_ids_counts_its_tokens_in_the_load_routers_read():

@@ -163,6 +163,10 @@ class BlockPrefill:
     def promote(self, spans: list[BlockSpan], salt: Salt) -> None:
         """Store the blocks of an `exact` request that the device pool does not hold (fetched from
         Redis, else computed from position 0 on their own), so a later blend or concat finds them."""
+        finish(self.promote_steps(spans, salt))
+
+    def promote_steps(self, spans: list[BlockSpan], salt: Salt, chunk: int | None = None) -> Work:
+        """`promote` as resumable work (as `steps`: a forward of at most `chunk` tokens per call)."""
         assert self.cache is not None
         limit = PROMOTE_SHARE * self.cache.pool.capacity
         scope = block_scope(salt)
@@ -171,7 +175,7 @@ class BlockPrefill:
                 self.promotions.skipped_blocks += 1
                 self.promotions.skipped_tokens += len(block)
             elif self.cache.cached_length(block, salt=scope) < len(block):
-                _, stored, _ = self.block_kv(block, salt)
+                _, stored, _ = yield from self._fill(block, salt, chunk)
                 self.promotions.blocks += 1
                 self.promotions.tokens += len(block) - stored
 

@@ -72,7 +72,7 @@ class Engine:
         self.report = Reporter(self.metrics)
         block_chunk = (packed[1] if packed is not None else BatchLimits()).max_batch_tokens
         self.serial = SerialRunner(generator, self.report, max_active, block_chunk, self.ledger.charge)
-        self.promotions = BlockPromotions(generator, self.metrics)
+        self.promotions = BlockPromotions(generator, self.metrics, block_chunk, self.ledger.charge)
         self.runner: PackedRunner | None = None
         self.scheduler: Scheduler | None = None
         self.rounds = generator if isinstance(generator, speculative.Rounds) else None

@@ -334,15 +334,25 @@ class CachedGenerator:
 
     def promote_blocks(self, spans: list[BlockSpan], salt: Salt) -> None:
         """Store the blocks an exact request marked (`BlockPrefill.promote`), where the model can
-        reuse blocks at all; an exact request never fails for it. The batched engine calls it when
-        idle (`kvblocks.engine.promotion`)."""
+        reuse blocks at all; an exact request never fails for it."""
+        work = self.promotion(spans, salt)
+        for _ in work or ():  # its forwards, at once
+            pass
+
+    def promotion(
+        self, spans: list[BlockSpan], salt: Salt, chunk: int | None = None
+    ) -> Generator[int, None, None] | None:
+        """`promote_blocks` as resumable work, a forward of at most `chunk` tokens per step
+        (`BlockPrefill.promote_steps`); None where there is nothing to do (no cache, or a model that
+        cannot reuse blocks). The batched engine runs it a step at a time when idle
+        (`kvblocks.engine.promotion`)."""
         if self.cache is None:
-            return
+            return None
         try:
             prefill = self.block_prefill()
         except ParamError:
-            return
-        prefill.promote(spans, salt)
+            return None
+        return prefill.promote_steps(spans, salt, chunk)
 
     def _new_past(self, hit: Hit | None, salt: Salt) -> Any:
         """The live cache a request decodes into: the hit's prefix, or an empty one."""
