@@ -23,6 +23,7 @@ import kvblocks.generate.decoding as decoding
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie, Scope
 from kvblocks.engine.batch import BatchEngine
 from kvblocks.engine.loop import Engine, EngineError
+from kvblocks.generate.params import ConstraintError
 from kvblocks.generate.text import IdTokenizer
 
 POISON = VOCAB - 1
@@ -200,3 +201,45 @@ def test_a_dead_engine_thread_is_reported_by_health_problem(model):
     engine.start()
     engine._thread.join(5)
     assert "the engine thread died" in engine.health_problem()
+
+
+class GivesOut:
+    """A constraint whose grammar hits a parser limit at its third token (`ConstraintError`)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def start(self) -> GivesOut:
+        return GivesOut()
+
+    def mask(self, logits: torch.Tensor) -> None:
+        if self.tokens == 2:
+            raise ConstraintError(
+                "response_format: the grammar stopped while decoding: Too many items", "response_format"
+            )
+
+    def advance(self, token: int) -> None:
+        self.tokens += 1
+
+    def done(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_constraint_that_gives_out_ends_only_its_request_without_a_traceback(model, packed, capfd):
+    gen = CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, capacity_tokens=2048))
+    engine = (BatchEngine(gen, max_batch_size=4) if packed else Engine(gen)).start()
+    try:
+        out = run_all(
+            engine,
+            prompts()[:2],
+            [GenerationParams(max_new_tokens=6, constraint=GivesOut()), GenerationParams(max_new_tokens=6)],
+        )
+        cause = getattr(out[0]["error"], "cause", out[0]["error"])
+        assert isinstance(cause, ConstraintError) and cause.param == "response_format"
+        assert len(out[0]["tokens"]) == 2
+        assert out[1]["error"] is None and len(out[1]["tokens"]) == 6
+        assert engine.health_problem() is None
+    finally:
+        engine.stop()
+    assert "Traceback" not in capfd.readouterr().err

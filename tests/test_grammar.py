@@ -9,11 +9,15 @@ from transformers import DynamicCache
 
 from kvblocks import models
 from kvblocks.generate.grammar import (
+    DEFAULT_LIMITS,
     GrammarError,
+    GrammarLimits,
+    check_schema,
     json_object_constraint,
     json_schema_constraint,
     lark_constraint,
 )
+from kvblocks.generate.params import ConstraintError
 from kvblocks.generate.text import encode_prompt
 from kvblocks.generate.tools import detect_parser, get_parser, render_messages, tool_call_grammar
 
@@ -302,3 +306,148 @@ def test_each_start_is_an_independent_sequence(tok):
         first.advance(token)
     assert first.done() and not second.done()
     second.advance(_token(tok, "{"))
+
+
+# ---- limits on what a schema may ask of the compiler -----------------------------------------
+
+
+def ref_chain(links: int, kind: str = "ref") -> dict:
+    """A schema whose `$defs` form a flat chain of `links` `$ref`s (the issue 41 attack)."""
+    link = {
+        "ref": lambda ref: {"$ref": ref},
+        "properties": lambda ref: {"type": "object", "properties": {"a": {"$ref": ref}}, "required": ["a"]},
+        "items": lambda ref: {"type": "array", "items": {"$ref": ref}},
+        "anyOf": lambda ref: {"anyOf": [{"$ref": ref}, {"type": "null"}]},
+    }[kind]
+    defs = {f"d{i}": link(f"#/$defs/d{i + 1}") for i in range(links)}
+    defs[f"d{links}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def depth_of(schema) -> int:
+    with pytest.raises(GrammarError, match="levels deep") as refused:
+        check_schema(schema, GrammarLimits(max_depth=0))
+    return int(str(refused.value).split(" is ")[1].split()[0])
+
+
+@pytest.mark.parametrize("links", [3000, 10000])
+def test_a_long_ref_chain_is_refused_before_compiling_with_its_depth(links):
+    with pytest.raises(GrammarError, match=rf"is {links + 3} levels deep .* limit of 128"):
+        check_schema(ref_chain(links), GrammarLimits(max_bytes=1 << 30))
+
+
+def test_depth_counts_nesting_and_ref_hops_along_the_longest_path():
+    assert depth_of({"type": "string"}) == 1
+    assert depth_of({"type": "object", "properties": {"a": {"type": "string"}}}) == 3
+    assert depth_of(ref_chain(10)) == 13
+    assert depth_of(ref_chain(10, "properties")) == 3 * 10 + 3
+
+
+def test_a_recursive_schema_is_legal_and_measured_by_its_longest_non_repeating_chain(tok):
+    tree = {
+        "$ref": "#/$defs/node",
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "v": {"type": "integer"},
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                },
+            }
+        },
+    }
+    check_schema(tree)
+    assert depth_of(tree) == 6  # root, $defs, node, properties, kids, items; back to node: cut there
+    check_schema({"$ref": "#"})
+    json_schema_constraint(tok, len(tok), tree, strict=True)
+
+
+def test_shared_defs_are_measured_once_so_a_diamond_of_refs_is_cheap():
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(60)}
+    defs["d60"] = {"type": "integer"}
+    check_schema({"$ref": "#/$defs/d0", "$defs": defs}, GrammarLimits(max_depth=1000))  # 2^60 paths
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"enum": list(range(DEFAULT_LIMITS.max_enum + 1))}, "an enum of the JSON schema has 2049 values"),
+        ({"anyOf": [{"type": "null"}] * 257}, "'anyOf' of the JSON schema has 257 entries"),
+        ({"allOf": [{"type": "object"}] * 257}, "'allOf' of the JSON schema has 257 entries"),
+        (
+            {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1025)}},
+            "'properties' of the JSON schema has 1025 keys",
+        ),
+        ({"type": "string", "pattern": "a" * 4097}, "a pattern of the JSON schema has 4097 characters"),
+        ({"type": "string", "description": "x" * (128 << 10)}, r"is 131\d+ bytes, over .* limit of 131072"),
+        (
+            {"anyOf": [{"enum": list(range(2000))} for _ in range(9)]},
+            "enums hold 18000\\+ values, over this server's limit of 16384",
+        ),
+    ],
+)
+def test_a_schema_over_a_count_or_size_limit_is_refused_naming_the_limit_and_the_value(schema, message):
+    with pytest.raises(GrammarError, match=message):
+        check_schema(schema)
+
+
+def test_real_agent_schemas_pass_the_default_limits():
+    for t in TOOLS:
+        check_schema(t["function"]["parameters"])
+    check_schema(ref_chain(40, "properties"))  # 123 levels: deeper than any real agent's
+
+
+@pytest.mark.parametrize("kind", ["ref", "properties", "items", "anyOf"])
+def test_the_deepest_schema_the_default_limit_allows_compiles_on_the_compile_thread(tok, kind):
+    """The default thread stack would take 3.5-7 KB a level; the compile thread's stack holds
+    `max_depth` levels at 32 KB each, so the deepest allowed chain of every kind compiles."""
+    links = {"ref": 125, "properties": 41, "items": 62, "anyOf": 41}[kind]
+    schema = ref_chain(links, kind)
+    assert depth_of(schema) <= DEFAULT_LIMITS.max_depth
+    json_schema_constraint(tok, len(tok), schema, strict=True)
+
+
+def test_a_compile_past_its_time_budget_is_a_grammar_error(tok):
+    with pytest.raises(GrammarError, match=r"took longer than this server.s limit of 0\.2 s"):
+        json_schema_constraint(tok, len(tok), slow_schema(), True, GrammarLimits(compile_timeout_s=0.2))
+
+
+def slow_schema(n: int = 9) -> dict:
+    """Small (6 KB) but slow to compile (1.5 s here): allOf over n two-way anyOfs, 2^n cases."""
+    closed = {
+        "type": "object",
+        "properties": {f"p{j}": {"type": "string"} for j in range(n)},
+        "required": [f"p{j}" for j in range(n)],
+    }
+    other = {"type": "object", "properties": {f"q{k}": {"type": "integer"} for k in range(n)}}
+    return {"allOf": [{"anyOf": [closed, other]} for _ in range(n)]}
+
+
+@pytest.mark.parametrize(
+    ("limits", "reason"),
+    [
+        (GrammarLimits(step_max_items=5), "Too many items"),
+        (GrammarLimits(step_lexer_fuel=100), "too many expressions"),
+        (GrammarLimits(max_lexer_states=30), "too many states"),
+    ],
+)
+def test_a_parser_limit_hit_while_decoding_is_a_constraint_error_naming_the_field(tok, limits, reason):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    constraint = json_schema_constraint(tok, len(tok), schema, True, limits, param="response_format").start()
+    with pytest.raises(
+        ConstraintError, match=f"response_format: the grammar stopped while decoding: .*{reason}"
+    ) as stopped:
+        for token in tok.encode('{"name": "Bob", "age": 42}'):
+            constraint.mask(torch.zeros(len(tok)))
+            constraint.advance(token)
+    assert stopped.value.param == "response_format"
+
+
+def test_the_cli_defaults_are_the_grammar_limits_defaults():
+    from kvblocks.cli.commands import GRAMMAR_TIMEOUT_S, SCHEMA_BYTES, SCHEMA_DEPTH
+
+    assert (
+        DEFAULT_LIMITS.max_bytes,
+        DEFAULT_LIMITS.max_depth,
+        DEFAULT_LIMITS.compile_timeout_s,
+    ) == (SCHEMA_BYTES, SCHEMA_DEPTH, GRAMMAR_TIMEOUT_S)

@@ -66,6 +66,9 @@ TOOL_PARSERS = (
 )  # kvblocks.generate.tools.PARSERS, without importing it here
 EVICTION_POLICIES = ("gdsf", "lru")  # kvblocks.cache.eviction.POLICIES, without importing the package here
 DEFAULT_REDIS_TTL_S = 24 * 3600.0  # kvblocks.spill.redis_tier.DEFAULT_TTL_S, without importing torch here
+# kvblocks.generate.grammar.GrammarLimits' defaults, without importing torch here; the stack of the
+# compile thread grows with the depth (32 KB a level), so the depth has a ceiling
+SCHEMA_BYTES, SCHEMA_DEPTH, GRAMMAR_TIMEOUT_S, MAX_SCHEMA_DEPTH = 128 << 10, 128, 5.0, 4096
 
 DRAFT_HELP = (
     "drafter: a model path, self:K (the target's first K layers), lookup[:N] (n-gram prompt lookup) or trie"
@@ -406,6 +409,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be 0 (no cap) or more, got {cap}")
     from kvblocks import models
     from kvblocks.engine.batch import check_settings
+    from kvblocks.generate.grammar import GrammarLimits
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
     from kvblocks.server.serving import ConnectionLimits, serve
 
@@ -425,9 +429,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tracing.configure(args.otlp_traces_endpoint)
         except tracing.TracingUnavailable as exc:
             raise UserError(str(exc)) from exc
-    for flag in ("max_waiting", "max_waiting_per_tenant", "max_prompts", "max_branches"):
+    schemas = ("max_schema_bytes", "max_schema_depth")
+    for flag in ("max_waiting", "max_waiting_per_tenant", "max_prompts", "max_branches", *schemas):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if not 0 < args.grammar_timeout <= 600:
+        raise UserError(f"--grammar-timeout must be in (0, 600] seconds, got {args.grammar_timeout}")
+    if args.max_schema_depth > MAX_SCHEMA_DEPTH:
+        raise UserError(
+            f"--max-schema-depth must be at most {MAX_SCHEMA_DEPTH} (the compile thread's stack grows with it), "
+            f"got {args.max_schema_depth}"
+        )
     if args.history_interval <= 0 or args.history_window < args.history_interval:
         raise UserError("need --history-interval > 0 and --history-window >= --history-interval")
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
@@ -483,6 +495,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         history_window_s=args.history_window,
         kv_mode=args.kv_mode,
         blend_recompute=args.blend_recompute,
+        grammar=GrammarLimits(
+            max_bytes=args.max_schema_bytes,
+            max_depth=args.max_schema_depth,
+            compile_timeout_s=args.grammar_timeout,
+        ),
         stored_bytes_per_tenant=args.store_max_bytes_per_tenant,
         stored_bytes=args.store_max_bytes,
         stored_ttl_s=args.store_ttl,
@@ -872,6 +889,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         metavar="N",
         help="generations one request may start (prompts x best_of, or n); more is a 400 (default 256)",
+    )
+    sv.add_argument(
+        "--max-schema-bytes",
+        type=int,
+        default=SCHEMA_BYTES,
+        metavar="N",
+        help="size of a response_format / text.format JSON schema (or the forced tools' schemas together) "
+        f"as JSON; more is a 400 before compiling (default {SCHEMA_BYTES})",
+    )
+    sv.add_argument(
+        "--max-schema-depth",
+        type=int,
+        default=SCHEMA_DEPTH,
+        metavar="N",
+        help="levels of such a schema: nesting plus $ref hops on its longest non-repeating path; more is "
+        f"a 400 before compiling (default {SCHEMA_DEPTH}, at most {MAX_SCHEMA_DEPTH})",
+    )
+    sv.add_argument(
+        "--grammar-timeout",
+        type=float,
+        default=GRAMMAR_TIMEOUT_S,
+        metavar="S",
+        help="seconds a grammar may take to compile; longer is a 400 naming the field "
+        f"(default {GRAMMAR_TIMEOUT_S:g})",
     )
     sv.add_argument(
         "--otlp-traces-endpoint",

@@ -37,6 +37,7 @@ from kvblocks.engine.sequence import Sequence
 from kvblocks.engine.serial import SerialRunner
 from kvblocks.engine.slots import SlotManager
 from kvblocks.generate.generator import CachedGenerator
+from kvblocks.generate.params import ConstraintError
 from kvblocks.telemetry.metrics import CacheCollector, Metrics, Seq2SeqCollector
 
 __all__ = ["Engine", "EngineError", "Load", "QueueFullError", "Request"]
@@ -223,8 +224,10 @@ class Engine:
     # ---- the guard: every phase's faults end here -----------------------------------------------
 
     def _fail(self, s: Sequence, exc: BaseException, phase: str) -> None:
-        """`s` ends with an error naming `phase` (its traceback on stderr); its slots and lock go back."""
-        traceback.print_exception(exc)
+        """`s` ends with an error naming `phase` (its traceback on stderr, unless the request's own
+        constraint gave out: a client error); its slots and lock go back."""
+        if not isinstance(exc, ConstraintError):
+            traceback.print_exception(exc)
         self.report.failed()
         self._drop(s)
         s.request.emit(EngineError(phase, exc))

@@ -24,6 +24,7 @@ class EngineError(RuntimeError):
     def __init__(self, phase: str, cause: BaseException) -> None:
         super().__init__(f"{phase} failed: {type(cause).__name__}: {cause}")
         self.phase = phase
+        self.cause = cause
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,15 @@ class Constraint(Protocol):
         """Whether the constrained text is complete: generation must stop here."""
 
 
+class ConstraintError(ValueError):
+    """A constraint that cannot go on (its grammar hit a resource limit while decoding): the
+    request's fault, not the engine's. It ends that request with a client error and no traceback."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the request field the constraint came from
+
+
 class ConstraintFactory(Protocol):
     """Compiled once per request shape; `start()` gives a fresh state per generated sequence."""
 

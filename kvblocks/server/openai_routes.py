@@ -12,7 +12,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,7 +24,7 @@ from starlette.responses import StreamingResponse
 from kvblocks.engine.admission import QueueFullError
 from kvblocks.generate import grammar, tools
 from kvblocks.generate.generator import GenerationResult, Piece
-from kvblocks.generate.params import GenerationParams, ParamError
+from kvblocks.generate.params import ConstraintError, GenerationParams, ParamError
 from kvblocks.generate.sampling import TokenLogprob
 from kvblocks.server import kv_blocks
 from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
@@ -177,6 +178,7 @@ def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
     tokenizer, vocab = s.gen.tokenizer, s.gen.vocab_size
     parser = tools.get_parser(s.config.tool_parser or tools.detect_parser(tokenizer))
     offered = tool_defs if choice != "none" else []
+    check_tool_schemas(offered, s.config.grammar, TOOL_PARAMETERS["response_format"])  # before any work
 
     def render(upto: int) -> list[int]:
         try:
@@ -207,9 +209,10 @@ def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
     except tools.ToolError as exc:
         raise APIError(400, str(exc), param="tool_choice") from exc
     where = "tools" if forced else "response_format"
-    try:
+    limits = s.config.grammar
+    with compile_errors(where):
         if forced:
-            constraint = grammar.lark_constraint(tokenizer, vocab, forced)
+            constraint = grammar.lark_constraint(tokenizer, vocab, forced, limits, where)
         elif body.response_format is None or body.response_format.type == "text":
             constraint = None
         elif body.response_format.type == "json_object":
@@ -217,11 +220,45 @@ def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
         else:
             spec = body.response_format.json_schema
             constraint = grammar.json_schema_constraint(
-                tokenizer, vocab, spec.schema_ or {}, bool(spec.strict)
+                tokenizer, vocab, spec.schema_ or {}, bool(spec.strict), limits, param=where
             )
-    except grammar.GrammarError as exc:
-        raise APIError(400, str(exc), param=where) from exc
     return ChatPlan(ids, parser if offered else None, constraint, keep, segments)
+
+
+# Where a tool's parameters schema is in a request, by the route's name for response_format.
+TOOL_PARAMETERS = {
+    "response_format": "tools[{i}].function.parameters",
+    "text.format": "tools[{i}].parameters",
+}
+
+
+def check_tool_schemas(offered: list[dict], limits: grammar.GrammarLimits, where: str) -> None:
+    """The offered tools' parameter schemas, which a tool_choice grammar embeds, each within
+    `limits` (a 400 naming it by `where`) and all of them together within its size."""
+    schemas = [t["function"].get("parameters") or {} for t in offered]
+    for i, schema in enumerate(schemas):
+        with compile_errors(where.format(i=i)):
+            grammar.check_schema(schema, limits)
+    total = sum(len(json.dumps(schema)) for schema in schemas)
+    if total > limits.max_bytes:
+        raise APIError(
+            400,
+            f"the tools' parameter schemas are {total} bytes together, over this server's limit of "
+            f"{limits.max_bytes}",
+            param="tools",
+        )
+
+
+@contextmanager
+def compile_errors(param: str) -> Iterator[None]:
+    """A schema or grammar that cannot be compiled (or is over a limit) is a 400 naming `param`;
+    compilers all held by runaway compiles are a 503."""
+    try:
+        yield
+    except grammar.GrammarBusy as exc:
+        raise APIError(503, str(exc), type_="server_error", code="grammar_compiler_busy") from exc
+    except grammar.GrammarError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param) from exc
 
 
 def split_prompts(prompt) -> list:
@@ -453,12 +490,21 @@ class Submitted:
                         type_="server_error", code="server_shutting_down",
                     )  # fmt: skip
                 if isinstance(item, BaseException):
-                    raise APIError(500, f"generation failed: {item}", type_="server_error")
+                    raise engine_failure(item)
                 yield item
                 if item.result is not None:
                     return
         finally:
             self.handle.cancelled.set()
+
+
+def engine_failure(exc: BaseException) -> APIError:
+    """What a failed branch answers: a 400 naming the field when its constraint gave out (a grammar
+    that hit its limits while decoding), else a 500."""
+    cause = getattr(exc, "cause", exc)
+    if isinstance(cause, ConstraintError):
+        return APIError(400, str(cause), param=cause.param, code="grammar_limit")
+    return APIError(500, f"generation failed: {exc}", type_="server_error")
 
 
 class RetryLater(APIError):
@@ -729,7 +775,8 @@ async def sse(
                 open_streams -= 1
                 continue
             if isinstance(item, APIError):
-                yield data({"error": {"message": item.message, "type": item.type, "code": item.code}})
+                error = {"message": item.message, "type": item.type, "param": item.param, "code": item.code}
+                yield data({"error": error})
                 continue
             b = branches[i]
             piece: Piece = item

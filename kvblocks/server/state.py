@@ -11,6 +11,7 @@ from fastapi import Request
 from kvblocks.cache.namespace import Scope
 from kvblocks.engine.loop import Engine
 from kvblocks.generate.generator import CachedGenerator
+from kvblocks.generate.grammar import DEFAULT_LIMITS, GrammarLimits
 from kvblocks.server.auth import ApiKeys, Principal
 from kvblocks.server.bounds import MAX_TOKENIZING
 from kvblocks.server.errors import APIError
@@ -39,6 +40,7 @@ class ServerConfig:
     vllm_metrics: bool = True  # /metrics also under vLLM's names (kvblocks.telemetry.vllm_metrics)
     kv_mode: str = "exact"  # how KV blocks are reused when a request does not say (--kv-mode)
     blend_recompute: float = 0.15  # --blend-recompute
+    grammar: GrammarLimits = DEFAULT_LIMITS  # --max-schema-bytes, --max-schema-depth, --grammar-timeout
     stored_bytes_per_tenant: int = 64 << 20  # stored /v1/responses (--store-max-bytes-per-tenant)
     stored_bytes: int = 512 << 20  # all tenants' together (--store-max-bytes)
     stored_ttl_s: float = 3600.0  # --store-ttl
