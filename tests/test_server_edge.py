@@ -18,7 +18,7 @@ import httpx
 import pytest
 from server_proc import start_server, stop_cleanly, tiny_model_dir
 
-from kvblocks.server.bounds import MAX_TOKENIZING, tokenizing
+from kvblocks.server.bounds import MAX_TOKENIZING, FairGate, tokenizing
 
 MODEL = "tiny"
 CONTEXT = 256
@@ -104,8 +104,8 @@ def test_concurrent_tokenisation_is_bounded():
             running -= 1
 
     async def burst() -> None:
-        gate = asyncio.Semaphore(MAX_TOKENIZING)
-        await asyncio.gather(*(tokenizing(gate, work) for _ in range(8)))
+        gate = FairGate(MAX_TOKENIZING)
+        await asyncio.gather(*(tokenizing(gate, f"tenant {i % 3}", work) for i in range(8)))
 
     asyncio.run(burst())
     assert peak == MAX_TOKENIZING

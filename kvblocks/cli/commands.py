@@ -411,6 +411,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvblocks.engine.batch import check_settings
     from kvblocks.generate.grammar import GrammarLimits
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
+    from kvblocks.server.cost import CountCaps
     from kvblocks.server.serving import ConnectionLimits, serve
 
     size = batch_size(args)
@@ -489,6 +490,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_parser=args.tool_parser,
         max_prompts=args.max_prompts,
         max_branches=args.max_branches,
+        caps=CountCaps(args.max_messages, args.max_input_items, args.max_content_parts),
         drain_timeout_s=args.drain_timeout,
         vllm_metrics=args.vllm_metrics,
         history_interval_s=args.history_interval,
@@ -889,6 +891,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         metavar="N",
         help="generations one request may start (prompts x best_of, or n); more is a 400 (default 256)",
+    )
+    sv.add_argument(
+        "--max-messages",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="messages in one chat request (a Responses conversation included); more is a 400 (default "
+        "2048, as OpenAI; at most 16384)",
+    )
+    sv.add_argument(
+        "--max-input-items",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="items in one /v1/responses input; more is a 400 (default 2048, at most 16384)",
+    )
+    sv.add_argument(
+        "--max-content-parts",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="content parts over all the messages or input items of one request; more is a 400 "
+        "(default 8192)",
     )
     sv.add_argument(
         "--max-schema-bytes",

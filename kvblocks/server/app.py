@@ -21,6 +21,7 @@ from kvblocks.engine.loop import Engine
 from kvblocks.generate import grammar, tools
 from kvblocks.server import cache_routes, openai_routes, openapi, responses_routes, worker_routes
 from kvblocks.server.bounds import char_limit
+from kvblocks.server.cost import measure, tokenizing_rate
 from kvblocks.server.errors import APIError, validation_error
 from kvblocks.server.guard import GuardConfig, RequestGuard, error_response
 from kvblocks.server.parsing import BodyParser
@@ -129,11 +130,19 @@ def allowed_methods(request: Request) -> set[str]:
 
 def warm_up(served: Served) -> None:
     """Build once what the first tool or JSON request would otherwise wait for (about a second),
-    and the prompt length bound (a second more: every token is decoded once)."""
+    the prompt length bounds (a second more: every token is decoded once; the chat template's
+    cost per message, by rendering a few messages) and the system"""
     tokenizer = served.gen.tokenizer
     grammar.ll_tokenizer(tokenizer)
     tools.template_supports_tools(tokenizer)
-    served.prompt_chars = char_limit(tokenizer, served.gen.max_context)
+    parser = tools.get_parser(served.config.tool_parser or tools.detect_parser(tokenizer))
+
+    def render(messages: list[dict]) -> list[int]:
+        return served.gen.encode(tools.render_messages(tokenizer, messages, None, parser))
+
+    served.template_cost = measure(tokenizer, None if served.encoder_decoder else render)
+    served.prompt_chars = char_limit(served.template_cost.token_bytes, served.gen.max_context)
+    served.tokenizing_rate = tokenizing_rate(tokenizer)
 
 
 def freeze_startup_objects() -> None:

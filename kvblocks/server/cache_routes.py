@@ -22,7 +22,8 @@ from kvblocks.cache.inspection import inspect_prefixes
 from kvblocks.engine.admission import QueueFullError
 from kvblocks.generate.params import GenerationParams
 from kvblocks.server import kv_blocks
-from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
+from kvblocks.server.bounds import check_chars, tokenizing
+from kvblocks.server.cost import chat_estimate
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.guard import error_response
 from kvblocks.server.openapi import answers, json_body
@@ -36,6 +37,7 @@ router = APIRouter()
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 HEALTH_PROMPT = "ping"
+HEALTH_TENANT = "kvblocks:health"  # its own line at the tokenising gate, behind no tenant's burst
 
 
 @router.get("/health", responses=answers(503))
@@ -100,7 +102,7 @@ async def generate_one(s: Served) -> str | None:
         if isinstance(item, BaseException) or item.result is not None:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(item))
 
-    ids = await tokenizing(s.tokenize_gate, s.gen.encode, HEALTH_PROMPT)
+    ids = await tokenizing(s.tokenize_gate, HEALTH_TENANT, s.gen.encode, HEALTH_PROMPT)
     try:
         handle = s.engine.submit(ids, emit, params=GenerationParams(max_new_tokens=1, temperature=0.0))
     except QueueFullError as exc:
@@ -194,12 +196,12 @@ async def cache_explain(request: Request):
         if isinstance(prompt, str):
             check_chars(s.prompt_chars, len(prompt), s.gen.max_context, "prompt")
     else:
-        check_chars(s.prompt_chars, chat_chars(body.messages), s.gen.max_context, "messages")
+        chat_estimate(s, body)
         prompt = [{"role": m.role, "content": m.text()} for m in body.messages]
     if s.encoder_decoder:
         return await explain_seq2seq(s, request, body, prompt)
     try:
-        ids = await tokenizing(s.tokenize_gate, s.gen.encode, prompt)
+        ids = await tokenizing(s.tokenize_gate, caller(request).tenant, s.gen.encode, prompt)
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt") from exc
     if s.cache is None:
@@ -221,12 +223,13 @@ async def explain_blocks(s: Served, request: Request, body: ExplainRequest) -> d
     if s.encoder_decoder or s.cache is None:
         why = "an encoder-decoder model" if s.encoder_decoder else "a server without a prefix cache"
         raise APIError(400, f"KV blocks cannot be explained on {why}", param="prompt_blocks")
+    tokenize_gate, tenant = s.tokenize_gate, caller(request).tenant
     if body.messages is None:
-        segments = await tokenizing(s.tokenize_gate, kv_blocks.completion_block_segments, s, body)
+        segments = await tokenizing(tokenize_gate, tenant, kv_blocks.completion_block_segments, s, body)
     else:
-        check_chars(s.prompt_chars, chat_chars(body.messages), s.gen.max_context, "messages")
+        chat_estimate(s, body)
         roles = [{"role": m.role} for m in body.messages]
-        segments = await tokenizing(s.tokenize_gate, kv_blocks.marked_segments, s, body.messages, roles)
+        segments = await tokenizing(tokenize_gate, tenant, kv_blocks.marked_segments, s, body.messages, roles)
     ids, spans = flatten(s.gen.tokenizer, segments)
     mode, share = kv_blocks.kv_mode_of(s, body, True)
     salt, everyone = scope_of(request, body.cache_salt), caller(request).admin
@@ -246,7 +249,7 @@ async def explain_seq2seq(s: Served, request: Request, body: ExplainRequest, pro
         why = "this server runs without a prefix cache" if s.full_cache is None else "chat is not served"
         raise APIError(400, f"{why} (an encoder-decoder model: give 'prompt' and 'decoder_prompt')")
     try:
-        source = await tokenizing(s.tokenize_gate, s.gen.encode_source, prompt)
+        source = await tokenizing(s.tokenize_gate, caller(request).tenant, s.gen.encode_source, prompt)
         ids = s.gen.encode(s.gen.decoder_ids(body.decoder_prompt or []))
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt") from exc

@@ -27,12 +27,13 @@ from kvblocks.generate.generator import GenerationResult, Piece
 from kvblocks.generate.params import ConstraintError, GenerationParams, ParamError
 from kvblocks.generate.sampling import TokenLogprob
 from kvblocks.server import kv_blocks
-from kvblocks.server.bounds import chat_chars, check_chars, tokenizing
+from kvblocks.server.bounds import check_chars, tokenizing
+from kvblocks.server.cost import Estimate, chat_estimate
 from kvblocks.server.errors import APIError, parse_request
 from kvblocks.server.guard import Admission
 from kvblocks.server.openapi import answers, json_body
 from kvblocks.server.schemas import ChatCompletionRequest, CompletionRequest
-from kvblocks.server.state import Served, scope_of, served
+from kvblocks.server.state import Served, caller, scope_of, served
 
 router = APIRouter()
 SEED_SPACE = 1 << 64
@@ -60,7 +61,7 @@ async def chat_completions(request: Request):
     s = served(request)
     body = await parse_request(request, ChatCompletionRequest, s.config.lenient)
     check_model(s, body.model)
-    plan = await bounded_plan_chat(s, body)
+    plan = await bounded_plan_chat(s, body, tenant=caller(request).tenant)
     params = sampling(s, body, budget(s, plan.ids, body.max_completion_tokens or body.max_tokens))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
@@ -105,13 +106,16 @@ async def completions(request: Request):
         )
     if body.prompt_blocks is not None:
         check_fanout(s, 1, best_of)
-        segments = await tokenizing(s.tokenize_gate, kv_blocks.completion_block_segments, s, body)
+        segments = await tokenizing(
+            s.tokenize_gate, caller(request).tenant, kv_blocks.completion_block_segments, s, body
+        )
         prompts = [kv_blocks.flat(segments)]
         if not kv_blocks.has_blocks(segments):  # no `block: true` segment: a plain prompt
             segments = None
     else:
         check_fanout(s, len(split_prompts(body.prompt)), best_of)
-        prompts = await encode_prompts(s, body.prompt, s.gen.encode_source if decoder is not None else None)
+        encode = s.gen.encode_source if decoder is not None else None
+        prompts = await encode_prompts(s, body.prompt, caller(request).tenant, encode)
     base = kv_blocks.with_kv_mode(s, sampling(s, body, 1), body, segments is not None)
     logprobs = body.logprobs
     if best_of > n:  # candidates are ranked by their cumulative log-probability
@@ -152,6 +156,7 @@ class ChatPlan:
     constraint: Any = None
     keep: tuple[int, float] | None = None  # `cache_control`: (prefix tokens, seconds) to pin
     segments: list | None = None  # `kvblocks_block` parts: the prompt as id segments (`kv_blocks`)
+    estimate: Estimate | None = None  # what `cost.chat_estimate` said before it was rendered
 
 
 def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
@@ -286,8 +291,11 @@ def check_fanout(s: Served, prompts: int, per_prompt: int) -> None:
         )
 
 
-async def bounded_plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
-    """`plan_chat` once the messages could fit the context and a tokenising place is free."""
+async def bounded_plan_chat(
+    s: Served, body: ChatCompletionRequest, *, tenant: str, param: str = "messages", items: int = 0
+) -> ChatPlan:
+    """`plan_chat` once the messages could fit the context (`cost.chat_estimate`, which names
+    `param`) and the tokenising gate gives `tenant` a place; `items`: the Responses input items."""
     if s.encoder_decoder:
         raise APIError(
             400,
@@ -295,8 +303,10 @@ async def bounded_plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
             "source, decoder_prompt = the decoder's prefix), not chat",
             param="messages",
         )
-    check_chars(s.prompt_chars, chat_chars(body.messages), s.gen.max_context, "messages")
-    return await tokenizing(s.tokenize_gate, plan_chat, s, body)
+    estimate = chat_estimate(s, body, param, items)
+    plan = await tokenizing(s.tokenize_gate, tenant, plan_chat, s, body)
+    plan.estimate = estimate
+    return plan
 
 
 def decoder_prompt(s: Served, body: CompletionRequest) -> list[int] | None:
@@ -312,9 +322,10 @@ def decoder_prompt(s: Served, body: CompletionRequest) -> list[int] | None:
         raise APIError(400, f"decoder_prompt: {exc}", param="decoder_prompt") from exc
 
 
-async def encode_prompts(s: Served, prompt, encode=None) -> list[list[int]]:
+async def encode_prompts(s: Served, prompt, tenant: str, encode=None) -> list[list[int]]:
     """Completions accept a string, a list of strings, a list of ids or a list of id lists. Every
-    prompt is checked against the length bound before any is tokenised (by `encode`)."""
+    prompt is checked against the length bound before any is tokenised (by `encode`, in `tenant`'s
+    places of the tokenising gate)."""
     prompts = split_prompts(prompt)
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt")
@@ -325,7 +336,7 @@ async def encode_prompts(s: Served, prompt, encode=None) -> list[list[int]]:
     out = []
     for p, name in zip(prompts, where):
         try:
-            out.append(await tokenizing(s.tokenize_gate, encode or s.gen.encode, p))
+            out.append(await tokenizing(s.tokenize_gate, tenant, encode or s.gen.encode, p))
         except ValueError as exc:
             raise APIError(400, f"{name}: {exc}", param=name) from exc
     return out

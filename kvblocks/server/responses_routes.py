@@ -25,6 +25,7 @@ from starlette.responses import StreamingResponse
 
 from kvblocks.generate import tools
 from kvblocks.generate.generator import GenerationResult
+from kvblocks.server.cost import check_input_items
 from kvblocks.server.errors import APIError, parse_request, validate
 from kvblocks.server.openai_routes import (
     Branch,
@@ -76,6 +77,7 @@ async def create_response(request: Request):
         request, ResponsesRequest, s.config.lenient, RESPONSES_REFUSED, RESPONSES_ACCEPTED_DEFAULTS
     )
     check_model(s, body.model)
+    items = input_count(s, body)
     salt = scope_of(request, None)
     history = (
         store_of(request).get(salt.tenant, body.previous_response_id).messages
@@ -87,7 +89,7 @@ async def create_response(request: Request):
         echoed = body.model_dump(include=ECHOED, by_alias=True, exclude_none=True)
         store_of(request).check_fits(len(as_json(conversation)) + len(as_json(echoed)))
     chat = as_chat(body, conversation, s.config.lenient)
-    plan = await bounded_plan_chat(s, chat)
+    plan = await bounded_plan_chat(s, chat, tenant=salt.tenant, param="input", items=items)
     params = sampling(s, chat, budget(s, plan.ids, body.max_output_tokens))
     params = replace(params, constraint=plan.constraint)
     check_params(s, params)
@@ -118,6 +120,19 @@ async def delete_response(response_id: str, request: Request):
 
 
 # ---- translating in --------------------------------------------------------------------------
+
+
+def input_count(s: Served, body: ResponsesRequest) -> int:
+    """The request's input items, refused beyond the server's caps before they are translated."""
+    if isinstance(body.input, str):
+        return 1
+    contents = [
+        item.output if isinstance(item, FunctionCallOutputItem) else getattr(item, "content", "")
+        for item in body.input
+    ]
+    parts = sum(len(c) for c in contents if isinstance(c, list))
+    check_input_items(s.config.caps, len(body.input), parts)
+    return len(body.input)
 
 
 def input_messages(body: ResponsesRequest) -> list[dict]:

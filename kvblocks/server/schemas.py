@@ -66,6 +66,11 @@ ECHOED_EMPTY = {"annotations", "audio", "function_call", "reasoning_content", "r
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
+# Structural ceilings: pydantic checks a list's length before validating any item, so a body of
+# more messages or input items than this costs only its JSON decoding. `kvblocks serve`'s
+# --max-messages and --max-input-items (kvblocks.server.cost) set the caps below them.
+MESSAGES_CEILING = 16384
+INPUT_ITEMS_CEILING = 16384
 
 
 class _Model(BaseModel):
@@ -230,7 +235,7 @@ class _Sampling(_Model):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MESSAGES_CEILING)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
@@ -285,7 +290,7 @@ class CompletionRequest(_Sampling):
 
 class ExplainRequest(_Model):
     prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MESSAGES_CEILING)] | None = None
     # kvblocks extension: a prompt with KV blocks (`kvblocks_block` parts in `messages`, or this),
     # explained per block under `kv_mode` / `blend_recompute` (None: the server's defaults)
     prompt_blocks: Annotated[list[PromptSegment], Field(min_length=1)] | None = None
@@ -462,6 +467,14 @@ class ResponsesRequest(_Model):
                 raise ValueError(
                     f"values have at most {MAX_METADATA_VALUE_CHARS} characters, got {len(value)}"
                 )
+        return v
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _below_the_ceiling(cls, v):
+        """Counted before any item is validated, so an oversized list costs only its decoding."""
+        if isinstance(v, list) and len(v) > INPUT_ITEMS_CEILING:
+            raise ValueError(f"input holds {len(v)} items; at most {INPUT_ITEMS_CEILING} are accepted")
         return v
 
     @field_validator("include")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -13,7 +12,8 @@ from kvblocks.engine.loop import Engine
 from kvblocks.generate.generator import CachedGenerator
 from kvblocks.generate.grammar import DEFAULT_LIMITS, GrammarLimits
 from kvblocks.server.auth import ApiKeys, Principal
-from kvblocks.server.bounds import MAX_TOKENIZING
+from kvblocks.server.bounds import MAX_TOKENIZING, FairGate
+from kvblocks.server.cost import CountCaps, TemplateCost
 from kvblocks.server.errors import APIError
 from kvblocks.server.guard import Admission, principal_of
 from kvblocks.server.pins import PrefixPins
@@ -40,6 +40,7 @@ class ServerConfig:
     vllm_metrics: bool = True  # /metrics also under vLLM's names (kvblocks.telemetry.vllm_metrics)
     kv_mode: str = "exact"  # how KV blocks are reused when a request does not say (--kv-mode)
     blend_recompute: float = 0.15  # --blend-recompute
+    caps: CountCaps = field(default_factory=CountCaps)  # --max-messages, --max-input-items, ...
     grammar: GrammarLimits = DEFAULT_LIMITS  # --max-schema-bytes, --max-schema-depth, --grammar-timeout
     stored_bytes_per_tenant: int = 64 << 20  # stored /v1/responses (--store-max-bytes-per-tenant)
     stored_bytes: int = 512 << 20  # all tenants' together (--store-max-bytes)
@@ -51,17 +52,29 @@ class ServerConfig:
 @dataclass(slots=True)
 class Served:
     """`prompt_chars`: the most characters a prompt that fits the context can have (None: no bound),
-    set at start-up; `tokenize_gate` bounds the tokenisations running at once."""
+    `template_cost`: what the chat template costs per message, and `tokenizing_rate`, all set at
+    start-up; `tokenize_gate` bounds the tokenisations running at once, shares them fairly by
+    tenant and charges each tenant's time in it to the engine's ledger, in tokens."""
 
     engine: Engine
     config: ServerConfig
     started: float = field(default_factory=time.time)
     admission: Admission = field(default_factory=Admission)
     prompt_chars: int | None = None
-    tokenize_gate: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_TOKENIZING))
+    template_cost: TemplateCost = field(default_factory=TemplateCost)
+    tokenizing_rate: float = 0.0  # tokens per second, measured at start-up (0: nothing charged)
+    tokenize_gate: FairGate = field(init=False)
     history: History | None = None
     pins: PrefixPins | None = None  # `cache_control` pins, made on first use (None: no cache)
     responses: ResponseStore | None = None  # stored /v1/responses, made on first use
+
+    def __post_init__(self) -> None:
+        keys = self.config.keys
+        self.tokenize_gate = FairGate(
+            MAX_TOKENIZING,
+            (lambda tenant: keys.limits(tenant).weight) if keys else (lambda tenant: 1.0),
+            lambda tenant, seconds: self.engine.ledger.charge(tenant, seconds * self.tokenizing_rate),
+        )
 
     @property
     def gen(self) -> CachedGenerator:

@@ -31,7 +31,13 @@ from kvblocks.server.openai_routes import (
     sampling,
 )
 from kvblocks.server.openapi import answers, json_body
-from kvblocks.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
+from kvblocks.server.schemas import (
+    MESSAGES_CEILING,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    Tool,
+)
 from kvblocks.server.state import Served, caller, require_engine_view, served
 
 router = APIRouter()
@@ -46,7 +52,7 @@ class TokenizeRequest(_Body):
 
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MESSAGES_CEILING)] | None = None
     tools: list[Tool] | None = None
     add_special_tokens: bool | None = None  # None: vLLM's default, True for a prompt, False for messages
     add_generation_prompt: bool = True
@@ -181,14 +187,16 @@ async def tokenize(request: Request):
         if body.add_special_tokens is False:
             check_chars(s.prompt_chars, len(body.prompt), s.gen.max_context, "prompt")
             ids = await tokenizing(
-                s.tokenize_gate, lambda: s.gen.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+                s.tokenize_gate,
+                caller(request).tenant,
+                lambda: s.gen.tokenizer(body.prompt, add_special_tokens=False)["input_ids"],
             )
         else:
-            ids = (await encode_prompts(s, body.prompt))[0]
+            ids = (await encode_prompts(s, body.prompt, caller(request).tenant))[0]
     else:
         refuse_chat_options(body)
         chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
-        ids = (await bounded_plan_chat(s, chat)).ids
+        ids = (await bounded_plan_chat(s, chat, tenant=caller(request).tenant)).ids
     strs = s.gen.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": s.gen.max_context, "tokens": ids, "token_strs": strs}
 
@@ -235,7 +243,7 @@ async def render_chat(request: Request):
     s = served(request)
     body = await parse_request(request, ChatCompletionRequest, s.config.lenient)
     check_model(s, body.model)
-    plan = await bounded_plan_chat(s, body)
+    plan = await bounded_plan_chat(s, body, tenant=caller(request).tenant)
     params = sampling(s, body, budget(s, plan.ids, body.max_completion_tokens or body.max_tokens))
     check_params(s, params)
     return generate_request(s, plan.ids, params, body)
@@ -251,10 +259,12 @@ async def render_completion(request: Request):
     body = await parse_request(request, CompletionRequest, s.config.lenient)
     check_model(s, body.model)
     if body.prompt_blocks is not None:
-        segments = await tokenizing(s.tokenize_gate, kv_blocks.completion_block_segments, s, body)
+        segments = await tokenizing(
+            s.tokenize_gate, caller(request).tenant, kv_blocks.completion_block_segments, s, body
+        )
         prompts = [kv_blocks.flat(segments)]
     else:
-        prompts = await encode_prompts(s, body.prompt)
+        prompts = await encode_prompts(s, body.prompt, caller(request).tenant)
     rendered = []
     for ids in prompts:
         params = sampling(s, body, budget(s, ids, body.max_tokens, none_is_all=True))
