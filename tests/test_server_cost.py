@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import threading
 import time
 
 import httpx
 import pytest
-from server_proc import start_server, stop_cleanly, tiny_model_dir
+from server_proc import cli_env, kvblocks_command, start_server, stop_cleanly, tiny_model_dir
+
+from kvblocks.bench.fixtures import free_port
 
 MODEL = "tiny"
 CONTEXT = 8192
@@ -165,3 +168,9 @@ def test_two_attacking_connections_do_not_delay_another_tenants_first_chunk(serv
     assert sent and set(sent) == {400}
     assert attacked < max(5 * idle, idle + 1.0), (idle, attacked)  # 0.18 s -> 24 s before
     assert server.alive()
+
+
+def test_a_message_cap_above_the_schemas_ceiling_stops_the_server_before_it_loads():
+    command = [*kvblocks_command(), "serve", "--port", str(free_port()), "--max-messages", "20000"]
+    done = subprocess.run(command, capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert done.returncode != 0 and "--max-messages must be at most 16384" in done.stderr, done.stderr

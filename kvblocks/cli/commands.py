@@ -430,10 +430,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tracing.configure(args.otlp_traces_endpoint)
         except tracing.TracingUnavailable as exc:
             raise UserError(str(exc)) from exc
+    counts = ("max_messages", "max_input_items", "max_content_parts")
     schemas = ("max_schema_bytes", "max_schema_depth")
-    for flag in ("max_waiting", "max_waiting_per_tenant", "max_prompts", "max_branches", *schemas):
+    for flag in ("max_waiting", "max_waiting_per_tenant", "max_prompts", "max_branches", *counts, *schemas):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    from kvblocks.server.schemas import INPUT_ITEMS_CEILING, MESSAGES_CEILING
+
+    for flag, value, ceiling in (
+        ("--max-messages", args.max_messages, MESSAGES_CEILING),
+        ("--max-input-items", args.max_input_items, INPUT_ITEMS_CEILING),
+    ):
+        if value > ceiling:
+            raise UserError(
+                f"{flag} must be at most {ceiling} (the request schema's own ceiling), got {value}"
+            )
     if not 0 < args.grammar_timeout <= 600:
         raise UserError(f"--grammar-timeout must be in (0, 600] seconds, got {args.grammar_timeout}")
     if args.max_schema_depth > MAX_SCHEMA_DEPTH:
