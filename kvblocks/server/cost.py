@@ -1,7 +1,7 @@
 """What a chat request will cost, known before any of it is tokenised, and refused at the door.
 
 Rendering and tokenising a prompt takes time in proportion to its rendered length, and a chat
-template writes a few tokens around every message: 100,000 one-character messages are 3.9 MB of
+template writes a few tokens around every message: 115,000 one-character messages are 3.9 MB of
 JSON and 690,000 tokens. So every route that renders messages first asks `chat_estimate` for a
 lower bound on the prompt's tokens, from counts alone, and refuses the request at once when even
 that bound exceeds the context. Caps on counts (messages, content parts, Responses input items)
