@@ -253,6 +253,9 @@ def bounded(fn: Callable[[], T], limits: GrammarLimits, what: str) -> T:
         try:
             thread = threading.Thread(target=run, name="kvblocks-grammar", daemon=True)
             thread.start()
+        except BaseException:  # no thread (out of memory or threads): its place goes back
+            _compiling.release()
+            raise
         finally:
             threading.stack_size(previous)
     thread.join(max(0.0, budget - (time.monotonic() - began)))
