@@ -14,9 +14,11 @@ import time
 
 import openai
 import pytest
-from server_proc import start_server, stop_cleanly
+from server_proc import smollm2_dir, start_server, stop_cleanly
+from transformers import AutoTokenizer
 
 from kvblocks.bench.fixtures import cli_env, kvblocks_command
+from kvblocks.generate import tools
 
 WEATHER = {
     "type": "function",
@@ -171,13 +173,46 @@ SEARCH = {
         },
     },
 }
+WEATHER_UNIT = {  # arguments longer than the shortest call's `{}`: a call that can be cut inside them
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
 THREE_CITIES = {
     "messages": [{"role": "user", "content": "What's the weather in Rome, Paris and Berlin?"}],
-    "tools": [WEATHER],
+    "tools": [WEATHER_UNIT],
     "tool_choice": "required",
     "temperature": 0,
-    "max_tokens": 40,  # room for one call and the start of the next
+    "max_tokens": 40,  # room for one call, not for two
 }
+
+RESPONSES_WEATHER_UNIT = {"type": "function", **WEATHER_UNIT["function"]}
+
+
+@pytest.fixture(scope="module")
+def cut_in_second_call(http) -> int:
+    """A max_tokens that cuts THREE_CITIES inside its second call: the first call's tokens and just
+    the shortest next call's (`next_call_tokens`), which leaves the budget open after the first
+    call; the second's arguments are longer than the shortest call's `{}`."""
+    body = THREE_CITIES | {"max_tokens": 120, "logprobs": True}
+    tokens = [
+        t["token"]
+        for t in http.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+    ]
+    first = next(k for k in range(len(tokens)) if "</tool_call>" in "".join(tokens[: k + 1])) + 1
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    return first + tools.next_call_tokens(tok, tools.HermesParser(), [WEATHER_UNIT])
 
 
 def streamed_calls(chunks: list[dict]) -> list[dict]:
@@ -192,12 +227,24 @@ def streamed_calls(chunks: list[dict]) -> list[dict]:
     return [calls[k] for k in sorted(calls)]
 
 
-def test_a_reply_cut_after_a_complete_call_keeps_it_streamed_or_not(http):
-    choice = http.post("/v1/chat/completions", json=THREE_CITIES).json()["choices"][0]
+def test_parallel_calls_close_at_the_last_call_the_budget_holds(http, cut_in_second_call):
+    for max_tokens in (40, cut_in_second_call - 1):  # one token short of room for another call
+        body = THREE_CITIES | {"max_tokens": max_tokens}
+        choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1
+    chunks = sse_chunks(http, THREE_CITIES)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    assert len(streamed_calls(chunks)) == 1
+
+
+def test_a_reply_cut_after_a_complete_call_keeps_it_streamed_or_not(http, cut_in_second_call):
+    body = THREE_CITIES | {"max_tokens": cut_in_second_call}
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert choice["finish_reason"] == "length" and not choice["message"]["content"]
     (call,) = choice["message"]["tool_calls"]  # the next one was cut: dropped
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"]
-    chunks = sse_chunks(http, THREE_CITIES)
+    chunks = sse_chunks(http, body)
+    assert len(streamed_calls(chunks)) == 2, "the second call had begun"
     first = streamed_calls(chunks)[0]
     assert first["arguments"] == call["function"]["arguments"] and first["fragments"] > 1
     finishes = [(k, c["choices"][0]["finish_reason"]) for k, c in enumerate(chunks) if c["choices"]]
@@ -314,17 +361,20 @@ def test_responses_streamed_function_arguments_arrive_as_deltas(client):
     assert [i.call_id for i in final.output if i.type == "function_call"] == [done.item_id[3:]]
 
 
-def test_responses_cut_after_a_complete_call_keeps_it_and_lists_every_streamed_item(client):
+def test_responses_cut_after_a_complete_call_keeps_it_and_lists_every_streamed_item(
+    client, cut_in_second_call
+):
     events = list(
         client.responses.create(
-            model=MODEL, input=THREE_CITIES["messages"][0]["content"], tools=[RESPONSES_WEATHER],
-            tool_choice="required", max_output_tokens=40, temperature=0, stream=True,
+            model=MODEL, input=THREE_CITIES["messages"][0]["content"], tools=[RESPONSES_WEATHER_UNIT],
+            tool_choice="required", max_output_tokens=cut_in_second_call, temperature=0, stream=True,
         )
     )  # fmt: skip
     final = events[-1]
     assert final.type == "response.incomplete"
     added = [e.item.id for e in events if e.type == "response.output_item.added"]
-    assert [i.id for i in final.response.output] == added and len(added) >= 1
+    assert [i.id for i in final.response.output] == added and len(added) == 2
+    assert [i.status for i in final.response.output] == ["completed", "incomplete"]
     first = final.response.output[0]
     assert first.status == "completed" and json.loads(first.arguments)["city"]
     deltas = [
@@ -335,8 +385,8 @@ def test_responses_cut_after_a_complete_call_keeps_it_and_lists_every_streamed_i
     done = [e for e in events if e.type == "response.function_call_arguments.done" and e.item_id == first.id]
     assert len(deltas) > 1 and "".join(deltas) == done[0].arguments == first.arguments
     whole = client.responses.create(
-        model=MODEL, input=THREE_CITIES["messages"][0]["content"], tools=[RESPONSES_WEATHER],
-        tool_choice="required", max_output_tokens=40, temperature=0,
+        model=MODEL, input=THREE_CITIES["messages"][0]["content"], tools=[RESPONSES_WEATHER_UNIT],
+        tool_choice="required", max_output_tokens=cut_in_second_call, temperature=0,
     )  # fmt: skip
     assert whole.status == "incomplete" and [i.arguments for i in whole.output] == [first.arguments]
 

@@ -14,6 +14,7 @@ from kvblocks import models
 from kvblocks.generate.grammar import lark_constraint
 from kvblocks.generate.text import StopTextAssembler, encode_prompt
 from kvblocks.generate.tools import (
+    ClosingCalls,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
@@ -22,6 +23,7 @@ from kvblocks.generate.tools import (
     ToolStreamParser,
     detect_parser,
     get_parser,
+    next_call_tokens,
     render_messages,
     template_supports_tools,
     tool_call_grammar,
@@ -577,3 +579,18 @@ def test_a_stream_cut_after_a_call_sends_its_whole_arguments(tok, parser, text, 
     calls, fragments = _replay(p, _token_pieces(tok, text[:cut]), "length")
     assert [(c.name, c.arguments) for c in calls] == [(first.name, first.arguments)]
     assert "".join(fragments[0]) == first.arguments and len(fragments[0]) > 1
+
+
+@pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser()])
+def test_parallel_calls_close_after_the_last_call_that_leaves_room_for_no_other(tok, parser):
+    factory = lark_constraint(tok, len(tok), tool_call_grammar(TOOLS, "required", parser))
+    reserve = next_call_tokens(tok, parser, TOOLS)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    one = ids(parser.render([PARIS]))
+    assert len(ids(parser.render([PARIS, LLAMAS]))) - len(one) >= reserve > 5
+    for budget, closes in [(8, True), (len(one) + reserve - 1, True), (len(one) + reserve, False)]:
+        state = ClosingCalls(factory, budget, reserve).start()
+        for token in one:
+            assert not state.done(), "a call is never closed halfway"
+            state.advance(token)
+        assert state.done() is closes, budget

@@ -767,3 +767,48 @@ def _literal_writer(tokenizer) -> Callable[[str], str]:
     if tokenizer is not None:
         special = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     return lambda s: f"<[{special[s]}]>" if s in special else json.dumps(s)
+
+
+# ---- closing parallel calls within the budget ----------------------------------------------
+
+
+def next_call_tokens(tokenizer, parser: ToolParser, tools: Sequence[dict]) -> int:
+    """About the fewest tokens another call takes after a complete one: the separator and the
+    markup of a call to the shortest-named tool with empty arguments (real arguments add more)."""
+    name = min((f["name"] for f in validate_tools(tools)), key=len)
+    one, two = (
+        len(tokenizer(parser.render([(name, {})] * k), add_special_tokens=False)["input_ids"]) for k in (1, 2)
+    )
+    return two - one
+
+
+@dataclass(frozen=True, slots=True)
+class ClosingCalls:
+    """A tool-call grammar (a `ConstraintFactory`) for a reply of at most `budget` tokens that also
+    ends the reply after a complete call once fewer than `reserve` tokens are left (the tokens of
+    the shortest next call): parallel calls then close at the last call that fits instead of being
+    cut inside one that cannot."""
+
+    factory: object  # kvblocks.generate.grammar.GrammarFactory
+    budget: int
+    reserve: int
+
+    def start(self) -> _ClosingState:
+        return _ClosingState(self.factory.start(), self.budget - self.reserve)
+
+
+class _ClosingState:
+    def __init__(self, inner, last_start: int) -> None:
+        self.inner = inner
+        self.last_start = last_start  # the latest token count after which another call still fits
+        self.used = 0
+
+    def mask(self, logits) -> None:
+        self.inner.mask(logits)
+
+    def advance(self, token: int) -> None:
+        self.inner.advance(token)
+        self.used += 1
+
+    def done(self) -> bool:
+        return self.inner.done() or (self.used > self.last_start and self.inner.can_end())

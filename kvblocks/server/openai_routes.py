@@ -66,7 +66,7 @@ async def chat_completions(request: Request):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    params = replace(params, logprobs=logprobs, constraint=plan.constraint)
+    params = replace(params, logprobs=logprobs, constraint=plan.constraint_within(params.max_new_tokens))
     params = kv_blocks.with_kv_mode(s, params, body, plan.segments is not None)
     check_params(s, params)
     check_fanout(s, 1, body.n or 1)
@@ -157,6 +157,14 @@ class ChatPlan:
     keep: tuple[int, float] | None = None  # `cache_control`: (prefix tokens, seconds) to pin
     segments: list | None = None  # `kvblocks_block` parts: the prompt as id segments (`kv_blocks`)
     estimate: Estimate | None = None  # what `cost.chat_estimate` said before it was rendered
+    call_reserve: int | None = None  # parallel calls under a grammar: the shortest next call's tokens
+
+    def constraint_within(self, budget: int):
+        """The constraint for a reply of at most `budget` tokens: parallel calls under a grammar
+        also close after the last call that leaves room for no other (`tools.ClosingCalls`)."""
+        if self.call_reserve is None:
+            return self.constraint
+        return tools.ClosingCalls(self.constraint, budget, self.call_reserve)
 
 
 def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
@@ -227,7 +235,10 @@ def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
             constraint = grammar.json_schema_constraint(
                 tokenizer, vocab, spec.schema_ or {}, bool(spec.strict), limits, param=where
             )
-    return ChatPlan(ids, parser if offered else None, constraint, keep, segments)
+    reserve = (
+        tools.next_call_tokens(tokenizer, parser, offered) if forced and body.parallel_tool_calls else None
+    )
+    return ChatPlan(ids, parser if offered else None, constraint, keep, segments, call_reserve=reserve)
 
 
 # Where a tool's parameters schema is in a request, by the route's name for response_format.

@@ -91,7 +91,7 @@ async def create_response(request: Request):
     chat = as_chat(body, conversation, s.config.lenient)
     plan = await bounded_plan_chat(s, chat, tenant=salt.tenant, param="input", items=items)
     params = sampling(s, chat, budget(s, plan.ids, body.max_output_tokens))
-    params = replace(params, constraint=plan.constraint)
+    params = replace(params, constraint=plan.constraint_within(params.max_new_tokens))
     check_params(s, params)
     call = Call(request, "resp", chat=True, plan=plan, salt=salt)
     call.id = f"resp_{uuid.uuid4().hex}"
