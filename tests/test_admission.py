@@ -269,21 +269,21 @@ def test_a_flooding_tenant_does_not_hold_up_another(server):
 def test_a_tenant_without_max_running_holding_every_place_does_not_keep_another_waiting(server):
     """Both batch places hold the greedy tenant's long replies; the victim's short request takes a
     place from one of them (preempted, it resumes later) instead of waiting for one to end."""
+    started = [threading.Event(), threading.Event()]
 
     def greedy(i: int) -> float:
         with client(server, "greedy") as c:
-            c.completions.create(
-                model="tiny",
-                prompt=f"greedy {i} " * 10,
-                max_tokens=600,
-                temperature=0,
-                extra_body={"min_tokens": 600},
-            )
+            stream = c.completions.create(
+                model="tiny", prompt=f"greedy {i} " * 5, max_tokens=200, temperature=0, stream=True,
+                extra_body={"min_tokens": 200},
+            )  # fmt: skip
+            for _ in stream:
+                started[i].set()
         return time.perf_counter()
 
     with ThreadPoolExecutor(2) as pool:
         long = [pool.submit(greedy, i) for i in range(2)]
-        time.sleep(0.5)
+        assert all(event.wait(60) for event in started)  # both places taken, both prompts computed
         with client(server, "victim") as c:
             r = c.completions.create(model="tiny", prompt="hello there", max_tokens=4, temperature=0)
         victim_done = time.perf_counter()

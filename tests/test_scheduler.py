@@ -177,3 +177,15 @@ def test_the_pool_preemption_victim_is_the_busiest_tenants_youngest():
     sched.running = [flood_old, flood_young, newcomer, me]
     sched.room.ledger.charge("flood", 5000)
     assert sched.victim(me, batch=[]) is flood_young
+
+
+def test_a_victims_first_token_does_not_wait_behind_a_flooders_short_prompts():
+    sched = scheduler(max_batch_tokens=80, chunk=64)
+    decode = sequence(8, 8, generated=1, tenant="flood")
+    short = sequence(40, computed=10, tenant="flood", admitted_at=1)  # 30 left: a first token near too
+    victim = sequence(300, computed=299, tenant="victim", admitted_at=2)  # its prompt cached but one
+    sched.running = [short, victim, decode]
+    sched.room.ledger.charge("flood", 5000)
+    assert sched.schedule(everything) == [(decode, 1), (victim, 1)]
+    victim.out.generated.append(1)  # its first token came: the flooder's prompt goes on
+    assert (short, 30) in sched.schedule(everything)

@@ -31,7 +31,7 @@ from kvblocks.telemetry import tracing
 
 CHUNK = 64  # batch-invariant mode cuts prompts at every multiple of this many positions
 FULL_BATCH_TOKENS = 256  # the server's budget while the batch is full and nobody waits
-RECENT_S = 1.0  # a tenant served this lately still has work in `prefill_shares` (see there)
+RECENT_S = 2.0  # a tenant served this lately still has work in `prefill_shares` (see there)
 LOOK = 32  # waiting requests per tenant that admission considers each step (never the whole line)
 
 Fail = Callable[[Sequence, BaseException, str], None]
@@ -203,10 +203,10 @@ class Scheduler:
         # decodes first (one token each), then prefills, fewest tokens left first: a short prompt is not
         # held behind a long one, which takes what budget is left every step
         order = sorted(self.running, key=lambda s: (s.left, s.admitted_at))
-        urgent = any(not s.generated and 0 < s.left <= self.limits.chunk for s in order)
+        urgent = self._first_in_line(order)
         shares = self.prefill_shares(budget)
         for s in order:
-            if urgent and self._held_back(s):
+            if urgent is not None and self._held_back(s, urgent):
                 continue
             if s not in self.running:  # preempted for an earlier one's slots
                 continue
@@ -263,10 +263,20 @@ class Scheduler:
         s.held_back = 0
         return plan(s, take, budget, batch)
 
-    def _held_back(self, s: Sequence) -> bool:
-        """The head-of-line rule: with a first token one short step away, a long prefill sits the
-        step out (at most `max_wait_steps` steps in a row)."""
-        if s.left > self.limits.chunk and s.held_back < self.limits.max_wait_steps:
+    def _first_in_line(self, order: list[Sequence]) -> str | None:
+        """The least served tenant (recent work per weight) with a first token one short step away,
+        or None when no request has one."""
+        near = {s.request.tenant for s in order if not s.generated and 0 < s.left <= self.limits.chunk}
+        return min(near, key=lambda t: (self.room.ledger.usage(t), t)) if near else None
+
+    def _held_back(self, s: Sequence, urgent: str) -> bool:
+        """The head-of-line rule: with a first token of tenant `urgent` one short step away, a long
+        prefill sits the step out, and so does any prefill of a tenant served more than `urgent`
+        (a victim's first token does not wait behind a flooder's short prompts); each at most
+        `max_wait_steps` steps in a row."""
+        if s.left <= 1 or s.held_back >= self.limits.max_wait_steps:
+            return False
+        if s.left > self.limits.chunk or s.request.tenant != urgent:
             s.held_back += 1
             return True
         return False
