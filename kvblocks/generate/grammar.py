@@ -396,3 +396,11 @@ def lark_constraint(
     schemas it embeds are the caller's to check (`check_schema`): this text is not parsed here."""
     lark = LLMatcher.grammar_from_lark(grammar)
     return _compile(tokenizer, vocab_size, lark, "grammar", limits, param)
+
+
+def json_schema_rule(schema: dict, strict: bool) -> str:
+    """The body of a Lark rule (`%json {...}`) for one JSON value valid against `schema`, with the
+    whitespace and strictness `json_schema_constraint` gives it: for a grammar where that value is
+    one alternative (a structured final message beside tool calls). Check the schema with
+    `json_schema_constraint` first; llguidance reports a bad schema only when it compiles."""
+    return "%json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}})

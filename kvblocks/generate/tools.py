@@ -692,6 +692,7 @@ def tool_call_grammar(
     *,
     parallel_tool_calls: bool = True,
     tokenizer=None,
+    answer: str | None = None,
 ) -> str | None:
     """A Lark grammar forcing the reply to be tool calls, or None when nothing is forced.
 
@@ -699,8 +700,17 @@ def tool_call_grammar(
     one or more if `parallel_tool_calls` else exactly one; {"type": "function", "function":
     {"name": N}} -> exactly one call to N. With `tokenizer`, markers that are special tokens
     of it (Mistral's `[TOOL_CALLS]`) are written as those tokens.
+
+    `answer`, the body of a Lark rule (a structured final message, `%json {...}`): with "auto"
+    or None the reply is either calls to any of the tools or one sentence of `answer`, so a model
+    that must answer in a format can still call tools first. Forced calls ignore it: the format
+    is for the final message of a later turn.
     """
     functions = validate_tools(tools)
+    if tool_choice in (None, "auto") and answer is not None and functions:
+        calls = _calls_grammar(functions, parallel_tool_calls, parser, tokenizer)
+        assert calls.startswith("start:"), "a parser's grammar begins with its start rule"
+        return f"start: tool_calls | answer\ntool_calls:{calls[len('start:') :]}answer: {answer}\n"
     if tool_choice in (None, "none", "auto"):
         return None
     if tool_choice == "required":
@@ -721,6 +731,11 @@ def tool_call_grammar(
         )
     if not chosen:
         raise ToolError('tool_choice "required" needs at least one tool')
+    return _calls_grammar(chosen, parallel, parser, tokenizer)
+
+
+def _calls_grammar(chosen: list[dict], parallel: bool, parser: ToolParser, tokenizer) -> str:
+    """Calls to the `chosen` functions in the parser's format, each under its own schema."""
     alternatives = [
         {
             "type": "object",

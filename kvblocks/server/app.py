@@ -131,7 +131,8 @@ def allowed_methods(request: Request) -> set[str]:
 def warm_up(served: Served) -> None:
     """Build once what the first tool or JSON request would otherwise wait for (about a second),
     the prompt length bounds (a second more: every token is decoded once; the chat template's
-    cost per message, by rendering a few messages) and the system"""
+    cost per message, by rendering a few messages) and the system
+    fingerprint (a hash of the weights when there is no cache namespace to take it from)."""
     tokenizer = served.gen.tokenizer
     grammar.ll_tokenizer(tokenizer)
     tools.template_supports_tools(tokenizer)
@@ -143,6 +144,7 @@ def warm_up(served: Served) -> None:
     served.template_cost = measure(tokenizer, None if served.encoder_decoder else render)
     served.prompt_chars = char_limit(served.template_cost.token_bytes, served.gen.max_context)
     served.tokenizing_rate = tokenizing_rate(tokenizer)
+    served.system_fingerprint()
 
 
 def freeze_startup_objects() -> None:

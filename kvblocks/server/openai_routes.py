@@ -167,31 +167,27 @@ class ChatPlan:
         return tools.ClosingCalls(self.constraint, budget, self.call_reserve)
 
 
-def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
+def plan_chat(s: Served, body: ChatCompletionRequest, format_param: str = "response_format") -> ChatPlan:
     """Render the messages (and tools) to ids; compile the constraint that tool_choice or
     response_format asks for. Runs in a worker thread: templates and grammars take a while.
 
     `tool_choice` "none" renders the tool history but not the tools, and parses no calls;
     "required" or a named function decode under a grammar of the tools' schemas, so the call
-    always parses and validates; "auto" lets the model choose and parses what it wrote.
+    always parses and validates; "auto" lets the model choose and parses what it wrote. With a
+    JSON response_format, "auto" decodes under one grammar of (tool calls | the JSON answer):
+    the model calls tools or gives its final answer in the format, as OpenAI allows; a forced
+    call leaves the format to the final message of a later turn. `format_param` is what the
+    route calls response_format (`text.format` on /v1/responses), for its errors.
     """
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tool_defs = [t.model_dump(exclude_none=True) for t in body.tools or []]
     choice = body.tool_choice if isinstance(body.tool_choice, str | None) else body.tool_choice.model_dump()
     if choice is not None and not tool_defs:
         raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
-    if (
-        body.response_format is not None
-        and body.response_format.type != "text"
-        and choice not in (None, "auto", "none")
-    ):
-        raise APIError(
-            400, "give a forced tool_choice or a JSON response_format, not both", param="response_format"
-        )
     tokenizer, vocab = s.gen.tokenizer, s.gen.vocab_size
     parser = tools.get_parser(s.config.tool_parser or tools.detect_parser(tokenizer))
     offered = tool_defs if choice != "none" else []
-    check_tool_schemas(offered, s.config.grammar, TOOL_PARAMETERS["response_format"])  # before any work
+    check_tool_schemas(offered, s.config.grammar, TOOL_PARAMETERS[format_param])  # before any work
 
     def render(upto: int) -> list[int]:
         try:
@@ -215,26 +211,27 @@ def plan_chat(s: Served, body: ChatCompletionRequest) -> ChatPlan:
         head = ids if last == len(messages) - 1 else render(last + 1)
         agree = next((k for k, (a, b) in enumerate(zip(ids, head)) if a != b), min(len(ids), len(head)))
         keep = (agree, max(t for _, t in marked))
+    fmt = answer_format(body.response_format)
+    limits = s.config.grammar
+    with compile_errors(format_param):  # compiled alone also when tools come first: refused now
+        answer = (
+            None
+            if fmt is None
+            else grammar.json_schema_constraint(tokenizer, vocab, *fmt, limits, param=format_param)
+        )
     try:
         forced = tools.tool_call_grammar(
-            offered, choice, parser, parallel_tool_calls=bool(body.parallel_tool_calls), tokenizer=tokenizer
+            offered,
+            choice,
+            parser,
+            parallel_tool_calls=bool(body.parallel_tool_calls),
+            tokenizer=tokenizer,
+            answer=None if fmt is None else grammar.json_schema_rule(*fmt),
         )
     except tools.ToolError as exc:
         raise APIError(400, str(exc), param="tool_choice") from exc
-    where = "tools" if forced else "response_format"
-    limits = s.config.grammar
-    with compile_errors(where):
-        if forced:
-            constraint = grammar.lark_constraint(tokenizer, vocab, forced, limits, where)
-        elif body.response_format is None or body.response_format.type == "text":
-            constraint = None
-        elif body.response_format.type == "json_object":
-            constraint = grammar.json_object_constraint(tokenizer, vocab)
-        else:
-            spec = body.response_format.json_schema
-            constraint = grammar.json_schema_constraint(
-                tokenizer, vocab, spec.schema_ or {}, bool(spec.strict), limits, param=where
-            )
+    with compile_errors("tools"):
+        constraint = grammar.lark_constraint(tokenizer, vocab, forced, limits, "tools") if forced else answer
     reserve = (
         tools.next_call_tokens(tokenizer, parser, offered) if forced and body.parallel_tool_calls else None
     )
@@ -277,6 +274,17 @@ def compile_errors(param: str) -> Iterator[None]:
         raise APIError(400, f"{param}: {exc}", param=param) from exc
 
 
+def answer_format(response_format) -> tuple[dict, bool] | None:
+    """The JSON schema a response_format asks the final message to follow, and whether strictly;
+    None for free text."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"type": "object"}, True
+    spec = response_format.json_schema
+    return spec.schema_ or {}, bool(spec.strict)
+
+
 def split_prompts(prompt) -> list:
     """The prompts a completions `prompt` holds: a string or one id list is one prompt; a list of
     strings or of id lists is several."""
@@ -303,7 +311,13 @@ def check_fanout(s: Served, prompts: int, per_prompt: int) -> None:
 
 
 async def bounded_plan_chat(
-    s: Served, body: ChatCompletionRequest, *, tenant: str, param: str = "messages", items: int = 0
+    s: Served,
+    body: ChatCompletionRequest,
+    format_param: str = "response_format",
+    *,
+    tenant: str,
+    param: str = "messages",
+    items: int = 0,
 ) -> ChatPlan:
     """`plan_chat` once the messages could fit the context (`cost.chat_estimate`, which names
     `param`) and the tokenising gate gives `tenant` a place; `items`: the Responses input items."""
@@ -315,7 +329,7 @@ async def bounded_plan_chat(
             param="messages",
         )
     estimate = chat_estimate(s, body, param, items)
-    plan = await tokenizing(s.tokenize_gate, tenant, plan_chat, s, body)
+    plan = await tokenizing(s.tokenize_gate, tenant, plan_chat, s, body, format_param)
     plan.estimate = estimate
     return plan
 
@@ -477,6 +491,7 @@ class Call:
             "object": self.object,
             "created": self.created,
             "model": s.config.model_name,
+            "system_fingerprint": s.system_fingerprint(),
             "choices": sorted(choices, key=lambda c: c["index"]),
             "usage": usage(results, prompts_counted),
         }
@@ -744,7 +759,12 @@ async def sse(
 ) -> AsyncIterator[str]:
     """Pieces of every branch as they come, each chunk tagged with its choice index; with
     `continuous` (vLLM's `continuous_usage_stats`) every chunk carries the usage so far."""
-    base = {"id": call.id, "created": call.created, "model": s.config.model_name}
+    base = {
+        "id": call.id,
+        "created": call.created,
+        "model": s.config.model_name,
+        "system_fingerprint": s.system_fingerprint(),
+    }
     obj = "chat.completion.chunk" if call.chat else "text_completion"
     queue: asyncio.Queue = asyncio.Queue()
 

@@ -18,8 +18,9 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
@@ -89,7 +90,7 @@ async def create_response(request: Request):
         echoed = body.model_dump(include=ECHOED, by_alias=True, exclude_none=True)
         store_of(request).check_fits(len(as_json(conversation)) + len(as_json(echoed)))
     chat = as_chat(body, conversation, s.config.lenient)
-    plan = await bounded_plan_chat(s, chat, tenant=salt.tenant, param="input", items=items)
+    plan = await bounded_plan_chat(s, chat, "text.format", tenant=salt.tenant, param="input", items=items)
     params = sampling(s, chat, budget(s, plan.ids, body.max_output_tokens))
     params = replace(params, constraint=plan.constraint_within(params.max_new_tokens))
     check_params(s, params)
@@ -111,6 +112,37 @@ async def create_response(request: Request):
 @router.get("/v1/responses/{response_id}", responses=answers(404))
 async def get_response(response_id: str, request: Request):
     return store_of(request).get(scope_of(request, None).tenant, response_id).response
+
+
+@router.get("/v1/responses/{response_id}/input_items", responses=answers(400, 404))
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+    include: Annotated[list[str] | None, Query()] = None,
+):
+    """What went into a stored response, earlier turns' inputs and outputs first (OpenAI's list:
+    newest first by default, `after` an item id to page from)."""
+    if include:
+        raise APIError(400, "no extra input item fields can be included here", param="include")
+    stored = store_of(request).get(scope_of(request, None).tenant, response_id)
+    items = input_items(stored.messages[:-1], response_id.removeprefix("resp_"))
+    items = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        start = next((k + 1 for k, item in enumerate(items) if item["id"] == after), None)
+        if start is None:
+            raise APIError(400, f"response '{response_id}' has no input item '{after}'", param="after")
+    page = items[start : start + limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + limit < len(items),
+    }
 
 
 @router.delete("/v1/responses/{response_id}", responses=answers(404))
@@ -191,6 +223,42 @@ def as_chat(body: ResponsesRequest, conversation: list[dict], lenient: bool) -> 
 
 
 # ---- translating out -------------------------------------------------------------------------
+
+
+def input_items(messages: list[dict], tag: str) -> list[dict]:
+    """Chat messages as the Responses items they came from: a message item per message (an
+    assistant turn's text, when it has some), a function_call per tool call, a
+    function_call_output per tool result. Ids are derived from the response (`tag`) and the
+    position, so pagination by `after` sees the same ids on every read."""
+    out: list[dict] = []
+    for k, m in enumerate(messages):
+        if m["role"] == "tool":
+            out.append(
+                {
+                    "type": "function_call_output",
+                    "id": f"fco_{tag}_{k}",
+                    "call_id": m["tool_call_id"],
+                    "output": m["content"],
+                    "status": "completed",
+                }
+            )
+            continue
+        if m.get("content") or not m.get("tool_calls"):
+            kind = "output_text" if m["role"] == "assistant" else "input_text"
+            part = {"type": kind, "text": m.get("content") or ""}
+            out.append(
+                {
+                    "type": "message",
+                    "id": f"msg_{tag}_{k}",
+                    "role": m["role"],
+                    "status": "completed",
+                    "content": [part],
+                }
+            )
+        for j, c in enumerate(m.get("tool_calls") or []):
+            fn = c["function"]
+            out.append(call_item(f"fc_{tag}_{k}_{j}", c["id"], fn["name"], fn["arguments"], "completed"))
+    return out
 
 
 def output_items(call: Call, choice: dict) -> list[dict]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from kvblocks.cache.namespace import Scope
+import kvblocks
+from kvblocks.cache.namespace import Scope, namespace_for
 from kvblocks.engine.loop import Engine
 from kvblocks.generate.generator import CachedGenerator
 from kvblocks.generate.grammar import DEFAULT_LIMITS, GrammarLimits
@@ -66,6 +69,7 @@ class Served:
     tokenize_gate: FairGate = field(init=False)
     history: History | None = None
     pins: PrefixPins | None = None  # `cache_control` pins, made on first use (None: no cache)
+    fingerprint: str | None = None  # `system_fingerprint()`, once computed
     responses: ResponseStore | None = None  # stored /v1/responses, made on first use
 
     def __post_init__(self) -> None:
@@ -94,6 +98,17 @@ class Served:
         """What the stats report and a flush empties: a seq2seq generator's whole cache (source
         records, decoder trie, encoder work), else the trie."""
         return getattr(self.gen, "seq2seq", None) or self.cache
+
+    def system_fingerprint(self) -> str:
+        """OpenAI's `system_fingerprint`: the model (the fingerprint of its config and weights that
+        names its cache namespace, and its dtype) and the kvblocks version, hashed; the same across
+        restarts of one build on one model. Without a cache it hashes the weights, so start-up
+        (`warm_up`) computes it once."""
+        if self.fingerprint is None:
+            namespace = getattr(self.cache, "namespace", None) or namespace_for(self.gen.model)
+            identity = json.dumps([namespace.model, namespace.dtype, kvblocks.__version__])
+            self.fingerprint = "fp_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
+        return self.fingerprint
 
     def prefix_pins(self) -> PrefixPins | None:
         if self.pins is None and self.cache is not None:
