@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Block": "kvblocks.blocks",
     "CachedGenerator": "kvblocks.generate.generator",
+    "StoredBlock": "kvblocks.blocks",
+    "chat_blocks": "kvblocks.blocks",
     "GenerationResult": "kvblocks.generate.generator",
     "Piece": "kvblocks.generate.generator",
     "PromptTooLongError": "kvblocks.generate.generator",
@@ -49,8 +51,10 @@ __all__ = [
     "RedisTier",
     "SamplingParams",
     "Scope",
+    "StoredBlock",
     "TokenLogprob",
     "UnsupportedModelError",
+    "chat_blocks",
 ]
 
 
@@ -66,7 +70,7 @@ def __getattr__(name: str):
 if TYPE_CHECKING:
     from kvblocks.adapters.hf import UnsupportedModelError
     from kvblocks.adapters.hf_trie import KVCacheTrie
-    from kvblocks.blocks import Block
+    from kvblocks.blocks import Block, StoredBlock, chat_blocks
     from kvblocks.cache.namespace import Namespace, Scope
     from kvblocks.cache.trie import Hit, PinLimitError, PoolFullError
     from kvblocks.generate.generator import CachedGenerator, GenerationResult, Piece, PromptTooLongError

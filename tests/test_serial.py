@@ -10,7 +10,7 @@ import time
 import torch
 from conftest import IdTokenizer, tiny_llama
 
-from kvblocks import Block, CachedGenerator, GenerationParams, KVCacheTrie
+from kvblocks import Block, CachedGenerator, GenerationParams, KVCacheTrie, Scope, StoredBlock
 from kvblocks.engine.batch import BatchEngine
 from kvblocks.engine.loop import Engine
 
@@ -99,3 +99,34 @@ def test_the_engine_completes_a_step_every_2_s_while_a_request_blends_64_one_tok
         assert widest[0] < 2.0, f"the engine went {widest[0]:.2f} s without completing a step"
     finally:
         engine.stop()
+
+
+def test_a_block_stored_ahead_runs_a_forward_per_step_charged_to_its_tenant_beside_another_request():
+    """`store_block` requests (`POST /v1/blocks`) take the serial path: a forward of at most the step
+    budget (80 tokens) per step, so another tenant's short request ends before a 400-token fill does;
+    the fill is charged to its tenant, and that tenant's next request finds the block whole."""
+    model = tiny_llama(torch.float32)
+    gen = CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, capacity_tokens=4096))
+    engine = Engine(gen)
+    engine.ledger.clock = lambda: 0.0
+    doc = [(11 * i) % 128 for i in range(400)]
+    stored = []
+    engine.submit(doc, stored.append, tenant="attacker", salt=Scope("attacker", ""), store_block=True)
+    engine.step()
+    seen = Requests()
+    seen.submit(engine, "short", [5, 6, 7, 8], "victim")
+    while not seen.done["short"].is_set():
+        engine.step()
+    assert not stored
+    while not stored:
+        engine.step()
+    assert stored == [StoredBlock(400, 0)]
+    assert engine.ledger.work("attacker") == 400 and engine.ledger.work("victim") == 0
+    other = gen.generate(
+        [[1, 2], Block(doc), [3]], max_new_tokens=1, kv_mode="concat", salt=Scope("victim", "")
+    )
+    assert other.blocks.block_fill_tokens == 400  # stored in the attacker's block store only
+    hit = gen.generate(
+        [[1, 2], Block(doc), [3]], max_new_tokens=1, kv_mode="concat", salt=Scope("attacker", "")
+    )
+    assert hit.blocks.block_fill_tokens == 0

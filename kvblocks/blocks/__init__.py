@@ -7,7 +7,17 @@ position, `prefill` builds a request's cache from stored blocks, `report` says w
 
 from __future__ import annotations
 
-from kvblocks.blocks.report import BlockReport, BlockUse
-from kvblocks.blocks.segments import Block, BlockSpan, SegmentedPrompt, flatten, is_segmented
+from kvblocks.blocks.report import BlockReport, BlockUse, StoredBlock
+from kvblocks.blocks.segments import Block, BlockSpan, SegmentedPrompt, chat_blocks, flatten, is_segmented
 
-__all__ = ["Block", "BlockReport", "BlockSpan", "BlockUse", "SegmentedPrompt", "flatten", "is_segmented"]
+__all__ = [
+    "Block",
+    "BlockReport",
+    "BlockSpan",
+    "BlockUse",
+    "SegmentedPrompt",
+    "StoredBlock",
+    "chat_blocks",
+    "flatten",
+    "is_segmented",
+]

@@ -160,6 +160,13 @@ class BlockPrefill:
                 self.cache.insert(block, past, salt=scope)
             return hf.extract(past, self.specs, 0, len(block)), hit.length, min(device, hit.length)
 
+    def store_steps(self, block: tuple[int, ...], salt: Salt, chunk: int | None = None) -> Work:
+        """Store `block` ahead of the requests that use it, as resumable work (as `steps`); returns how
+        many of its tokens the store held already (found in the pool or Redis, not computed)."""
+        assert self.cache is not None
+        _, held, _ = yield from self._fill(block, salt, chunk)
+        return held
+
     def promote(self, spans: list[BlockSpan], salt: Salt) -> None:
         """Store the blocks of an `exact` request that the device pool does not hold (fetched from
         Redis, else computed from position 0 on their own), so a later blend or concat finds them."""

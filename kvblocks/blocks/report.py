@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["TIERS", "BlockReport", "BlockUse"]
+__all__ = ["TIERS", "BlockReport", "BlockUse", "StoredBlock"]
 
 # Where a reused block token's KV came from (the `tier` label of `kvblocks_block_reused_tokens_total`).
 TIERS = ("device", "redis", "fill")
@@ -27,7 +27,8 @@ class BlockUse:
 @dataclass(slots=True)
 class BlockReport:
     """A blended or concatenated prompt's accounting: `exact_tokens + reused_tokens +
-    recomputed_tokens` is the prompt length. Only the exact tokens enter the prefix cache."""
+    recomputed_tokens` is the prompt length; the probe and the fills are computed beside those
+    positions. Only the exact tokens enter the prefix cache."""
 
     mode: str
     blend_recompute: float
@@ -48,7 +49,8 @@ class BlockReport:
         """One line per block: where it was placed and what of it was reused."""
         lines = [
             f"kv_mode {self.mode} (blend_recompute {self.blend_recompute:g}): {self.exact_tokens} exact, "
-            f"{self.reused_tokens} reused from blocks, {self.recomputed_tokens} recomputed"
+            f"{self.reused_tokens} reused from blocks, {self.recomputed_tokens} recomputed; also computed: "
+            f"{self.probe_tokens} probed (first two layers), {self.block_fill_tokens} to fill blocks"
         ]
         for i, b in enumerate(self.blocks):
             lines.append(
@@ -57,3 +59,17 @@ class BlockReport:
                 f"{b.reused} reused, {b.length - b.reused} recomputed"
             )
         return lines
+
+
+@dataclass(slots=True, frozen=True)
+class StoredBlock:
+    """A block stored ahead of the requests that use it (`CachedGenerator.store_block`): its length,
+    and how many of its tokens the store held already (in the device pool or Redis, a start it
+    shares with another block included); the rest were computed now (`tokens - held`)."""
+
+    tokens: int
+    held: int
+
+    @property
+    def already_stored(self) -> bool:
+        return self.held == self.tokens

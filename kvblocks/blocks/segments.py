@@ -18,6 +18,7 @@ __all__ = [
     "BlockSpan",
     "SegmentedPrompt",
     "block_marker",
+    "chat_blocks",
     "chat_segments",
     "flatten",
     "is_segmented",
@@ -106,6 +107,33 @@ def segments_of(ids: list[int], spans: list[BlockSpan]) -> list[list[int] | Bloc
     if at < len(ids):
         out.append(ids[at:])
     return out
+
+
+def chat_blocks(tokenizer, messages: list[dict]) -> list[list[int] | Block]:
+    """Chat `messages` rendered by the tokenizer's chat template as a segmented prompt: a content part
+    `{"type": "text", "text": ..., "kvblocks_block": True}` becomes a `Block` (tokenised alone), the
+    template's text around it id segments, ready for `CachedGenerator.generate` in any `kv_mode`.
+    A string content, and unmarked text parts, render as usual (the server renders chat requests so)."""
+    blocks: list[str] = []
+    marked = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list | tuple):
+            pieces = []
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                if not isinstance(text, str):
+                    raise PromptError(
+                        f"a content part must be a text part with a 'text' string, got {part!r}"
+                    )
+                if part.get("kvblocks_block"):
+                    pieces.append(block_marker(len(blocks)))
+                    blocks.append(text)
+                else:
+                    pieces.append(text)
+            content = "".join(pieces)
+        marked.append({**message, "content": content})
+    return chat_segments(tokenizer, marked, blocks)
 
 
 def chat_segments(tokenizer, messages: list[dict], blocks: list[str]) -> list[list[int] | Block]:

@@ -39,6 +39,7 @@ class Reporter:
                 m.inc("kvblocks_block_reused_tokens_total", n, tier=tier)
             m.inc("kvblocks_block_recomputed_tokens_total", r.blocks.recomputed_tokens)
             m.inc("kvblocks_block_fill_tokens_total", r.blocks.block_fill_tokens)
+            m.inc("kvblocks_block_probe_tokens_total", r.blocks.probe_tokens)
         if r.spec is not None:
             m.inc("kvblocks_spec_drafted_tokens_total", r.spec.drafted)
             m.inc("kvblocks_spec_accepted_tokens_total", r.spec.accepted)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvblocks.blocks.report import StoredBlock
 from kvblocks.cache.trie import Salt
 from kvblocks.generate.decoding import Piece
 from kvblocks.generate.params import GenerationParams, params_of
@@ -15,7 +16,7 @@ from kvblocks.generate.params import GenerationParams, params_of
 if TYPE_CHECKING:
     from kvblocks.engine.sequence import Sequence
 
-Emit = Callable[[Piece | BaseException], None]
+Emit = Callable[[Piece | StoredBlock | BaseException], None]
 
 
 class EngineError(RuntimeError):
@@ -35,13 +36,21 @@ class Options:
     params: GenerationParams = field(default_factory=GenerationParams)
     salt: Salt = None
     output_logits: bool = False  # the result keeps every generated position's raw logits
+    # the prompt is a KV block to store (`CachedGenerator.store_steps`), nothing is generated: the
+    # request's one answer is its `StoredBlock`
+    store_block: bool = False
 
     @classmethod
     def of(
-        cls, params: GenerationParams | None = None, salt: Salt = None, output_logits: bool = False, **fields
+        cls,
+        params: GenerationParams | None = None,
+        salt: Salt = None,
+        output_logits: bool = False,
+        store_block: bool = False,
+        **fields,
     ) -> Options:
         """From `CachedGenerator.stream`'s keywords: `params`, or `GenerationParams` fields."""
-        return cls(params_of(params, fields), salt, output_logits)
+        return cls(params_of(params, fields), salt, output_logits, store_block)
 
 
 @dataclass(eq=False)

@@ -60,12 +60,12 @@ class Sequence:
     def of(
         cls, request: Request, generator: CachedGenerator, slots: SlotManager, rounds: Rounds | None
     ) -> Sequence | None:
-        """The packed path's state for `request`, or None when it needs the serial runner (prompt
-        log-probabilities or raw logits need a forward per position; a prompt reusing KV blocks at new
+        """The packed path's state for `request`, or None when it needs the serial runner (a block to
+        store, prompt log-probabilities or raw logits need a forward per position; a prompt reusing KV blocks at new
         positions is prefilled by `CachedGenerator`; a sequence that cannot fit in
         the pool beside the pinned prefixes needs its own cache)."""
         options = request.options
-        if options.output_logits or options.params.prompt_logprobs is not None:
+        if options.store_block or options.output_logits or options.params.prompt_logprobs is not None:
             return None
         if options.params.kv_mode != "exact":  # KV blocks are placed by the one-request path
             return None

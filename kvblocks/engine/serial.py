@@ -1,7 +1,8 @@
 """The serial runner: one `CachedGenerator.stream` step per request per loop step.
 
 It serves every request of an engine without a packed path, and the requests the packed path does
-not serve (prompt log-probabilities, raw logits, prompts too large for the pool). Each stream
+not serve (prompt log-probabilities, raw logits, prompts too large for the pool, KV blocks stored
+ahead of use: `CachedGenerator.store_steps`, whose one answer is a `StoredBlock`). Each stream
 holds its own transformers cache and commits to the trie itself when it closes.
 
 A prompt's KV block work (fills, blend probe and recompute: `kvblocks.blocks.prefill`) runs one
@@ -16,6 +17,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 
+from kvblocks.blocks.report import StoredBlock
 from kvblocks.engine.admission import WaitingRoom
 from kvblocks.engine.report import Reporter, trace_admitted, trace_ended
 from kvblocks.engine.request import EngineError, Request
@@ -63,9 +65,16 @@ class SerialRunner:
         """Its stream starts on the next `step` (its errors surface there)."""
         trace_admitted(request)
         o = request.options
-        request.stream = self.generator.stream(
-            request.prompt, o.params, salt=o.salt, output_logits=o.output_logits, block_chunk=self.block_chunk
-        )
+        if o.store_block:
+            request.stream = self.generator.store_steps(request.prompt, o.salt, self.block_chunk)
+        else:
+            request.stream = self.generator.stream(
+                request.prompt,
+                o.params,
+                salt=o.salt,
+                output_logits=o.output_logits,
+                block_chunk=self.block_chunk,
+            )
         self.active.append(request)
 
     def step(self) -> None:
@@ -90,6 +99,11 @@ class SerialRunner:
             return
         if isinstance(piece, Working):  # a forward of block work: nothing to say to the client yet
             self.charge(request.tenant, piece.tokens)
+            return
+        if isinstance(piece, StoredBlock):  # a block stored ahead of use: its one answer
+            self.report.metrics.inc("kvblocks_block_fill_tokens_total", piece.tokens - piece.held)
+            self.finish(request)
+            request.emit(piece)
             return
         self.report.observe(request, len(piece.token_ids))
         if piece.result is not None:

@@ -19,8 +19,8 @@ import torch
 
 from kvblocks.adapters import hf
 from kvblocks.adapters.hf_trie import KVCacheTrie
-from kvblocks.blocks.report import BlockReport
-from kvblocks.blocks.segments import BlockSpan, flatten, is_segmented
+from kvblocks.blocks.report import BlockReport, StoredBlock
+from kvblocks.blocks.segments import Block, BlockSpan, flatten, is_segmented
 from kvblocks.cache.snapshots import SnapshotPlan
 from kvblocks.cache.trie import Hit, Salt
 from kvblocks.generate.decoding import Decoding, GenerationResult, Piece, context_room
@@ -353,6 +353,28 @@ class CachedGenerator:
         except ParamError:
             return None
         return prefill.promote_steps(spans, salt, chunk)
+
+    def store_block(self, block: Block | str | Sequence[int], salt: Salt = None) -> StoredBlock:
+        """Compute and store a block's KV (a document, before the first request that uses it) in the
+        block store of `salt`'s tenant, so that request finds it; a block held already costs a lookup.
+        Text is tokenised on its own, as a `Block` in a prompt is."""
+        *_, stored = self.store_steps(block, salt)
+        return stored
+
+    def store_steps(
+        self, block: Block | str | Sequence[int], salt: Salt = None, chunk: int | None = None
+    ) -> Iterator[Working | StoredBlock]:
+        """`store_block` as stream steps: a `Working` per forward of at most `chunk` tokens (None:
+        one forward), then the `StoredBlock` (the engine runs it so, beside other requests).
+        PromptError for an empty block, one outside the vocabulary or the context; ParamError where
+        the model cannot reuse blocks or there is no cache to store them in."""
+        ids, _ = flatten(self.tokenizer, [block if isinstance(block, Block) else Block(block)])
+        self.encode(ids)
+        if self.cache is None:
+            raise ParamError("kv_mode", "KV blocks are stored in the prefix cache: this generator has none")
+        prefill = self.block_prefill()
+        held = yield from _working(prefill.store_steps(tuple(ids), salt, chunk))
+        yield StoredBlock(len(ids), held)
 
     def _new_past(self, hit: Hit | None, salt: Salt) -> Any:
         """The live cache a request decodes into: the hit's prefix, or an empty one."""

@@ -19,7 +19,14 @@ from starlette.routing import Match
 
 from kvblocks.engine.loop import Engine
 from kvblocks.generate import grammar, tools
-from kvblocks.server import cache_routes, openai_routes, openapi, responses_routes, worker_routes
+from kvblocks.server import (
+    block_routes,
+    cache_routes,
+    openai_routes,
+    openapi,
+    responses_routes,
+    worker_routes,
+)
 from kvblocks.server.bounds import char_limit
 from kvblocks.server.cost import measure, tokenizing_rate
 from kvblocks.server.errors import APIError, validation_error
@@ -62,7 +69,13 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     )
     app.state.served = served
     app.state.body_parser = BodyParser()
-    routers = [openai_routes.router, responses_routes.router, cache_routes.router, worker_routes.router]
+    routers = [
+        openai_routes.router,
+        responses_routes.router,
+        cache_routes.router,
+        worker_routes.router,
+        block_routes.router,
+    ]
     for router in routers:
         app.include_router(router)
     app.state.routes = [route for router in routers for route in router.routes]  # for `Allow` on 405s

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvblocks.blocks.segments import Block, block_marker, chat_segments, flatten, segments_of
+from kvblocks.blocks.segments import Block, chat_blocks, flatten, segments_of
 from kvblocks.generate.params import GenerationParams, ParamError
 from kvblocks.generate.text import PromptError
 from kvblocks.server.errors import APIError
@@ -49,26 +49,21 @@ def marked_segments(s: Served, chat: list[ChatMessage], messages: list[dict]) ->
             400, "kvblocks_block parts cannot be combined with tools or tool turns", param="messages"
         )
     check_block_count(s, sum(bool(p.kvblocks_block) for m in chat for p in m.parts()), "messages")
-    blocks: list[str] = []
-    marked = []
-    for message, raw in zip(chat, messages):
-        if not message.parts():
-            marked.append({"role": raw["role"], "content": message.text()})
-            continue
-        pieces = []
-        for part in message.parts():
-            if part.kvblocks_block:
-                pieces.append(block_marker(len(blocks)))
-                blocks.append(part.text)
-            else:
-                pieces.append(part.text)
-        marked.append({"role": raw["role"], "content": "".join(pieces)})
+    turns = [
+        {
+            "role": raw["role"],
+            "content": [p.model_dump(include={"text", "kvblocks_block"}) for p in m.parts()],
+        }
+        if m.parts()
+        else {"role": raw["role"], "content": m.text()}
+        for m, raw in zip(chat, messages)
+    ]
     if not getattr(s.gen.tokenizer, "chat_template", None):
         raise APIError(
             400, "this tokenizer has no chat template; use completions with prompt_blocks", param="messages"
         )
     try:
-        return checked(s, chat_segments(s.gen.tokenizer, marked, blocks), "messages")
+        return checked(s, chat_blocks(s.gen.tokenizer, turns), "messages")
     except PromptError as exc:
         raise APIError(400, str(exc), param="messages") from exc
 
@@ -108,6 +103,17 @@ def checked(s: Served, segments: Segments, param: str) -> Segments:
     return segments
 
 
+def block_ids(s: Served, content: str | list[int], param: str) -> list[int]:
+    """A block to store ahead of use (`POST /v1/blocks`) as ids: text tokenised on its own, as in a
+    prompt; within the vocabulary, the context and `ServerConfig.max_block_tokens` (`checked`)."""
+    try:
+        ids, _ = flatten(s.gen.tokenizer, [Block(content)])
+    except PromptError as exc:
+        raise APIError(400, str(exc), param=param) from exc
+    checked(s, [Block(ids)], param)
+    return ids
+
+
 def check_block_count(s: Served, count: int, param: str) -> None:
     """Refuse more KV blocks than `ServerConfig.max_blocks`, before anything is tokenised: each block
     is a forward of its own (its fill), and a promotion or blend runs them all for one request."""
@@ -144,12 +150,17 @@ def with_kv_mode(s: Served, params: GenerationParams, body, blocks: bool) -> Gen
 
 
 def usage_details(results) -> dict[str, int]:
-    """`prompt_tokens_details` beyond `cached_tokens` (the exact prefix): block KV reused at a new
-    position (`blended_tokens`) and prompt tokens recomputed around it; absent without blocks."""
+    """`prompt_tokens_details` beyond `cached_tokens` (the exact prefix), absent without blocks: the
+    prompt positions whose block KV was reused (`blended_tokens`) or computed through all layers
+    (`recomputed_tokens`; with `cached_tokens` they add up to `prompt_tokens`), and the other tokens
+    the request computed: a blend's probe over the first two layers (`probe_tokens`) and the fills
+    of blocks the store did not hold (`block_fill_tokens`)."""
     reports = [r.blocks for r in results if r.blocks is not None]
     if not reports:
         return {}
     return {
         "blended_tokens": sum(b.reused_tokens for b in reports),
         "recomputed_tokens": sum(b.recomputed_tokens for b in reports),
+        "probe_tokens": sum(b.probe_tokens for b in reports),
+        "block_fill_tokens": sum(b.block_fill_tokens for b in reports),
     }

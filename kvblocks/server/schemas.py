@@ -288,6 +288,22 @@ class CompletionRequest(_Sampling):
         return self
 
 
+class StoreBlockRequest(_Model):
+    """`POST /v1/blocks` (kvblocks extension): a KV block (a document) to compute and store in the
+    caller tenant's block store, as text (tokenised on its own) or token ids, under `cache_salt`."""
+
+    model: str | None = None
+    text: str | None = None
+    token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _one_content(self) -> StoreBlockRequest:
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("a block needs exactly one of 'text' and 'token_ids'")
+        return self
+
+
 class ExplainRequest(_Model):
     prompt: str | list[int] | None = None
     messages: Annotated[list[ChatMessage], Field(max_length=MESSAGES_CEILING)] | None = None

@@ -39,7 +39,10 @@ COUNTERS = {
     "kvblocks_block_reused_tokens_total": "Prompt tokens whose KV came from a KV block at a new position "
     "(blended), by the tier the block's KV came from: device pool, redis, or fill (computed by the request).",
     "kvblocks_block_recomputed_tokens_total": "Prompt tokens recomputed in requests that reused KV blocks.",
-    "kvblocks_block_fill_tokens_total": "Tokens computed to store KV blocks the block store did not hold.",
+    "kvblocks_block_fill_tokens_total": "Tokens computed to store KV blocks the block store did not hold "
+    "(by requests and by POST /v1/blocks).",
+    "kvblocks_block_probe_tokens_total": "Tokens a blend ran through the first two layers to choose what to "
+    "recompute.",
     "kvblocks_block_promotions_total": "Requests whose KV blocks, marked in exact mode on the batched engine, "
     "were stored when the engine was idle, by outcome: done, dropped (too many waiting) or failed.",
     "kvblocks_spec_drafted_tokens_total": "Speculative draft tokens proposed.",
