@@ -117,6 +117,7 @@ def test_a_block_one_tenant_stored_is_invisible_to_another_and_to_another_salt(s
     [
         ({"text": "word " * (MAX_BLOCK_TOKENS + 1)}, "text", ("--max-block-tokens", str(MAX_BLOCK_TOKENS))),
         ({"token_ids": list(range(1000, 1001 + MAX_BLOCK_TOKENS))}, "token_ids", ("--max-block-tokens",)),
+        ({"text": "x" * 300_000}, "text", ("characters",)),
         ({"text": ""}, "text", ("empty",)),
         ({"token_ids": []}, "token_ids", ()),
         ({"token_ids": [-1]}, "token_ids[0]", ()),
