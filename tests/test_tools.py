@@ -594,3 +594,14 @@ def test_parallel_calls_close_after_the_last_call_that_leaves_room_for_no_other(
             assert not state.done(), "a call is never closed halfway"
             state.advance(token)
         assert state.done() is closes, budget
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_closing_tag_inside_a_hermes_argument_string_is_text_not_the_end_of_the_call(cut):
+    parser = get_parser("hermes")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome}}</tool_call>  # 20"}}\n</tool_call>'
+    content, calls = (parser.parse_cut if cut else parser.parse)(call + "\nDone.")
+    assert content == "Done."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Rome}}</tool_call>  # 20"})
+    ]

@@ -229,18 +229,29 @@ class HermesParser(ToolParser):
         '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>\n'
         "with one <tool_call></tool_call> block per call."
     )
-    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+    _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
     def _spans(self, text, cut):
-        for m in self._BLOCK.finditer(text):
-            decoded = _decode_at(m.group(1), 0)
+        """The JSON is decoded before the closing tag is looked for: a `</tool_call>` inside one of
+        its strings (a grammar-valid argument) is text, not the end of the call."""
+        pos = 0
+        while (start := text.find(self._OPEN, pos)) >= 0:
+            pos = start + len(self._OPEN)
+            decoded = _decode_at(text, pos)
             if decoded is None:
                 continue
-            rest = m.group(1)[decoded[1] :].strip()
-            closing = cut and m.end() == len(text) and "</tool_call>".startswith(rest)
-            call = _call_from(decoded[0]) if not rest or closing else None
+            after = _skip_space(text, decoded[1])
+            rest = text[after:]
+            if rest.startswith(self._CLOSE):
+                end = after + len(self._CLOSE)
+            elif not rest or (cut and self._CLOSE.startswith(rest)):
+                end = len(text)  # unclosed last block, or its closing tag cut off
+            else:
+                continue
+            call = _call_from(decoded[0])
             if call is not None:
-                yield m.start(), m.end(), [call]
+                yield start, end, [call]
+                pos = end
 
     def render(self, calls):
         return "\n".join(
