@@ -378,6 +378,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def cors_config(args: argparse.Namespace):
+    """`--allowed-origins` and its companions, or None (no CORS)."""
+    if not args.allowed_origins:
+        return None
+    from kvblocks.server.state import CorsConfig
+
+    if args.allow_credentials and "*" in args.allowed_origins:
+        raise UserError("--allow-credentials needs explicit --allowed-origins, not '*' (browsers refuse it)")
+    return CorsConfig(
+        tuple(args.allowed_origins), tuple(m.upper() for m in args.allowed_methods),
+        tuple(args.allowed_headers), args.allow_credentials,
+    )  # fmt: skip
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         sock = bind(args.host, args.port)
@@ -391,10 +405,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--read-timeout must be positive, got {args.read_timeout:g}")
     if args.drain_timeout < 0:
         raise UserError(f"--drain-timeout must be 0 or more, got {args.drain_timeout:g}")
-    if not 1024 <= args.store_max_bytes_per_tenant <= args.store_max_bytes:
-        raise UserError("need 1024 <= --store-max-bytes-per-tenant <= --store-max-bytes")
-    if args.store_ttl <= 0:
-        raise UserError(f"--store-ttl must be positive, got {args.store_ttl:g}")
     for flag, seconds in (
         ("--header-timeout", args.header_timeout),
         ("--keep-alive-timeout", args.keep_alive_timeout),
@@ -407,6 +417,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ):
         if cap < 0:
             raise UserError(f"{flag} must be 0 (no cap) or more, got {cap}")
+    cors = cors_config(args)
+    if not 1024 <= args.store_max_bytes_per_tenant <= args.store_max_bytes:
+        raise UserError("need 1024 <= --store-max-bytes-per-tenant <= --store-max-bytes")
+    if args.store_ttl <= 0:
+        raise UserError(f"--store-ttl must be positive, got {args.store_ttl:g}")
     from kvblocks import models
     from kvblocks.engine.batch import check_settings
     from kvblocks.generate.grammar import GrammarLimits
@@ -508,16 +523,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         history_window_s=args.history_window,
         kv_mode=args.kv_mode,
         blend_recompute=args.blend_recompute,
-        grammar=GrammarLimits(
-            max_bytes=args.max_schema_bytes,
-            max_depth=args.max_schema_depth,
-            compile_timeout_s=args.grammar_timeout,
-        ),
         stored_bytes_per_tenant=args.store_max_bytes_per_tenant,
         stored_bytes=args.store_max_bytes,
         stored_ttl_s=args.store_ttl,
         max_blocks=args.max_blocks,
         max_block_tokens=args.max_block_tokens,
+        cors=cors,
+        grammar=GrammarLimits(
+            max_bytes=args.max_schema_bytes,
+            max_depth=args.max_schema_depth,
+            compile_timeout_s=args.grammar_timeout,
+        ),
     )
     app = create_app(engine, config)
     stats = cache.stats()
@@ -754,6 +770,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a stored /v1/responses entry is kept (default 3600)",
     )
+    sv.add_argument(
+        "--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+        help="browser origins (e.g. https://app.example.com, or '*') allowed to call the server: CORS "
+        "headers and preflights (default: none, the server sends no CORS headers)",
+    )  # fmt: skip
+    sv.add_argument(
+        "--allowed-methods", nargs="+", default=["GET", "POST", "DELETE", "OPTIONS"], metavar="METHOD",
+        help="methods a browser origin may use (default GET POST DELETE OPTIONS)",
+    )  # fmt: skip
+    sv.add_argument(
+        "--allowed-headers", nargs="+", default=["*"], metavar="HEADER",
+        help="request headers a browser origin may send (default: any)",
+    )  # fmt: skip
+    sv.add_argument(
+        "--allow-credentials", action="store_true",
+        help="let browsers send cookies and HTTP auth with CORS requests (not needed for API keys)",
+    )  # fmt: skip
     sv.add_argument("--history-interval", type=float, default=5.0, metavar="SECONDS",
                     help="seconds between the samples of /v1/cache/history (default 5)")  # fmt: skip
     sv.add_argument("--history-window", type=float, default=6 * 3600, metavar="SECONDS",
@@ -904,29 +937,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="generations one request may start (prompts x best_of, or n); more is a 400 (default 256)",
     )
     sv.add_argument(
-        "--max-messages",
-        type=int,
-        default=2048,
-        metavar="N",
-        help="messages in one chat request (a Responses conversation included); more is a 400 (default "
-        "2048, as OpenAI; at most 16384)",
-    )
-    sv.add_argument(
-        "--max-input-items",
-        type=int,
-        default=2048,
-        metavar="N",
-        help="items in one /v1/responses input; more is a 400 (default 2048, at most 16384)",
-    )
-    sv.add_argument(
-        "--max-content-parts",
-        type=int,
-        default=8192,
-        metavar="N",
-        help="content parts over all the messages or input items of one request; more is a 400 "
-        "(default 8192)",
-    )
-    sv.add_argument(
         "--max-schema-bytes",
         type=int,
         default=SCHEMA_BYTES,
@@ -949,6 +959,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds a grammar may take to compile; longer is a 400 naming the field "
         f"(default {GRAMMAR_TIMEOUT_S:g})",
+    )
+    sv.add_argument(
+        "--max-messages",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="messages in one chat request (a Responses conversation included); more is a 400 (default "
+        "2048, as OpenAI; at most 16384)",
+    )
+    sv.add_argument(
+        "--max-input-items",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="items in one /v1/responses input; more is a 400 (default 2048, at most 16384)",
+    )
+    sv.add_argument(
+        "--max-content-parts",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="content parts over all the messages or input items of one request; more is a 400 "
+        "(default 8192)",
     )
     sv.add_argument(
         "--otlp-traces-endpoint",

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
 from kvblocks.engine.loop import Engine
@@ -85,6 +86,13 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     openapi.install(app, keyed=config.keys is not None, model_name=config.model_name)
     guard = GuardConfig(config.keys, config.max_body_bytes, config.read_timeout_s, served.admission)
     app.add_middleware(RequestGuard, config=guard)
+    if config.cors is not None:  # outermost: preflights carry no API key, and errors get the headers too
+        cors = config.cors
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
+            allow_headers=list(cors.headers), allow_credentials=cors.credentials,
+            expose_headers=["Retry-After"],
+        )  # fmt: skip
     return app
 
 

@@ -24,6 +24,16 @@ from kvblocks.server.response_store import ResponseStore
 from kvblocks.telemetry.history import History
 
 
+@dataclass(slots=True, frozen=True)
+class CorsConfig:
+    """Which browser origins may call the server (`--allowed-origins`), as vLLM names the options."""
+
+    origins: tuple[str, ...]
+    methods: tuple[str, ...] = ("GET", "POST", "DELETE", "OPTIONS")
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+
 @dataclass(slots=True)
 class ServerConfig:
     """`keys` None: an open server (every caller is an admin of the default tenant)."""
@@ -43,13 +53,14 @@ class ServerConfig:
     vllm_metrics: bool = True  # /metrics also under vLLM's names (kvblocks.telemetry.vllm_metrics)
     kv_mode: str = "exact"  # how KV blocks are reused when a request does not say (--kv-mode)
     blend_recompute: float = 0.15  # --blend-recompute
-    caps: CountCaps = field(default_factory=CountCaps)  # --max-messages, --max-input-items, ...
-    grammar: GrammarLimits = DEFAULT_LIMITS  # --max-schema-bytes, --max-schema-depth, --grammar-timeout
     stored_bytes_per_tenant: int = 64 << 20  # stored /v1/responses (--store-max-bytes-per-tenant)
     stored_bytes: int = 512 << 20  # all tenants' together (--store-max-bytes)
     stored_ttl_s: float = 3600.0  # --store-ttl
+    caps: CountCaps = field(default_factory=CountCaps)  # --max-messages, --max-input-items, ...
     max_blocks: int = 64  # KV blocks in one request (--max-blocks)
     max_block_tokens: int | None = None  # their tokens in all (--max-block-tokens; None: the model's context)
+    cors: CorsConfig | None = None  # --allowed-origins (None: no CORS headers, browsers are refused)
+    grammar: GrammarLimits = DEFAULT_LIMITS  # --max-schema-bytes, --max-schema-depth, --grammar-timeout
 
 
 @dataclass(slots=True)
@@ -69,8 +80,8 @@ class Served:
     tokenize_gate: FairGate = field(init=False)
     history: History | None = None
     pins: PrefixPins | None = None  # `cache_control` pins, made on first use (None: no cache)
-    fingerprint: str | None = None  # `system_fingerprint()`, once computed
     responses: ResponseStore | None = None  # stored /v1/responses, made on first use
+    fingerprint: str | None = None  # `system_fingerprint()`, once computed
 
     def __post_init__(self) -> None:
         keys = self.config.keys
