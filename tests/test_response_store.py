@@ -60,7 +60,7 @@ def test_a_tenant_over_its_budget_loses_its_own_oldest_entries_and_no_other_tena
         assert fit == 3
         assert ids(store, "b") == ["b0", "b1", "b2"]
         assert ids(store, "a") == ["a7", "a8", "a9"]
-        assert store.evicted["tenant_bytes"] == 7
+        assert store.evicted["own_budget"] == 7
 
     run(main())
 
@@ -78,7 +78,7 @@ def test_over_the_total_the_tenant_most_over_its_weighted_share_loses_its_oldest
         assert ids(store, "heavy") == [f"heavy{i}" for i in range(5)], "3 x a's share: kept whole"
         assert ids(store, "b") == ["b0"], "the smallest holder lost nothing"
         assert ids(store, "a") == ["a2", "a3", "a4"]
-        assert store.evicted["total_bytes"] == 2
+        assert store.evicted["server_budget"] == 2
 
     run(main())
 
@@ -102,7 +102,7 @@ def test_the_count_per_tenant_still_holds():
         store = ResponseStore(per_tenant=3)
         for i in range(5):
             store.put("a", f"a{i}", conversation(10), {})
-        assert ids(store, "a") == ["a2", "a3", "a4"] and store.evicted["tenant_count"] == 2
+        assert ids(store, "a") == ["a2", "a3", "a4"] and store.evicted["count_cap"] == 2
 
     run(main())
 

@@ -128,7 +128,7 @@ def test_a_tenant_storing_past_its_budget_loses_only_its_own_oldest_entries(serv
     assert stored_bytes(server)["c"] <= PER_TENANT
     assert kept(server, "b", others) == [True, True]
     assert stored_bytes(server)["b"] == before
-    assert metric(server, 'kvblocks_stored_responses_evicted_total{reason="tenant_bytes"}') >= 1
+    assert metric(server, 'kvblocks_stored_responses_evicted_total{reason="own_budget"}') >= 1
 
 
 def test_a_conversation_over_the_budget_before_any_output_is_a_400_naming_store(server):
@@ -193,7 +193,7 @@ def test_over_the_total_the_tenant_most_over_its_share_loses_its_oldest(tmp_path
         assert sum(held.values()) <= PER_TENANT, held
         assert kept(server, "b", b_ids) == [True] and kept(server, "c", c_ids) == [True]
         assert kept(server, "a", a_ids)[0] is False and kept(server, "a", a_ids)[-1] is True
-        assert metric(server, 'kvblocks_stored_responses_evicted_total{reason="total_bytes"}') >= 1
+        assert metric(server, 'kvblocks_stored_responses_evicted_total{reason="server_budget"}') >= 1
     finally:
         stop_cleanly(server)
 

@@ -31,7 +31,7 @@ STORED_BYTES_TOTAL = 512 << 20
 # What an entry costs besides its JSON: its id, the Stored record, the dict slot and two bytes
 # headers (measured with sys.getsizeof: about 400 bytes), so a budget bounds empty entries too.
 ENTRY_OVERHEAD = 512
-EVICTION_REASONS = ("expired", "tenant_count", "tenant_bytes", "total_bytes")
+EVICTION_REASONS = ("expired", "count_cap", "own_budget", "server_budget")
 log = logging.getLogger("kvblocks.server")
 
 
@@ -109,13 +109,13 @@ class ResponseStore:
         self.sweep()
         kept = self._kept.setdefault(tenant, OrderedDict())
         while kept and len(kept) >= self.per_tenant:
-            self._drop_oldest(tenant, "tenant_count")
+            self._drop_oldest(tenant, "count_cap")
         while kept and self._bytes.get(tenant, 0) + size > self.per_tenant_bytes:
-            self._drop_oldest(tenant, "tenant_bytes")
+            self._drop_oldest(tenant, "own_budget")
         self._kept.setdefault(tenant, OrderedDict())[response_id] = entry  # `kept` went if emptied
         self._charge(tenant, size)
         while self._total > self.total_bytes:
-            self._drop_oldest(self._most_over_share(), "total_bytes")
+            self._drop_oldest(self._most_over_share(), "server_budget")
         self._arm_timer()
         return response_id in self._kept.get(tenant, ())
 

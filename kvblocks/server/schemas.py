@@ -304,6 +304,34 @@ class StoreBlockRequest(_Model):
         return self
 
 
+# Here, not beside their routes: the body-parsing workers unpickle request models by module, and a
+# route module would import torch into every worker.
+class TokenizeRequest(_Model):
+    """vLLM's `/tokenize`: a completion `prompt` or chat `messages` (with `tools`), never both."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MESSAGES_CEILING)] | None = None
+    tools: list[Tool] | None = None
+    add_special_tokens: bool | None = None  # None: vLLM's default, True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 class ExplainRequest(_Model):
     prompt: str | list[int] | None = None
     messages: Annotated[list[ChatMessage], Field(max_length=MESSAGES_CEILING)] | None = None

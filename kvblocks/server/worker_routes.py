@@ -11,10 +11,8 @@ ids a router hashes are exactly the ids this server prefills and its cache match
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from kvblocks import __version__
@@ -32,45 +30,14 @@ from kvblocks.server.openai_routes import (
 )
 from kvblocks.server.openapi import answers, json_body
 from kvblocks.server.schemas import (
-    MESSAGES_CEILING,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
-    Tool,
+    DetokenizeRequest,
+    TokenizeRequest,
 )
 from kvblocks.server.state import Served, caller, require_engine_view, served
 
 router = APIRouter()
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # as schemas._Model: no coercion
-
-
-class TokenizeRequest(_Body):
-    """vLLM's `/tokenize`: a completion `prompt` or chat `messages` (with `tools`), never both."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MESSAGES_CEILING)] | None = None
-    tools: list[Tool] | None = None
-    add_special_tokens: bool | None = None  # None: vLLM's default, True for a prompt, False for messages
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    return_token_strs: bool | None = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
-        return self
-
-
-class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 # ---- registration and load --------------------------------------------------------------------

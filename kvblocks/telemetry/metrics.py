@@ -362,8 +362,8 @@ class TenantHoldingsCollector(Collector):
         yield refused
         evicted = CounterMetricFamily(
             "kvblocks_stored_responses_evicted",
-            "Stored /v1/responses dropped before being deleted, by reason: expired, tenant_count, "
-            "tenant_bytes (the tenant's own budget), total_bytes (the server's).",
+            "Stored /v1/responses dropped before being deleted, by reason: expired, count_cap (the "
+            "tenant's entry cap), own_budget (the tenant's byte budget), server_budget (the server's).",
             labels=["reason"],
         )
         for reason, value in held["stored_evicted"].items():
