@@ -21,7 +21,8 @@ stack. It then compiles on a thread of its own whose stack fits what the limits 
 per level measured, given 32 KB), within a time budget. A compile past its budget cannot be
 interrupted (it runs in Rust without the GIL): its request is refused at once, the thread finishes
 in the background (llguidance's own limits bound it) and its result is dropped; it keeps one of the
-`MAX_COMPILING` places until then, so runaway compiles cannot pile up. llguidance's parser limits
+`MAX_COMPILING` places until then, so runaway compiles cannot pile up, and the process waits for it
+when it exits. llguidance's parser limits
 (`LLParserLimits`) bound the lexer and parser work of every token; a grammar that hits them while
 decoding ends its request with a `ConstraintError`.
 """
@@ -251,7 +252,9 @@ def bounded(fn: Callable[[], T], limits: GrammarLimits, what: str) -> T:
     with _stack_lock:  # the size applies to threads started while it is set
         previous = threading.stack_size(limits.stack_bytes)
         try:
-            thread = threading.Thread(target=run, name="kvblocks-grammar", daemon=True)
+            # not a daemon: an exiting interpreter waits for it (finalizing under a compile running
+            # in Rust crashed the process, SIGSEGV at exit)
+            thread = threading.Thread(target=run, name="kvblocks-grammar")
             thread.start()
         except BaseException:  # no thread (out of memory or threads): its place goes back
             _compiling.release()
@@ -354,8 +357,8 @@ def _compile(
     ll = ll_tokenizer(tokenizer)  # outside the budget: built once per tokenizer
     parser_limits = limits.parser_limits()
     matcher = bounded(lambda: LLMatcher(ll, grammar, log_level=0, limits=parser_limits), limits, what)
-    if matcher.is_error():
-        raise GrammarError(f"invalid {what}: {matcher.get_error().strip()}")
+    if matcher.is_error():  # a panic inside llguidance comes with a backtrace: not the client's business
+        raise GrammarError(f"invalid {what}: {matcher.get_error().split('<backtrace>')[0].strip()}")
     return GrammarFactory(matcher, ll.vocab_size, vocab_size, param)
 
 
