@@ -269,7 +269,11 @@ def victim_turn(server: Service, args, tally: Tally, i: int) -> None:
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
-                delta = json.loads(line[6:])["choices"][0]["delta"] if json.loads(line[6:])["choices"] else {}
+                chunk = json.loads(line[6:])
+                if "error" in chunk:  # the stream failed after its 200
+                    tally.add("good_5xx", f"victim: error event {chunk['error']}")
+                    return
+                delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
                 if delta.get("content") and first is None:
                     first = time.perf_counter() - start
                 text += delta.get("content") or ""

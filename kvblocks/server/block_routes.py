@@ -26,6 +26,7 @@ from kvblocks.server.openai_routes import (
     cancel_on_disconnect,
     check_model,
     engine_failure,
+    shut_down_before,
 )
 from kvblocks.server.openapi import answers, json_body
 from kvblocks.server.schemas import StoreBlockRequest
@@ -89,10 +90,7 @@ async def run_stored(s: Served, request: Request, ids: list[int], salt) -> Store
     if item is None:  # the client went away; nobody reads this
         raise APIError(499, "client closed the request", code="client_closed_request")
     if item is SHUTTING_DOWN:
-        raise APIError(
-            503, "the server shut down before this block was stored (its --drain-timeout ran out)",
-            type_="server_error", code="server_shutting_down",
-        )  # fmt: skip
+        raise shut_down_before("this block was stored")
     if isinstance(item, BaseException):
         raise engine_failure(item)
     return item

@@ -40,6 +40,14 @@ SEED_SPACE = 1 << 64
 SHUTTING_DOWN = object()  # put in a branch's inbox by `Submitted.end`
 
 
+def shut_down_before(what: str) -> APIError:
+    """What a request the drain ended gets (its stream, an error event)."""
+    return APIError(
+        503, f"the server shut down before {what} (its --drain-timeout ran out)",
+        type_="server_error", code="server_shutting_down",
+    )  # fmt: skip
+
+
 @router.get("/v1/models")
 async def list_models(request: Request):
     return {"object": "list", "data": [model_card(served(request))]}
@@ -522,10 +530,7 @@ class Submitted:
                 if item is None:  # cancelled: the client went away
                     return
                 if item is SHUTTING_DOWN:
-                    raise APIError(
-                        503, "the server shut down before this request finished (its --drain-timeout ran out)",
-                        type_="server_error", code="server_shutting_down",
-                    )  # fmt: skip
+                    raise shut_down_before("this request finished")
                 if isinstance(item, BaseException):
                     raise engine_failure(item)
                 yield item
