@@ -250,9 +250,11 @@ def test_a_full_tenant_queue_is_a_429_with_retry_after_and_nothing_runs(server):
 
 
 def test_a_flooding_tenant_does_not_hold_up_another(server):
+    # four replies one after another (max_running 1) take seconds, so the victim's short request,
+    # sent half a second in, ends long before the last of them unless it waits behind the flood
     def flood(i: int) -> float:
         with client(server, "flood") as c:
-            c.completions.create(model="tiny", prompt=f"flood {i} " * 20, max_tokens=48, temperature=0)
+            c.completions.create(model="tiny", prompt=f"flood {i} " * 20, max_tokens=150, temperature=0)
         return time.perf_counter()
 
     with ThreadPoolExecutor(4) as pool:
