@@ -60,11 +60,24 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
+# One server-sent event, as clients (and schemathesis) parse it: `data` is a JSON text or `[DONE]`.
+SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
+
+
 def answers(*statuses: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:
     """`responses` for a route that answers `statuses` besides 200; `stream`: its 200 may be SSE."""
     out: dict[int | str, dict[str, Any]] = {status: error_answer(status) for status in statuses}
     if stream:
-        sse = {"text/event-stream": {"schema": {"type": "string"}}}
+        sse = {"text/event-stream": {"schema": SSE_EVENT}}
         out[200] = {
             "description": "A JSON object, or server-sent events when `stream` is true",
             "content": sse,
