@@ -73,6 +73,10 @@ MESSAGES_CEILING = 16384
 INPUT_ITEMS_CEILING = 16384
 
 
+# One bound for every route that names a cache inside the tenant (chat, completions, /v1/blocks, explain).
+CacheSalt = Annotated[str, Field(max_length=256)]
+
+
 class _Model(BaseModel):
     """Strict: a value of the wrong JSON type is a 400, never coerced ("1" is not an integer, 1 is
     not a boolean), so the published schema is the whole truth about what is accepted."""
@@ -212,7 +216,7 @@ class _Sampling(_Model):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = 1.0
     min_tokens: Annotated[int, Field(ge=0)] | None = 0
     ignore_eos: bool | None = False
-    cache_salt: Annotated[str, Field(max_length=256)] | None = None
+    cache_salt: CacheSalt | None = None
     # kvblocks extension: how KV blocks (`kvblocks_block` parts, `prompt_blocks`) are reused; None:
     # the server's --kv-mode / --blend-recompute
     kv_mode: Literal["exact", "blend", "concat"] | None = None
@@ -295,7 +299,7 @@ class StoreBlockRequest(_Model):
     model: str | None = None
     text: str | None = None
     token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
 
     @model_validator(mode="after")
     def _one_content(self) -> StoreBlockRequest:
@@ -340,7 +344,7 @@ class ExplainRequest(_Model):
     prompt_blocks: Annotated[list[PromptSegment], Field(min_length=1)] | None = None
     kv_mode: Literal["exact", "blend", "concat"] | None = None
     blend_recompute: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     # what the request would ask for that changes how the cache is used
     echo_logprobs: bool = False
     # encoder-decoder models: the decoder's prefix (`prompt` is the source)
