@@ -288,8 +288,13 @@ def test_serving_or_generating_with_a_name_not_pulled_says_how_to_pull_it(home, 
         models.gguf_for(NAME)
 
 
-def test_a_local_folder_still_wins_over_a_registered_name(home, tmp_path, monkeypatch):
+def test_a_local_folder_still_wins_over_a_registered_name_for_weights_and_gguf(home, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / NAME).mkdir()
     assert models.resolve(NAME) == NAME
     assert models.resolve("org/some-model") == "org/some-model"
+    with pytest.raises(models.ModelLoadError, match="no GGUF for"):
+        models.gguf_for(NAME)
+    (tmp_path / NAME / models.GGUF_FILE).write_bytes(b"GGUF")
+    assert models.gguf_for(NAME) == Path(NAME) / models.GGUF_FILE
+    assert models.gguf_for(None) == models.gguf_path()
