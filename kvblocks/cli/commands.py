@@ -15,7 +15,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="local transformers model path or hub id (default: SmolLM2-135M-Instruct)",
+        help="a pulled model's name (kvblocks models list), a local transformers model path or a hub id "
+        "(default: SmolLM2-135M-Instruct)",
     )
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or float64")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: cpu)")
@@ -995,8 +996,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve)
 
     from kvblocks.cli.client import add_inspect_parsers
+    from kvblocks.cli.models import add_models_parser
 
     add_inspect_parsers(sub)
+    add_models_parser(sub)
 
     b = sub.add_parser(
         "bench",
