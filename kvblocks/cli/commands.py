@@ -206,6 +206,8 @@ def half_refusal(args: argparse.Namespace, dtype: str) -> str | None:
     ):
         if serial:
             return f"is exact only in the batch-invariant packed engine, which {flag} turns off"
+    if args.draft:  # a round is one segment, not cut where the engine cuts prompts
+        return "is not exact with --draft: speculative rounds round otherwise than one token a step"
     try:
         config = AutoConfig.from_pretrained(models.resolve(args.model))
     except (OSError, ValueError):
