@@ -509,7 +509,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"{exc}{'; or pass --no-batch-invariant' if 'invariant' in str(exc) else ''}"
         ) from exc
     cuda_graphs(args)  # refused off CUDA before the model loads
-    serve_dtype(args)
     if args.otlp_traces_endpoint:
         from kvblocks.telemetry import tracing
 
@@ -550,6 +549,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be at least 1, got {value}")
     if args.kv_events_endpoint and args.no_cache:
         raise UserError("--kv-events-endpoint reports what the cache holds: drop --no-cache")
+    serve_dtype(args)  # the last check before the model loads: it reads the model's config
     publisher = None
     if args.kv_events_endpoint:
         from kvblocks.telemetry.kv_events import KVEventPublisher
