@@ -28,6 +28,10 @@ DTYPES = {
 }
 
 
+# x86 CPU flags of bfloat16 dot products in hardware (AVX512-BF16; AMX-BF16 on Sapphire Rapids on)
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
 class ModelLoadError(RuntimeError):
     """The model could not be found or loaded; the message says what to install or pass."""
 
@@ -269,6 +273,28 @@ def load(model: str | None = None, dtype: str = "float32", device: str = "cpu"):
     if model in (None, "", "default", "smollm2"):
         lm.config.name_or_path = DEFAULT_MODEL
     return lm, tokenizer
+
+
+def native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware: a flag of `NATIVE_BF16_FLAGS` in
+    `/proc/cpuinfo` on Linux, elsewhere torch's own CPU feature check. Without them oneDNN emulates
+    bf16 in float32 units, and bf16 runs no faster than float32."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:  # not Linux
+        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(getattr(torch.cpu, name, bool)() for name in checks)
+    flags = {
+        f for line in text.splitlines() if line.startswith("flags") for f in line.partition(":")[2].split()
+    }
+    return not flags.isdisjoint(NATIVE_BF16_FLAGS)
+
+
+def default_dtype(device: str = "cpu") -> str:
+    """The dtype a model runs in when none is asked for (`--dtype auto`): bfloat16 on a CPU with
+    native BF16 (1.4-1.5x float32's tokens/s there, BENCHMARKS.md, dtype), else float32. On a GPU
+    float32: there bf16 rows differ alone and in a batch, so cached = uncached is not kept."""
+    return "bfloat16" if device.split(":")[0] == "cpu" and native_bf16() else "float32"
 
 
 def _auto_class(path: str):

@@ -80,8 +80,11 @@ def start_server(
     `api_key` is only what the tests send; pass `--api-key` in `args` or KVBLOCKS_API_KEY in `env`
     to make the server require it. `command` is the `kvblocks` to run (this environment's by default).
     `stdout_to_log`: stdout goes to the log `stderr()` reads too (uvicorn's access log, with
-    `--log-level info`).
+    `--log-level info`). Without a `--dtype` in `args` the server runs float32, the dtype the tests'
+    in-process references compute in (`--dtype auto` has tests of its own in tests/test_dtype.py).
     """
+    if not any(a == "--dtype" or a.startswith("--dtype=") for a in args):
+        args = (*args, "--dtype", "float32")
     port = free_port()
     fd, name = tempfile.mkstemp(prefix="kvblocks-serve-", suffix=".stderr")
     with os.fdopen(fd, "wb") as stderr:

@@ -168,16 +168,17 @@ def test_a_request_waits_for_room_instead_of_being_admitted_to_preempt_another()
     no_leaks(engine.cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("arch", "attention"), [(arch, None) for arch in PACKED_ARCHS] + [("llama", "per-segment")]
 )
-def test_batch_invariant_mode_gives_each_request_the_bits_it_gets_alone(arch, attention, monkeypatch):
+def test_batch_invariant_mode_gives_each_request_the_bits_it_gets_alone(arch, attention, dtype, monkeypatch):
     """fp32, logprobs compared bit for bit: alone (one request in an empty cache, whole prompt in one
     step) and together (shared prefixes hit, prompts cut by a small budget among decodes). The
     default attention is the invariant cascade, here with blocks of 64, 32 and 16 positions so that these
     prompts have blocks read in place (a stored prefix) and gathered (a request's own)."""
     monkeypatch.setattr(paged, "CASCADE_BLOCKS", (64, 32, 16))
-    model = tiny_model(arch, torch.float32)
+    model = tiny_model(arch, dtype)
     prompts = [p * 3 for p in workload(seed=8)]  # 27 to 80 tokens: several 16-token chunks each
     params = GenerationParams(max_new_tokens=8, logprobs=3)
 

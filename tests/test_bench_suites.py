@@ -154,6 +154,13 @@ def test_packed_suite_decodes_the_same_tokens_both_ways_on_a_tiny_model(tmp_path
     assert found["decode throughput, packed / one at a time"] > 0
 
 
+def test_dtype_suite_times_both_dtypes_in_decode_and_prefill_on_a_tiny_model(tmp_path, capsys):
+    sizes = ["--requests", "3", "--context", "70", "--steps", "2", "--prompt", "130", "--runs", "2"]
+    summary = run_suite(tmp_path, capsys, "dtype", "--model", str(tiny_model_dir()), *sizes)
+    for name in ("dtype-decode-3", "dtype-decode-1", "dtype-prefill"):
+        assert checks(summary, name)["tokens/s, bfloat16 / float32"] > 0
+
+
 def test_packed_decode_over_a_shared_prefix_reports_where_a_step_goes(tmp_path, capsys):
     """--shared stores the common prefix once (cascade attention reads it for every request);
     --profile adds the attention share and the FLOP/s against the matmul peak."""

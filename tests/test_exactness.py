@@ -16,8 +16,8 @@ references that use plain transformers and no kvblocks code:
   stored: the trie keeps the KV of the first request that computed a token and never overwrites
   it (later requests recompute at most their last prompt token, which is already stored), and
   the eviction test reuses only survivors of the first request. Every forward call then sees
-  the same inputs of the same shapes, so the logits are bit-identical (`torch.equal`, float32
-  and float64) exactly when what the cache re-attached is bit for bit the state that was computed.
+  the same inputs of the same shapes, so the logits are bit-identical (`torch.equal`, float32,
+  float64 and bfloat16) exactly when what the cache re-attached is bit for bit the state that was computed.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from transformers import DynamicCache
 
 from kvblocks import CachedGenerator, GenerationResult, KVCacheTrie
 
-DTYPES = [torch.float32, torch.float64]
+# bfloat16: replayed bit for bit (the trie re-attaches exactly what was computed), but not asked to
+# equal one-shot: with 8 mantissa bits the other shapes of a one-shot prefill flip greedy tokens
+# (SmolLM2: 5 of 8 replies; tests/test_dtype.py has the engine that keeps bf16 exact end to end).
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 NEW_TOKENS = 5
 # bloom's attention is hard-coded eager with a float32 softmax, so even in float64 plain
 # transformers gives ~5e-10 different logits for a prompt prefilled in two calls than in one.
@@ -122,6 +125,8 @@ class Harness:
                 f"{(got - want).abs().max().item():.3e} (hit {result.cached_tokens} of {len(ids)})"
             )
 
+        if self.dtype == torch.bfloat16:  # one-shot rounds by other shapes: greedy flips (DTYPES)
+            return result
         reference = one_shot(self.model, ids, n)
         assert result.token_ids == reference.tokens
         if self.dtype == torch.float64:

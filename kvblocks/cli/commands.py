@@ -18,7 +18,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="a pulled model's name (kvblocks models list), a local transformers model path or a hub id "
         "(default: SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or float64")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (default: bfloat16 on a CPU with native BF16 where `kvblocks serve` runs its batch-invariant "
+        "packed engine, else float32), float32, bfloat16, float16 or float64",
+    )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: cpu)")
     p.add_argument(
         "--capacity",
@@ -157,6 +162,70 @@ def batch_invariant(args: argparse.Namespace) -> bool:
             "bit-identical alone and in a batch (BENCHMARKS.md, GPU); drop the flag"
         )
     return on_cpu if args.batch_invariant is None else args.batch_invariant
+
+
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def serve_dtype(args: argparse.Namespace) -> str:
+    """--dtype of `kvblocks serve`, `auto` decided (`models.default_dtype`, then float32 wherever a
+    half dtype would not keep the server's guarantees); an explicit half dtype is refused there by
+    name. Sets `args.dtype` (drafters load in it too)."""
+    from kvblocks import models
+
+    asked = args.dtype
+    if asked != "auto" and asked not in models.DTYPES:
+        raise UserError(f"unknown --dtype '{asked}'; choose auto or one of {', '.join(models.DTYPES)}")
+    dtype = models.default_dtype(args.device) if asked == "auto" else asked
+    why = half_refusal(args, dtype) if dtype in HALF_DTYPES else None
+    if why is not None and asked != "auto":
+        raise UserError(f"--dtype {asked}: {why}; use --dtype float32")
+    if why is not None:
+        print(f"kvblocks: --dtype auto: float32, as {dtype} {why}", file=sys.stderr, flush=True)
+        dtype = "float32"
+    args.dtype = dtype
+    return dtype
+
+
+def half_refusal(args: argparse.Namespace, dtype: str) -> str | None:
+    """Why a half dtype would not keep cached = uncached and batched = alone in this configuration
+    (None: it keeps both). Only the batch-invariant packed engine does: its rows round the same
+    whatever else runs (fixed cuts, at least `MIN_ROWS` rows per product), so a request rounds as
+    it would alone and uncached; one request per forward rounds by the shapes a cache hit leaves."""
+    import torch
+    from transformers import AutoConfig
+
+    from kvblocks import models
+    from kvblocks.engine import paged
+
+    if args.device.split(":")[0] != "cpu":
+        return f"is not exact on {args.device}: a request's rows differ alone and in a batch (BENCHMARKS.md, GPU)"
+    for flag, serial in (
+        ("--no-cache", args.no_cache),
+        ("--max-batch-size 1", batch_size(args) == 1),
+        ("--no-batch-invariant", not batch_invariant(args)),
+    ):
+        if serial:
+            return f"is exact only in the batch-invariant packed engine, which {flag} turns off"
+    if args.draft:  # a round is one segment, not cut where the engine cuts prompts
+        return "is not exact with --draft: speculative rounds round otherwise than one token a step"
+    try:
+        config = AutoConfig.from_pretrained(models.resolve(args.model))
+    except (OSError, ValueError):
+        return None  # the model load reports it
+    kind = getattr(config, "model_type", None)
+    if kind not in paged.SUPPORTED:
+        return f"is exact only in the batch-invariant packed engine, which model type '{kind}' has no path to"
+    torch.set_num_threads(max(1, args.threads))  # the probes see the server's kernels
+    half, width = models.DTYPES[dtype], config.hidden_size
+    dim = getattr(config, "head_dim", None) or width // config.num_attention_heads
+    if not (
+        paged.probe_row_invariance("cpu", half, width) and paged.probe_blocks_invariance("cpu", half, dim)
+    ):
+        return (
+            "is not batch-invariant on this CPU (paged.probe_row_invariance / probe_blocks_invariance fail)"
+        )
+    return None
 
 
 def cuda_graphs(args: argparse.Namespace) -> bool | None:
@@ -316,6 +385,8 @@ def plain_generator(model, tokenizer, cache):
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvblocks import PromptError
 
+    if args.dtype == "auto":  # one request per forward: a half dtype rounds by the shapes a hit leaves
+        args.dtype = "float32"
     model, tokenizer, cache = load_stack(args)
     encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
     show = DraftPainter(tokenizer) if args.show_drafts and args.draft else None
@@ -479,6 +550,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be at least 1, got {value}")
     if args.kv_events_endpoint and args.no_cache:
         raise UserError("--kv-events-endpoint reports what the cache holds: drop --no-cache")
+    serve_dtype(args)  # the last check before the model loads: it reads the model's config
     publisher = None
     if args.kv_events_endpoint:
         from kvblocks.telemetry.kv_events import KVEventPublisher
@@ -539,7 +611,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(engine, config)
     stats = cache.stats()
     print(
-        f"kvblocks: serving {name} on http://{args.host}:{args.port} "
+        f"kvblocks: serving {name} in {args.dtype} on http://{args.host}:{args.port} "
         f"(cache {stats['capacity_tokens']} tokens, {stats['capacity_bytes'] / 2**20:.0f} MiB"
         f"{', redis ' + args.redis if args.redis else ''}{', draft ' + args.draft if args.draft else ''}"
         f"{', KV events on ' + args.kv_events_endpoint if args.kv_events_endpoint else ''}"

@@ -81,12 +81,14 @@ async def model_info(request: Request):
 
 
 def identity(s: Served) -> dict:
-    """The name clients send as `model`, and where the weights and the tokenizer were loaded from."""
+    """The name clients send as `model`, where the weights and the tokenizer were loaded from, and
+    the dtype the model runs in (`--dtype auto` decides it per machine)."""
     model = s.gen.model
     return {
         "served_model_name": s.config.model_name,
         "model_path": getattr(model, "name_or_path", "") or model.config._name_or_path,
         "tokenizer_path": s.gen.tokenizer.name_or_path,
+        "dtype": str(model.dtype).removeprefix("torch."),
     }
 
 
