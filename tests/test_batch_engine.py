@@ -491,3 +491,34 @@ def test_the_slot_machine_preempts_in_some_examples():
     PREEMPTED.clear()
     TestSlotOwnership().runTest()
     assert sum(n > 0 for n in PREEMPTED) >= 3, PREEMPTED
+
+
+def test_a_hit_on_a_prompt_that_ended_between_cuts_gives_the_bits_of_no_hit():
+    """A prompt of 70 tokens is stored; a longer one hits its 70 and computes on from there. Every
+    prompt row is attended by the same kernel however the prompt was cut (the default cut is the CPU
+    kernel's width), so the hit gives the bits the longer prompt gets uncached. With cuts every 64
+    positions the stored prompt's last 6 rows took the kernel and the uncached ones the cascade: the
+    logprobs differed in their last bits."""
+    model = tiny_model("llama", torch.float32)
+    rng = np.random.default_rng(5)
+    short = rng.integers(3, VOCAB, 70).tolist()
+    long = short + rng.integers(3, VOCAB, 30).tolist()
+    params = GenerationParams(max_new_tokens=6, logprobs=3)
+
+    def engine() -> BatchEngine:
+        gen = CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, capacity_tokens=1024))
+        return BatchEngine(gen, max_batch_size=2, max_batch_tokens=100, invariant=True).start()
+
+    fresh = engine()
+    try:
+        (uncached,) = run_all(fresh, [long], [params])
+    finally:
+        fresh.stop()
+    warm = engine()
+    try:
+        run_all(warm, [short], [GenerationParams(max_new_tokens=1)])
+        (hit,) = run_all(warm, [long], [params])
+    finally:
+        warm.stop()
+    assert hit["result"].cached_tokens == 70 and uncached["result"].cached_tokens == 0
+    assert hit["exact"] == uncached["exact"]

@@ -274,3 +274,24 @@ def test_the_decode_heavy_load_needs_the_batched_server(capsys):
     args = ["bench", "server", "--model", str(tiny_model_dir()), "--decode-heavy", "8", "--batch-size", "1"]
     assert main([*args, *QUIET]) == 2
     assert "--decode-heavy runs on the batched server" in capsys.readouterr().err
+
+
+def test_packed_flood_suite_times_a_victim_beside_a_flooder_on_a_tiny_model(tmp_path, capsys):
+    args = [
+        "packed",
+        "--model",
+        str(tiny_model_dir()),
+        "--flood-seconds",
+        "1",
+        "--flood-rounds",
+        "1",
+        "--flood-system",
+        "100",
+    ]
+    found = checks(run_suite(tmp_path, capsys, *args, "--only", "flood"), "flood")
+    for variant in (
+        "server default (16-token cuts, one cut while contended)",
+        "before (64-token cuts, shares only)",
+    ):
+        assert found[f"victim TTFT p99 beside the flooder / idle, {variant}"] > 0
+        assert found[f"flooder tokens/s, {variant}"] > 0

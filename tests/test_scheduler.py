@@ -11,7 +11,7 @@ from kvblocks import GenerationParams, KVCacheTrie
 from kvblocks.engine.admission import TenantLimits, WaitingRoom
 from kvblocks.engine.ledger import TenantLedger
 from kvblocks.engine.request import Options, Request
-from kvblocks.engine.scheduler import FULL_BATCH_TOKENS, RECENT_S, BatchLimits, Scheduler
+from kvblocks.engine.scheduler import CHUNK, FULL_BATCH_TOKENS, NEAR, RECENT_S, BatchLimits, Scheduler
 from kvblocks.engine.sequence import Sequence
 from kvblocks.engine.slots import SlotManager
 from kvblocks.generate.decoding import Decoding
@@ -60,12 +60,12 @@ def test_decodes_come_first_then_the_shortest_prefill_under_the_budget():
 
 def test_a_first_token_one_short_step_away_holds_long_prefills_back_a_bounded_number_of_steps():
     sched = scheduler(max_batch_tokens=100, chunk=4, max_wait_steps=2)
-    near, long = sequence(3), sequence(40)
+    near, long = sequence(3), sequence(NEAR + 20)
     sched.running = [long, near]
     assert sched.schedule(everything) == [(near, 3)]
     near.computed = 0  # still one short step away: the long prefill sits out its second step
     assert sched.schedule(everything) == [(near, 3)]
-    assert (long, 40) in sched.schedule(everything)  # its third step it runs anyway
+    assert (long, NEAR + 20) in sched.schedule(everything)  # its third step it runs anyway
 
 
 def test_a_full_batch_with_nobody_waiting_takes_the_full_batch_budget():
@@ -160,7 +160,9 @@ def test_a_tenant_served_moments_ago_still_bounds_the_flooder_and_later_does_not
 
 
 def test_each_step_charges_its_tokens_to_the_tenant_they_were_for():
-    sched = scheduler(max_batch_tokens=80, chunk=8)
+    sched = scheduler(
+        WaitingRoom(ledger=TenantLedger(clock=Clock())), max_batch_tokens=80, chunk=8
+    )  # no decay
     sched.running = [sequence(30, tenant="a"), sequence(8, 8, generated=1, tenant="b")]
     sched.schedule(everything)
     assert sched.room.ledger.work("a") == pytest.approx(30, rel=1e-3)
@@ -189,3 +191,74 @@ def test_a_victims_first_token_does_not_wait_behind_a_flooders_short_prompts():
     assert sched.schedule(everything) == [(decode, 1), (victim, 1)]
     victim.out.generated.append(1)  # its first token came: the flooder's prompt goes on
     assert (short, 30) in sched.schedule(everything)
+
+
+# ---- the step in flight while a lighter tenant waits on it (issue 41's fairness target) ---------------
+
+
+def server_defaults(room: WaitingRoom | None = None) -> Scheduler:
+    """The server's CPU scheduler: batch-invariant cuts, 80 tokens a step, one cut while contended."""
+    return scheduler(room, max_batch_tokens=80, invariant=True, chunk=CHUNK, contended_prefill=CHUNK)
+
+
+def prefill_of(batch, tenant: str) -> int:
+    return sum(n for s, n in batch if s.request.tenant == tenant and n > 1)
+
+
+def test_the_invariant_cut_is_the_kernel_width_and_far_below_a_step():
+    from kvblocks.engine import kernel
+
+    assert CHUNK == kernel.MAX_WIDTH  # every prompt row is attended by one kernel where it builds
+    assert CHUNK <= 80 // 4  # one cut is a small part of the server's default step
+
+
+def test_a_flooders_step_is_one_cut_while_a_lighter_tenant_waits_on_it_and_its_first_token_is_the_next():
+    """The victim's request arrives during the step in flight and waits for it: with the flooder's
+    long prompts running, that step holds one cut of the flooder's prefill (not its half of the
+    step, 64 tokens before), and the victim's first token comes in the very next step."""
+    sched = server_defaults()
+    flood = [sequence(90, tenant="flood", admitted_at=i) for i in range(4)]
+    sched.running = list(flood)
+    sched.room.ledger.charge("flood", 5000)
+    sched.room.ledger.charge("victim", 20)  # its last reply just ended; the next request is moments away
+    for _ in range(3):  # the flooder's steps while the victim is between requests
+        batch = sched.schedule(everything)
+        assert 0 < prefill_of(batch, "flood") <= CHUNK
+        for s, n in batch:
+            s.computed += n
+    victim = sequence(300, computed=299, tenant="victim", admitted_at=9)  # a cached prompt but one token
+    sched.running.append(victim)
+    batch = sched.schedule(everything)
+    assert (victim, 1) in batch and prefill_of(batch, "flood") == 0  # its first token: the next step
+
+
+def test_a_flooder_alone_or_beside_an_equal_one_keeps_its_whole_share():
+    sched = server_defaults()
+    flood = sequence(400, tenant="flood")
+    sched.running = [flood]
+    assert sched.schedule(everything) == [(flood, 80)]  # nobody else: the whole budget
+    other = sequence(400, tenant="other", admitted_at=1)
+    sched.running = [flood, other]
+    sched.room.ledger.charge("other", sched.room.ledger.work("flood"))
+    assert [n for _, n in sched.schedule(everything)] == [32, 32]  # both prefilling: half each, in cuts
+
+
+def test_the_lighter_tenant_keeps_its_share_beside_a_heavier_ones_decodes():
+    sched = server_defaults()
+    decode = sequence(8, 8, generated=1, tenant="flood")
+    victim = sequence(300, tenant="victim", admitted_at=1)  # a long new prompt, not a first token near
+    sched.running = [decode, victim]
+    sched.room.ledger.charge("flood", 5000)
+    assert sched.schedule(everything) == [(decode, 1), (victim, 32)]  # its half, in cuts: not one cut
+
+
+def test_the_cpu_engine_bounds_a_contended_step_to_one_cut_and_the_limits_default_does_not():
+    from kvblocks import CachedGenerator
+    from kvblocks.engine.batch import BatchEngine
+
+    model = tiny_model("llama", torch.float32)
+    engine = BatchEngine(
+        CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, 256)), invariant=True
+    )
+    assert engine.scheduler.limits.contended_prefill == engine.scheduler.limits.chunk == CHUNK
+    assert BatchLimits().contended_prefill == 0  # off the CPU: shares only

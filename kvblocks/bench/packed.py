@@ -13,6 +13,10 @@
   request, `BatchEngine` reads the trie's slots in place.
 - ttft: a prompt of a cached prefix plus a few new tokens, submit to first token, against the ideal
   (the bare model prefilling only the new tokens over a cache that already holds the prefix).
+- flood: a victim tenant's TTFT (a cached system prompt plus a short question, one request at a
+  time) idle and beside a tenant flooding with long prompts, the server's CPU scheduler against the
+  one before issue 41's fix (64-token cuts, a step's prefill split by shares only), variants
+  alternating; and the flooder's tokens per second, the price of the victim's bound.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from kvblocks.bench.harness import (
 )
 from kvblocks.errors import UserError
 
-BENCHMARKS = ("decode", "head-of-line", "memory", "ttft", "exactness")
+BENCHMARKS = ("decode", "head-of-line", "memory", "ttft", "exactness", "flood")
 OPTIONS = (
     Option(
         "--shared",
@@ -72,6 +76,9 @@ OPTIONS = (
         ("agents", 16, "exactness: requests (chat turns sharing a system prompt)"),
         ("reply", 32, "exactness: greedy tokens per request"),
         ("system-tokens", 600, "exactness: shared system prompt"),
+        ("flood-seconds", 20, "flood: seconds of victim requests beside the flooder, per variant and round"),
+        ("flood-rounds", 2, "flood: rounds, the variants alternating"),
+        ("flood-system", 300, "flood: the victim's cached system prompt"),
     ]),
 )  # fmt: skip
 
@@ -91,7 +98,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     model, tokenizer = fixtures.load_model(args.model)
-    suites = dict(zip(BENCHMARKS, (decode, head_of_line, memory, ttft, exactness)))
+    suites = dict(zip(BENCHMARKS, (decode, head_of_line, memory, ttft, exactness, flood)))
     return [suites[name](model, tokenizer, args, opts) for name in args.only or BENCHMARKS]
 
 
@@ -294,7 +301,9 @@ class EngineCall:
     """One request submitted to an engine: when it was sent, its first piece, its tokens (the GPU
     suite times its requests with it too)."""
 
-    def __init__(self, engine, ids: list[int], max_tokens: int, logprobs: int | None = None) -> None:
+    def __init__(
+        self, engine, ids: list[int], max_tokens: int, logprobs: int | None = None, tenant: str = ""
+    ) -> None:
         from kvblocks import GenerationParams
 
         self.done = threading.Event()
@@ -304,7 +313,7 @@ class EngineCall:
         self.logprobs: list = []
         self.sent = time.perf_counter()
         params = GenerationParams(max_new_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-        engine.submit(ids, self._emit, params=params)
+        engine.submit(ids, self._emit, tenant=tenant, params=params)
 
     def _emit(self, item) -> None:
         if isinstance(item, BaseException):
@@ -374,11 +383,115 @@ def head_of_line(model, tokenizer, args: argparse.Namespace, opts: BenchOptions)
         *notes,
         "short requests: 24 fresh tokens, max_tokens 1, sent one after another (each a random 0-250 ms "
         "after the previous answered, so arrivals fall anywhere in a step) from 0.2 s after the long prompt was submitted until it finished (at least one); BatchEngine "
-        "runs batch-invariant (prompts cut every 64 tokens, so at least batch size + 64 tokens per step) unless "
+        "runs batch-invariant (prompts cut every 16 tokens, so at least batch size + 16 tokens per step) unless "
         "named otherwise; the step in flight when a short request "
         "arrives is not interrupted, so its TTFT is at least what remains of that step",
     ]
     return report
+
+
+FLOOD_CLIENTS, FLOOD_BATCH, FLOOD_PROMPT, FLOOD_REPLY = 6, 8, 90, 16  # the soak's flooder, in the engine
+
+
+def flood(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Report:
+    from kvblocks.engine.scheduler import CHUNK
+
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(3)
+    system = random_ids(rng, vocab, args.flood_system)
+    questions = [random_ids(rng, vocab, 12) for _ in range(5)]
+    configs = {
+        f"server default ({CHUNK}-token cuts, one cut while contended)": (CHUNK, CHUNK),
+        "before (64-token cuts, shares only)": (64, 0),
+    }
+    samples: dict[str, list[float]] = {}
+    rates: dict[str, list[float]] = {}
+    for _ in range(args.flood_rounds):
+        for name, (chunk, contended) in configs.items():
+            idle, flooded, rate = _flood_once(
+                model, tokenizer, args, system, questions, chunk, contended, rng
+            )
+            samples.setdefault(f"{name}: idle", []).extend(idle)
+            samples.setdefault(f"{name}: beside the flooder", []).extend(flooded)
+            rates.setdefault(name, []).append(rate)
+    checks = []
+    for name in configs:
+        idle, flooded = samples[f"{name}: idle"], samples[f"{name}: beside the flooder"]
+        target = 2.0 if name.startswith("server default") else None
+        p99 = float(np.percentile(flooded, 99) / np.percentile(idle, 99))
+        checks.append(Check(f"victim TTFT p99 beside the flooder / idle, {name}", p99, "x", target))
+        p50 = float(np.median(flooded) / np.median(idle))
+        checks.append(Check(f"victim TTFT p50 beside the flooder / idle, {name}", p50, "x"))
+        checks.append(Check(f"flooder tokens/s, {name}", float(np.median(rates[name])), "tok/s"))
+    params = {"flood_seconds": args.flood_seconds, "rounds": args.flood_rounds, "system": args.flood_system}
+    report = Report(
+        "flood", "A victim's TTFT beside a flooding tenant, in the engine", params, samples, checks
+    )
+    report.notes = [
+        f"victim: a {args.flood_system}-token system prompt (cached) plus a 12-token question, max_tokens 1, one request at a "
+        f"time, a random 0-100 ms apart; flooder: {FLOOD_CLIENTS} clients each sending {FLOOD_BATCH} "
+        f"prompts of {FLOOD_PROMPT} fresh tokens (max_tokens {FLOOD_REPLY}) and waiting for them, "
+        "max_running 4 (the soak's flooder); BatchEngine batch-invariant, 80 tokens a step; flooder "
+        "tokens/s counts prompt and reply tokens of its finished requests",
+    ]
+    return report
+
+
+def _flood_once(model, tokenizer, args, system, questions, chunk: int, contended: int, rng):
+    """(victim TTFTs idle, victim TTFTs beside the flooder, flooder tokens/s) on a fresh engine."""
+    import dataclasses
+
+    from kvblocks import CachedGenerator, KVCacheTrie
+    from kvblocks.engine.admission import TenantLimits
+    from kvblocks.engine.batch import BatchEngine
+    from kvblocks.engine.scheduler import FULL_BATCH_TOKENS
+
+    vocab = model.config.vocab_size
+    gen = CachedGenerator(model, tokenizer, KVCacheTrie.for_model(model, capacity_tokens=3000))
+    limits = {"flood": TenantLimits(max_running=4)}
+    engine = BatchEngine(gen, max_batch_tokens=80, full_batch_tokens=FULL_BATCH_TOKENS, invariant=True,
+                         chunk=chunk, limits_of=lambda t: limits.get(t, TenantLimits()))  # fmt: skip
+    engine.scheduler.limits = dataclasses.replace(engine.scheduler.limits, contended_prefill=contended)
+    engine.start()
+
+    def victim(i: int) -> float:
+        time.sleep(float(rng.uniform(0.0, 0.1)))  # arrivals fall anywhere in a step
+        return EngineCall(engine, system + questions[i % len(questions)], 1, tenant="victim").wait()
+
+    stop, done, lock = threading.Event(), [0], threading.Lock()
+
+    def flooder(seed: int) -> None:
+        own = np.random.default_rng(seed)
+        while not stop.is_set():
+            prompts = [random_ids(own, vocab, FLOOD_PROMPT) for _ in range(FLOOD_BATCH)]
+            for call in [EngineCall(engine, p, FLOOD_REPLY, tenant="flood") for p in prompts]:
+                while not call.done.wait(0.1):
+                    if stop.is_set():  # the engine stops with the rest unfinished
+                        return
+                with lock:
+                    done[0] += FLOOD_PROMPT + FLOOD_REPLY
+
+    try:
+        for i in range(len(questions)):  # the system prompt and the questions are cached from here on
+            victim(i)
+        idle = [victim(i) for i in range(16)]
+        threads = [
+            threading.Thread(target=flooder, args=(seed,), daemon=True) for seed in range(FLOOD_CLIENTS)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        start, before = time.perf_counter(), done[0]
+        flooded, deadline = [], time.monotonic() + args.flood_seconds
+        while time.monotonic() < deadline or len(flooded) < 2:
+            flooded.append(victim(len(flooded)))
+        rate = (done[0] - before) / (time.perf_counter() - start)
+        stop.set()
+        for t in threads:
+            t.join()
+    finally:
+        engine.stop()
+    return idle, flooded, rate
 
 
 class _PeakRss:

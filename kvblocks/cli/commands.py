@@ -967,7 +967,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="with --max-batch-size above 1: every request's logits are bit-identical to what it gets alone, "
-        "whatever it shares a forward with (prompts cut every 64 tokens, no matrix product under 4 rows; "
+        "whatever it shares a forward with (prompts cut every 16 tokens, no matrix product under 4 rows; "
         "default on with --device cpu, where it is proven; off elsewhere, where it is not; "
         "both modes read a shared system prompt once per layer for all requests (cascade attention), "
         "the invariant one in blocks cut at fixed positions: --no-batch-invariant cuts exactly where the "

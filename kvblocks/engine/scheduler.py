@@ -29,7 +29,10 @@ from kvblocks.engine.sequence import Sequence
 from kvblocks.engine.slots import SlotManager
 from kvblocks.telemetry import tracing
 
-CHUNK = 64  # batch-invariant mode cuts prompts at every multiple of this many positions
+# batch-invariant mode cuts prompts at every multiple of this many positions: the CPU kernel's width
+# (`kernel.MAX_WIDTH`), so every prompt row is attended by one kernel, and one cut is a short step
+CHUNK = 16
+NEAR = 64  # a first token "one short step away": at most this many prompt tokens left (head-of-line rule)
 FULL_BATCH_TOKENS = 256  # the server's budget while the batch is full and nobody waits
 RECENT_S = 2.0  # a tenant served this lately still has work in `prefill_shares` (see there)
 LOOK = 32  # waiting requests per tenant that admission considers each step (never the whole line)
@@ -49,6 +52,8 @@ class BatchLimits:
     invariant: bool = False
     chunk: int = CHUNK
     watermark: int = 1  # free slots admission keeps beyond a prompt's uncached tokens
+    # a tenant's prefill in a step while another tenant waits on that step (`prefill_shares`; 0: none)
+    contended_prefill: int = 0
 
 
 @dataclass(slots=True)
@@ -232,15 +237,25 @@ class Scheduler:
         leave of `budget` (at least one token), so a tenant flooding with long prompts takes whole
         steps only while nobody else has work. An interactive client's next request comes within
         moments of its last reply, and arrives during the step in flight: that step is bounded too.
-        Empty: one tenant alone, no bound."""
-        tenants = self.room.tenants() | {s.request.tenant for s in self.running if s.left > 1}
-        tenants |= self.room.ledger.recent(RECENT_S)
+        With `contended_prefill` (the CPU default: a step's time grows with its rows), a tenant served
+        more (recent work per weight) than one with no prefill in the step takes at most that many
+        tokens (one cut): the lighter tenant's next request or token waits for this step, which
+        stays a short one. Empty: one tenant alone, no bound."""
+        prefilling = {s.request.tenant for s in self.running if s.left > 1}
+        tenants = self.room.tenants() | prefilling | self.room.ledger.recent(RECENT_S)
         if len(tenants) < 2:
             return {}
         weights = {t: self.room.limits_of(t).weight for t in tenants}
         left = budget - sum(1 for s in self.running if s.left == 1)
         least = self.limits.chunk if self.limits.invariant else 1  # a cut within reach: progress
-        return {t: max(least, int(left * w / sum(weights.values()))) for t, w in weights.items()}
+        shares = {t: max(least, int(left * w / sum(weights.values()))) for t, w in weights.items()}
+        waiting = tenants - prefilling  # no prefill in this step: their next token or request waits on it
+        if self.limits.contended_prefill > 0 and waiting:
+            usage = {t: self.room.ledger.usage(t) for t in tenants}
+            lightest = min(usage[t] for t in waiting)
+            cap = max(least, self.limits.contended_prefill)
+            shares = {t: min(share, cap) if usage[t] > lightest else share for t, share in shares.items()}
+        return shares
 
     def budget(self) -> int:
         """This step's token budget: `max_batch_tokens`, or `full_batch_tokens` when larger and every
@@ -266,7 +281,7 @@ class Scheduler:
     def _first_in_line(self, order: list[Sequence]) -> str | None:
         """The least served tenant (recent work per weight) with a first token one short step away,
         or None when no request has one."""
-        near = {s.request.tenant for s in order if not s.generated and 0 < s.left <= self.limits.chunk}
+        near = {s.request.tenant for s in order if not s.generated and 0 < s.left <= NEAR}
         return min(near, key=lambda t: (self.room.ledger.usage(t), t)) if near else None
 
     def _held_back(self, s: Sequence, urgent: str) -> bool:
@@ -276,7 +291,7 @@ class Scheduler:
         `max_wait_steps` steps in a row."""
         if s.left <= 1 or s.held_back >= self.limits.max_wait_steps:
             return False
-        if s.left > self.limits.chunk or s.request.tenant != urgent:
+        if s.left > NEAR or s.request.tenant != urgent:
             s.held_back += 1
             return True
         return False
