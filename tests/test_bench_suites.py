@@ -267,3 +267,25 @@ def test_the_decode_heavy_load_needs_the_batched_server(capsys):
     args = ["bench", "server", "--model", str(tiny_model_dir()), "--decode-heavy", "8", "--batch-size", "1"]
     assert main([*args, *QUIET]) == 2
     assert "--decode-heavy runs on the batched server" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_suite_holds_a_packed_decode_step_against_the_memory_bandwidth(tmp_path, capsys, dtype):
+    sizes = {"requests": 4, "context": 24, "steps": 2, "stream-mb": 16}
+    args = ["weights", "--model", str(tiny_model_dir()), "--dtype", dtype, "--profile"]
+    reports = run_suite(tmp_path, capsys, *args, *(f"--{k}={v}" for k, v in sizes.items()))
+    memory = checks(reports, "weights-memory")
+    assert memory["read bandwidth (sum of a float32 tensor)"] > 0
+    step = checks(reports, f"weights-{dtype}")
+    packed = "achieved weight bandwidth, weights reordered once (the engine's default)"
+    ratio = step["achieved / measured read bandwidth (the engine's default)"]
+    assert step[packed] > 0 and ratio > 0
+    assert ratio == pytest.approx(step[packed] / memory["read bandwidth (sum of a float32 tensor)"])
+
+
+def test_server_peers_only_needs_a_peer_and_the_batched_server(capsys):
+    model = ["--model", str(tiny_model_dir()), *QUIET]
+    assert main(["bench", "server", "--peers-only", *model]) == 2
+    assert "add --llama-server or --transformers-serve" in capsys.readouterr().err
+    assert main(["bench", "server", "--peers-only", "--transformers-serve", "--batch-size", "1", *model]) == 2
+    assert "--peers-only runs on the batched server" in capsys.readouterr().err
