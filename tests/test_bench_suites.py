@@ -289,3 +289,31 @@ def test_server_peers_only_needs_a_peer_and_the_batched_server(capsys):
     assert "add --llama-server or --transformers-serve" in capsys.readouterr().err
     assert main(["bench", "server", "--peers-only", "--transformers-serve", "--batch-size", "1", *model]) == 2
     assert "--peers-only runs on the batched server" in capsys.readouterr().err
+
+
+def test_a_peers_only_report_holds_the_batched_server_against_llama_server_alone():
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from kvblocks.bench.server_agents import Load
+
+    def load(per_s: float, cached: int) -> Load:
+        sent = [
+            Sent(a, 0, [1] * 100, submitted=0.0, first=0.5 / per_s, done=1.0, text="ok") for a in range(4)
+        ]
+        for s in sent:
+            s.prompt_tokens, s.cached_tokens = 100, cached
+        return Load("http://x", sent=sent, timed=sent, spans=[len(sent) / per_s])
+
+    args = argparse.Namespace(agents=4, turns=1, rounds=1, max_tokens=2, batch_size=16, model=None, threads=1)
+    args.llama_slots = 1
+    loads = {"batched": load(3.0, 90), "llama": load(1.0, 50)}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
+    report = loadtest.build_report(args, tokenizer, "system", loads, [], {})
+    found = {c.name: c for c in report.checks}
+    assert found["requests/s batched / llama-server"].value == pytest.approx(3.0)
+    assert found["requests/s batched / llama-server"].passed
+    assert found["prompt-token hit rate, batched"].value == pytest.approx(0.9)
+    assert not [name for name in found if "batch 1" in name or "cache off" in name]
+    assert report.baseline == "cache on, --max-batch-size 16"
