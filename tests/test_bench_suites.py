@@ -295,3 +295,53 @@ def test_packed_flood_suite_times_a_victim_beside_a_flooder_on_a_tiny_model(tmp_
     ):
         assert found[f"victim TTFT p99 beside the flooder / idle, {variant}"] > 0
         assert found[f"flooder tokens/s, {variant}"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_suite_holds_a_packed_decode_step_against_the_memory_bandwidth(tmp_path, capsys, dtype):
+    sizes = {"requests": 4, "context": 24, "steps": 2, "stream-mb": 16}
+    args = ["weights", "--model", str(tiny_model_dir()), "--dtype", dtype, "--profile"]
+    reports = run_suite(tmp_path, capsys, *args, *(f"--{k}={v}" for k, v in sizes.items()))
+    memory = checks(reports, "weights-memory")
+    assert memory["read bandwidth (sum of a float32 tensor)"] > 0
+    step = checks(reports, f"weights-{dtype}")
+    packed = "achieved weight bandwidth, weights reordered once (the engine's default)"
+    ratio = step["achieved / measured read bandwidth (the engine's default)"]
+    assert step[packed] > 0 and ratio > 0
+    assert ratio == pytest.approx(step[packed] / memory["read bandwidth (sum of a float32 tensor)"])
+
+
+def test_server_peers_only_needs_a_peer_and_the_batched_server(capsys):
+    model = ["--model", str(tiny_model_dir()), *QUIET]
+    assert main(["bench", "server", "--peers-only", *model]) == 2
+    assert "add --llama-server or --transformers-serve" in capsys.readouterr().err
+    assert main(["bench", "server", "--peers-only", "--transformers-serve", "--batch-size", "1", *model]) == 2
+    assert "--peers-only runs on the batched server" in capsys.readouterr().err
+
+
+def test_a_peers_only_report_holds_the_batched_server_against_llama_server_alone():
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from kvblocks.bench.server_agents import Load
+
+    def load(per_s: float, cached: int) -> Load:
+        sent = [
+            Sent(a, 0, [1] * 100, submitted=0.0, first=0.5 / per_s, done=1.0, text="ok") for a in range(4)
+        ]
+        for s in sent:
+            s.prompt_tokens, s.cached_tokens = 100, cached
+        return Load("http://x", sent=sent, timed=sent, spans=[len(sent) / per_s])
+
+    args = argparse.Namespace(agents=4, turns=1, rounds=1, max_tokens=2, batch_size=16, model=None, threads=1)
+    args.llama_slots = 1
+    loads = {"batched": load(3.0, 90), "llama": load(1.0, 50)}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
+    report = loadtest.build_report(args, tokenizer, "system", loads, [], {})
+    found = {c.name: c for c in report.checks}
+    assert found["requests/s batched / llama-server"].value == pytest.approx(3.0)
+    assert found["requests/s batched / llama-server"].passed
+    assert found["prompt-token hit rate, batched"].value == pytest.approx(0.9)
+    assert not [name for name in found if "batch 1" in name or "cache off" in name]
+    assert report.baseline == "cache on, --max-batch-size 16"

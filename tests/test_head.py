@@ -1,5 +1,6 @@
-"""The output head reordered for oneDNN (kvblocks.engine.head): used inside packed forwards only, row
-for row the same at any row count, within float rounding of `F.linear`, and never stale."""
+"""The output head and the linear layers reordered for oneDNN (kvblocks.engine.head): used inside
+packed forwards only, row for row the same at any row count from 4 up, within float rounding of
+`F.linear`, and never stale."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_packed_rows_are_the_same_at_every_row_count_and_close_to_linear():
     assert packed is not None and packed is head.PackedHead.of(model)  # one per head
     x = _head_input(model, 40)[0]
     full = packed(x)
-    for rows in (1, 2, 3, 5, 16, 39):
+    for rows in (4, 5, 16, 39):
         assert torch.equal(packed(x[:rows]), full[:rows])
         assert torch.equal(packed(x[40 - rows :]), full[40 - rows :])
     plain = F.linear(x, model.get_output_embeddings().weight)
@@ -100,10 +101,67 @@ def test_packed_runner_logits_match_a_runner_without_the_packed_head(invariant):
     prompts = [rng.integers(1, VOCAB, n).tolist() for n in (9, 14, 20)]
     out = {}
     for packed in (True, False):
-        runner = PagedRunner(model, pool, invariant=invariant, packed_head=packed)
+        runner = PagedRunner(model, pool, invariant=invariant, packed_weights=packed)
         assert (runner.head is not None) is packed
         segments = [Segment(p, pool.alloc(len(p)), keep=len(p)) for p in prompts]
         out[packed] = runner.forward(segments)
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_linear_layer_is_packed_in_scope_only_and_rows_do_not_depend_on_the_row_count(dtype):
+    model = tiny_model("qwen2", dtype)  # q/k/v carry biases
+    packed = head.PackedLinears.of(model)
+    assert packed is not None and packed is head.PackedLinears.of(model)  # one per model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert set(packed.layers) == set(linears)
+    assert packed.nbytes == sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    g = torch.Generator().manual_seed(2)
+    for module in linears:
+        x = torch.randn(300, module.in_features, generator=g).to(dtype)
+        plain = F.linear(x, module.weight, module.bias)
+        assert torch.equal(module(x), plain)  # outside the scope: the layer's own forward
+        with head.scope(packed):
+            full = module(x)
+            for rows in head.LAYER_PROBE_ROWS:
+                assert torch.equal(module(x[:rows]), full[:rows])
+        tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+        torch.testing.assert_close(full, plain, rtol=tol, atol=tol * float(plain.abs().max()))
+
+
+def test_a_shape_whose_probe_fails_keeps_its_own_forward(monkeypatch):
+    model = tiny_model("llama")
+    calls = []
+
+    def probe(self):
+        calls.append(tuple(self.module.weight.shape))
+        return self.module.weight.shape[0] != 128  # the MLP's up and gate projections fail
+
+    monkeypatch.setattr(head.PackedHead, "probe", probe)
+    packed = head.PackedLinears.of(model)
+    ups = [m for name, m in model.named_modules() if name.endswith(("up_proj", "gate_proj"))]
+    assert ups and not set(ups) & set(packed.layers)
+    assert len(calls) == len(set(calls))  # once per shape
+    x = torch.randn(5, 64)
+    with head.scope(packed):
+        assert torch.equal(ups[0](x), F.linear(x, ups[0].weight))
+
+
+def test_a_bfloat16_packed_step_is_batch_invariant_and_greedy_equal_to_the_plain_layers():
+    model = tiny_model("qwen2", torch.bfloat16)
+    layout = KVLayout(torch.bfloat16, tuple(hf.describe_layers(model)))
+    pool = KVPool(layout, 512, "cpu")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (9, 14, 20)]
+    runner = PagedRunner(model, pool, invariant=True, chunk=8)
+    plain = PagedRunner(model, pool, invariant=True, chunk=8, packed_weights=False)
+    assert runner.head is not None and plain.head is None
+    slots = [pool.alloc(len(p)) for p in prompts]
+    together = runner.forward([Segment(p, s, keep=len(p)) for p, s in zip(prompts, slots)])
+    for p, s, batched in zip(prompts, slots, together):
+        alone = runner.forward([Segment(p, s, keep=len(p))])[0]
+        assert torch.equal(alone, batched)
+        reference = plain.forward([Segment(p, s, keep=len(p))])[0]
+        assert torch.equal(alone.argmax(-1), reference.argmax(-1))

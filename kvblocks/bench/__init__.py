@@ -25,6 +25,7 @@ def bench_parser() -> argparse.ArgumentParser:
         server,
         soak,
         specdec,
+        weights,
         workloads,
     )
 
@@ -35,6 +36,6 @@ def bench_parser() -> argparse.ArgumentParser:
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
     first = (micro, workloads, redis, specdec, server, fleet, packed, hybrid)
-    for suite in (*first, seq2seq, prefix_listing, constrained, soak, gpu, blocks, dtype):
+    for suite in (*first, seq2seq, prefix_listing, constrained, soak, gpu, blocks, dtype, weights):
         suite.add_parser(suites)
     return p

