@@ -402,16 +402,7 @@ def gguf_of(model: str | None) -> Path:
     llama-server: `kvblocks.models.gguf_for`; a ModelLoadError says what is missing."""
     from kvblocks import models
 
-    if hasattr(models, "gguf_for"):  # kvblocks models pull (issue 43)
-        return models.gguf_for(model)
-    if model is None:
-        return models.gguf_path()
-    local = Path(model).expanduser() / "model.gguf"
-    if not local.is_file():
-        raise models.ModelLoadError(
-            f"no GGUF for '{model}': give the default model or a folder with a model.gguf"
-        )
-    return local
+    return models.gguf_for(model)
 
 
 LLAMA_CPP_INSTALL = (
