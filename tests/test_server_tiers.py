@@ -148,3 +148,17 @@ def test_host_cache_size_is_refused_on_a_cpu_server_and_a_bad_size_by_name(capsy
     assert "--host-cache-size: the device is the CPU" in capsys.readouterr().err
     assert main(["serve", "--host-cache-size", "lots", "--device", "cuda:0"]) == 2
     assert "--host-cache-size must be a positive size" in capsys.readouterr().err
+
+
+def test_kvblocks_stats_and_explain_show_the_tiers(server, capsys):
+    prompt = PROMPT + " cli " + secrets.token_hex(4)
+    complete(server, prompt)
+    with http(server, "ops") as admin:
+        wait_written(admin)
+        ok(admin.post("/flush_cache"))  # the device forgets; the host tier and Redis keep it
+    assert main(["stats", "--url", server.url, "--api-key", KEYS["ops"]]) == 0
+    out = capsys.readouterr().out
+    assert "spill tier host" in out and "spill tier redis" in out and "records" in out
+    assert main(["explain", prompt, "--raw", "--url", server.url, "--api-key", KEYS["acme"]]) == 0
+    out = capsys.readouterr().out
+    assert "from host (" in out

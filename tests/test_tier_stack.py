@@ -116,6 +116,23 @@ def test_write_through_fills_both_tiers_and_a_redis_hit_is_promoted_into_the_hos
     assert sizes["redis"]["records"] == written and sizes["redis"]["health"] == "ok"
 
 
+def test_promotions_past_the_writers_byte_bound_are_dropped_and_counted_and_the_restore_stands(
+    model, server, stacks
+):
+    text = prompt(2)
+    a = trie(model, stacks(server.url))
+    generate_exact(model, a, text)
+    assert a.spill.flush()
+    tight = stacks(server.url, queue_bytes=1000)  # less than one record: no promotion fits
+    b = trie(model, tight)
+    assert generate_exact(model, b, text).cached_tokens == FULL_HIT
+    assert tight.flush()
+    s = b.stats()
+    assert s["redis_hit_chunks"] == CHUNKS and s["host_promoted_chunks"] == 0
+    assert s["host_write_drops"] == 1 and s["host_queue_bytes"] == 0
+    assert tight.tiers[0].records() == s["host_written_chunks"]  # its own write-through, no promotion
+
+
 def test_write_back_writes_the_host_tier_on_eviction_and_demotes_what_it_evicts_into_redis(
     model, server, stacks
 ):

@@ -25,7 +25,8 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="host-memory tier between the device pool and the tiers below (e.g. 64GiB): records evicted "
-        "from a GPU's pool kept in RAM; refused on a CPU-only server, whose pool already is RAM (default: off)",
+        "from a GPU's pool kept in RAM, per cache (an encoder-decoder model has two); refused on a CPU-only "
+        "server, whose pool already is RAM (default: off)",
     )
     p.add_argument(
         "--write-policy",

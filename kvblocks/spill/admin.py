@@ -17,6 +17,7 @@ def tier_stats(slots: list[TierSlot], writer: Writer) -> dict[str, int]:
         out |= slot.stats() | {
             f"{slot.name}_queue_depth": writer.depth(),
             f"{slot.name}_held_writes": writer.held(slot.index),
+            f"{slot.name}_queue_bytes": writer.pending_bytes(),
         }
     return out
 

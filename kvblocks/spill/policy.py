@@ -90,7 +90,8 @@ class WritePolicy:
             kv = [to_host(t) for t in read(k * c, (k + 1) * c)]
             tokens = ids[k * c : (k + 1) * c].copy()
             record = (self.codec.key(namespace_key, hashes[k]), namespace_key, tokens, kv)
-            self.writer.enqueue(Job("record", (0,), record, ready=copy_event(self.device)))
+            nbytes = sum(t.nbytes for t in kv if t is not None)
+            self.writer.enqueue(Job("record", (0,), record, ready=copy_event(self.device), nbytes=nbytes))
 
     def reject(self, slot: TierSlot, key: str, counter: str) -> None:
         """Count a refused value and delete it: its key fixes format version, namespace and tokens,
@@ -103,10 +104,12 @@ class WritePolicy:
 
     def promote(self, items: list[tuple[str, bytes]], index: int, counter: str) -> None:
         """Records verified in tier `index` are written into the faster tiers above it."""
-        self.writer.enqueue(Job("raw", tuple(range(index)), (items,), counter))
+        nbytes = sum(len(v) for _, v in items)
+        self.writer.enqueue(Job("raw", tuple(range(index)), (items,), counter, nbytes=nbytes))
 
     def demoted(self, index: int, items: list[tuple[str, bytes]]) -> None:
         """Tier `index` evicted `items` by its own bound: under write-back they go one tier down
         (under write-through every tier below has them already). Runs on the writer's thread."""
         if self.mode == "back" and index + 1 < len(self.slots):
-            self.writer.run_now(Job("raw", (index + 1,), (items,), "demoted_chunks"))
+            nbytes = sum(len(v) for _, v in items)
+            self.writer.run_now(Job("raw", (index + 1,), (items,), "demoted_chunks", nbytes=nbytes))

@@ -34,7 +34,7 @@ from kvblocks.spill.records import ChunkCodec, NativeCodec
 from kvblocks.spill.sealing import Sealer
 from kvblocks.spill.tier import Tier
 from kvblocks.spill.tier_counters import TierSlot
-from kvblocks.spill.writer import Confirmed, Writer
+from kvblocks.spill.writer import DEFAULT_MAX_BYTES, Confirmed, Writer
 
 log = logging.getLogger("kvblocks.spill")
 
@@ -48,7 +48,8 @@ class TierStack:
     of one deployment) makes keys keyed hashes and seals values with AES-256-GCM; `codec` picks another
     key and value format (the LMCache one) and excludes `secret`. `write_policy` is `write-through`
     (default) or `write-back` (`through` and `back` are accepted too). `queue_size` bounds the jobs
-    waiting for the writer, `retry_size` those held for a down tier; `recheck_interval_s` is how often
+    waiting for the writer, `queue_bytes` the host memory they and the held ones take (chunks copied
+    off the device, records moved between tiers), `retry_size` the jobs held for a down tier; `recheck_interval_s` is how often
     a device hit checks that the tiers still have its chunks.
     """
 
@@ -62,6 +63,7 @@ class TierStack:
         codec: ChunkCodec | None = None,
         write_policy: str = "write-through",
         queue_size: int = 64,
+        queue_bytes: int = DEFAULT_MAX_BYTES,
         retry_size: int = 256,
         retry_interval_s: float = 1.0,
         recheck_interval_s: float = 30.0,
@@ -98,6 +100,7 @@ class TierStack:
             queue_size=queue_size,
             retry_size=retry_size,
             retry_interval_s=retry_interval_s,
+            max_bytes=queue_bytes,
         )
         for slot in self.slots:
             if hasattr(slot.tier, "bind_demote"):
