@@ -285,3 +285,42 @@ def test_host_tier_is_an_lru_by_bytes_and_refuses_a_record_larger_than_itself():
     assert host.delete(["a", "zz"]) == 1 and host.used_bytes() == 40
     with pytest.raises(ValueError):
         HostTier(0)
+
+
+def test_a_recurrent_models_snapshots_are_found_in_the_host_tier_or_in_redis_and_promoted(server, stacks):
+    """State snapshots at chunk ends go to both tiers; a cold trie whose host tier is empty finds the
+    furthest one in Redis and promotes it; after the device forgets, the host tier serves it."""
+    import torch
+    from test_hybrid import model_for, one_shot
+    from tiny_models import random_ids
+
+    model = model_for("qwen3_next", torch.float64)
+    prompt = random_ids(40, seed=17)
+    follow = [*prompt[:35], *random_ids(5, seed=18)]
+
+    def hybrid(stack: TierStack) -> KVCacheTrie:
+        return KVCacheTrie.for_model(model, capacity_tokens=4096, snapshot_every=16, spill=stack)
+
+    writer_stack = TierStack([HostTier(64 << 20), redis_store(server.url, **FAST)], chunk_tokens=16)
+    writer = hybrid(writer_stack)
+    CachedGenerator(model, IdTokenizer(), writer).generate(prompt, max_new_tokens=4)
+    assert writer_stack.flush()
+    s = writer.stats()
+    assert s["host_written_states"] >= 2 and s["redis_written_states"] == s["host_written_states"]
+    writer_stack.close()
+
+    stack = TierStack([HostTier(64 << 20), redis_store(server.url, **FAST)], chunk_tokens=16)
+    try:
+        reader = hybrid(stack)
+        result = CachedGenerator(model, IdTokenizer(), reader).generate(follow, max_new_tokens=4)
+        assert result.cached_tokens == 32 and result.token_ids == one_shot(model, follow, 4)[0]
+        assert stack.flush()
+        s = reader.stats()
+        assert s["host_state_hits"] == 0 and s["redis_state_hits"] == 1 and s["host_promoted_chunks"] >= 1
+        reader.clear()
+        result = CachedGenerator(model, IdTokenizer(), reader).generate(follow, max_new_tokens=4)
+        assert result.cached_tokens == 32 and result.token_ids == one_shot(model, follow, 4)[0]
+        s = reader.stats()
+        assert s["host_state_hits"] == 1 and s["redis_state_hits"] == 1
+    finally:
+        stack.close()
