@@ -27,7 +27,7 @@ import torch
 
 from kvblocks.cache.layout import KVLayout, StateLayout
 from kvblocks.spill.admin import clear_tiers, tier_sizes, tier_stats
-from kvblocks.spill.lookup import Fetched, Lookup
+from kvblocks.spill.lookup import Fetched, Lookup, locate
 from kvblocks.spill.policy import WRITE_POLICIES, WritePolicy, write_mode
 from kvblocks.spill.puts import Puts, ReadKV
 from kvblocks.spill.records import ChunkCodec, NativeCodec
@@ -173,7 +173,7 @@ class TierStack:
     def locate(self, namespace_key: str, ids: np.ndarray, start: int, limit: int) -> list[tuple[str, int]]:
         """Which tiers hold the chunks continuing a device hit of `start` tokens: (tier, tokens) in
         order, from their sizes alone (nothing is read, verified or counted), for `explain`."""
-        return self.lookup.locate(namespace_key, ids, start, limit)
+        return locate(self.lookup, namespace_key, ids, start, limit)
 
     # ---- write path (`spill.policy`) -------------------------------------------------------
 
