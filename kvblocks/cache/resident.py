@@ -24,7 +24,7 @@ from kvblocks.cache.radix import Match, Node, RadixTree
 from kvblocks.cache.stats import TenantCounters
 
 if TYPE_CHECKING:
-    from kvblocks.spill.redis_tier import RedisTier
+    from kvblocks.spill.stack import TierStack
     from kvblocks.telemetry.kv_events import KVEventPublisher
 
 # (start, end) -> per-layer [end - start, 2, H, D] KV, None for layers that cache nothing
@@ -45,7 +45,7 @@ class Resident:
         device: torch.device | str,
         arena_bytes: int,
         eviction: str | EvictionPolicy | None,
-        spill: RedisTier | None,
+        spill: TierStack | None,
     ) -> None:
         self.layout = layout
         self.pool = KVPool(layout, capacity_tokens, device, arena_bytes=arena_bytes)
@@ -128,7 +128,8 @@ class Resident:
         if self.spill is not None and self.spill.write_mode == "back":
             self.spill.on_evict(ns_key, ids, len(ids) - count, lambda a, b: self.gather(slots[a:b]))
         if self.events is not None:  # complete Redis chunks stay restorable (the shared tier)
-            chunk = self.spill.chunk_tokens if self.spill is not None else len(ids) + 1
+            shared = self.spill is not None and self.spill.shared
+            chunk = self.spill.chunk_tokens if shared else len(ids) + 1
             self.events.evicted(ids, len(ids) - count, len(ids) // chunk * chunk)
 
     def pin(self, namespace_key: str, ids: np.ndarray, cap: int) -> int:

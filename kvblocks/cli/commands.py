@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 
+from kvblocks.cli.tiers import add_tier_args, spill_stack
 from kvblocks.errors import UserError
 
 
@@ -48,7 +49,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--redis", default=None, metavar="URL", help="spill tier, e.g. redis://127.0.0.1:6379/0")
-    p.add_argument("--redis-chunk-tokens", type=int, default=64, help="tokens per Redis chunk (default 64)")
+    p.add_argument(
+        "--redis-chunk-tokens",
+        type=int,
+        default=64,
+        help="tokens per spill chunk, in every tier (default 64)",
+    )
     p.add_argument(
         "--redis-secret-file",
         default=None,
@@ -63,6 +69,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"lifetime of a Redis record (default {DEFAULT_REDIS_TTL_S:g}, a day; 0: never expires)",
     )
+    add_tier_args(p)
 
 
 TOOL_PARSERS = (
@@ -112,7 +119,7 @@ def load_stack(args: argparse.Namespace):
 
     torch.set_num_threads(max(1, args.threads))
     capacity = parse_capacity(args.capacity)
-    spill = redis_tier(args)
+    spill = spill_stack(args)
     try:
         model, tokenizer = models.load(args.model, args.dtype, args.device)
         if getattr(
@@ -121,7 +128,7 @@ def load_stack(args: argparse.Namespace):
             from kvblocks.seq2seq import Seq2SeqCache
 
             cache = Seq2SeqCache.for_model(
-                model, **capacity, spill=spill, source_spill=redis_tier(args), eviction=args.eviction
+                model, **capacity, spill=spill, source_spill=spill_stack(args), eviction=args.eviction
             )
         else:
             cache = KVCacheTrie.for_model(
@@ -130,24 +137,6 @@ def load_stack(args: argparse.Namespace):
     except (models.ModelLoadError, UnsupportedModelError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     return model, tokenizer, cache
-
-
-def redis_tier(args: argparse.Namespace):
-    """The spill tier --redis asks for (None without it); one per cache."""
-    if not args.redis:
-        return None
-    from kvblocks.spill.redis_tier import RedisTier
-    from kvblocks.spill.sealing import read_secret
-
-    try:
-        secret = read_secret(args.redis_secret_file)
-        ttl = args.redis_ttl if args.redis_ttl > 0 else None
-        spill = RedisTier(args.redis, chunk_tokens=args.redis_chunk_tokens, secret=secret, ttl_s=ttl)
-    except ValueError as exc:
-        raise UserError(f"--redis: {exc}") from exc
-    for warning in spill.server_warnings():
-        print(warning, file=sys.stderr, flush=True)
-    return spill
 
 
 DEFAULT_BATCH_SIZE = 16  # kvblocks serve without --max-batch-size, where the model has a packed path
