@@ -425,6 +425,7 @@ def place_appended(cache: DynamicCache, positions: torch.Tensor, length: int) ->
             setattr(layer, name, data[..., :length, :])
 
 
+@torch.inference_mode()
 def keep_rows(cache: DynamicCache, base: int, rows: list[int]) -> None:
     """Keep positions `[0, base)` and then the rows `base + r` for `r` in `rows` (increasing), in
     that order, dropping the rest: a verified draft tree's accepted path. Rows already in place (a
