@@ -166,7 +166,7 @@ class SpeculativeGenerator(CachedGenerator):
         self.drafter = drafter
         self.gamma = gamma
         self.adaptive = adaptive
-        self.max_gamma = max(max_gamma, gamma)
+        self.max_gamma = max(max_gamma, gamma, tree.budget if tree is not None else 0)
         self.on_round = on_round
         self.target_vocab = self.vocab_size
         self._target_state = False  # probed on first use when there is no cache to say it
@@ -318,7 +318,10 @@ class SpeculativeGenerator(CachedGenerator):
                 self._snapshot(run)
                 drafter.rollback(len(committed) - 1)
                 if self.on_round is not None:
-                    self.on_round(Round(list(committed), tree.tokens, len(path), token, run.past))
+                    # drafts as a chain would show them: the accepted path, then the children it stopped at
+                    stopped = tree.path_tokens(tree.children(path[-1] if path else -1))
+                    drafts = tree.path_tokens(path) + stopped
+                    self.on_round(Round(list(committed), drafts, len(path), token, run.past))
                 rows = [0, *(i + 1 for i in path)]
                 for emitted, row in zip(new, logits[rows]):
                     if run.logits is not None:

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from conftest import IdTokenizer, tiny_llama
 from test_batch_engine import no_leaks, run_all, workload
-from test_specdec_sampling import chi_square_p_value
+from test_specdec_sampling import PROMPT, SAMPLING, HashLM, _table, chi_square_p_value
 from tiny_models import tiny_model
 
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie
+from kvblocks.adapters import hf
 from kvblocks.engine.batch import BatchEngine
 from kvblocks.engine.loop import Engine
+from kvblocks.generate.sampling import distribution
 from kvblocks.specdec import (
     DraftTree,
     ModelDrafter,
@@ -32,7 +34,7 @@ from kvblocks.specdec import (
     TrieDrafter,
     truncated_model,
 )
-from kvblocks.specdec.tree import Shape, accept, depth_first, merge
+from kvblocks.specdec.tree import Shape, depth_first, merge
 
 TOK = IdTokenizer()
 
@@ -68,7 +70,7 @@ def test_trie_branches_are_ranked_by_how_often_they_were_taken():
     for tail in ([7, 8, 9], [7, 8, 10], [11, 12], [11, 12]):  # 11 12 stored once, then matched again
         ids = prompt + tail
         cache.insert(ids, _prefilled(gen, ids))
-    cache.match_or_miss(prompt + [11, 12]).release()  # one more hit on the 11 branch
+    cache.match_or_miss([*prompt, 11, 12]).release()  # one more hit on the 11 branch
     tokens, parents = cache.continuations(prompt, budget=8, depth=3, width=4)
     tree = DraftTree(tokens, parents)
     assert tokens[0] == 11 and set(tokens) == {7, 8, 9, 10, 11, 12}
@@ -79,8 +81,6 @@ def test_trie_branches_are_ranked_by_how_often_they_were_taken():
 
 
 def _prefilled(gen: CachedGenerator, ids: list[int]):
-    from kvblocks.adapters import hf
-
     past = hf.empty_cache(gen.model.config)
     gen.runner.forward(ids, past)
     return past
@@ -108,7 +108,7 @@ def test_shape_widens_on_side_branches_and_narrows_to_a_chain_when_trees_do_not_
     shape.after(tree, [4, 5])  # a side branch: what only a tree finds
     assert shape.width == 3 and shape.budget == 16
     assert shape.for_batch(others=0) == (16, 3)
-    budget, width = shape.for_batch(others=16)
+    budget, _width = shape.for_batch(others=16)
     assert budget < 16 and budget >= limit.depth
 
 
@@ -156,7 +156,7 @@ def test_tree_greedy_equals_target_greedy_and_rejected_nodes_never_reach_the_tri
         expected = plain.generate(prompt, max_new_tokens=20, ignore_eos=True).token_ids
         # the trie: a wrong branch taken twice, the right one once, then the prompt itself
         runs = (
-            [prompt + [99], prompt + [99], prompt + expected[:6], prompt] if kind == "trie" else [prompt] * 2
+            [[*prompt, 99], [*prompt, 99], prompt + expected[:6], prompt] if kind == "trie" else [prompt] * 2
         )
         answered = []
         for ids in runs:
@@ -182,8 +182,6 @@ def test_tree_greedy_equals_target_greedy_and_rejected_nodes_never_reach_the_tri
 
 
 def hf_length(past) -> int:
-    from kvblocks.adapters import hf
-
     return hf.seq_length(past)
 
 
@@ -248,3 +246,120 @@ def test_a_target_with_sliding_window_or_recurrent_layers_is_refused_by_name():
         model = tiny_model(arch, torch.float64)
         with pytest.raises(ValueError, match="sliding-window layers: draft chains instead"):
             SpeculativeGenerator(model, TOK, None, PromptLookupDrafter(), tree=TreeShape())
+
+
+# ---- sampling: the target's distribution, exactly ----------------------------------------------------
+
+
+class TreeHashLM(HashLM):
+    """`HashLM` that reads a tree: each new token's context hash continues the nearest key its
+    attention mask lets it see (its parent), so a node that saw a sibling, or a cache that kept a
+    rejected node, changes every later distribution."""
+
+    def forward(self, input_ids, past_key_values, use_cache=True, logits_to_keep=0, attention_mask=None):
+        layer = past_key_values.layers[0]
+        cached = layer.values.shape[-2] if layer.is_initialized else 0
+        known = layer.values[0, 0, :, 0].tolist() if cached else []
+        tokens = input_ids[0].tolist()
+        hashes = []
+        for j, token in enumerate(tokens):
+            own = cached + j
+            if attention_mask is None:
+                parent = own - 1
+            else:
+                seen = torch.nonzero(attention_mask[0, 0, j, :own] == 0).flatten().tolist()
+                parent = seen[-1] if seen else -1
+            h = 0 if parent < 0 else int((known + hashes)[parent])
+            hashes.append((h * 1_000_003 + token + 1) % 2_147_483_647)
+        keys = input_ids.to(self.table.dtype)[:, None, :, None]
+        values = torch.tensor(hashes, dtype=self.table.dtype).view(1, 1, -1, 1)
+        past_key_values.update(keys, values, 0)
+        rows = torch.tensor(hashes[-logits_to_keep:] if logits_to_keep else hashes) % 1009
+        return SimpleNamespace(logits=self.table[rows][None], past_key_values=past_key_values)
+
+
+@pytest.fixture(scope="module")
+def hash_target():
+    return TreeHashLM(_table(0))
+
+
+@pytest.fixture(scope="module")
+def hash_joint(hash_target) -> dict[tuple[int, ...], float]:
+    """The target's exact probability of every 3-token continuation of PROMPT."""
+    plain = CachedGenerator(hash_target, TOK, None)
+    params = GenerationParams(**SAMPLING).sampling
+    out = {(): 1.0}
+    for _ in range(3):
+        longer = {}
+        for seq, prob in out.items():
+            p = distribution(
+                plain.runner.forward([*PROMPT, *seq], hf.empty_cache(hash_target.config))[-1], params
+            )
+            for x in torch.nonzero(p).flatten().tolist():
+                longer[(*seq, x)] = prob * float(p[x])
+        out = longer
+    return out
+
+
+def _sample(sg: SpeculativeGenerator, n: int) -> tuple[Counter, int, int]:
+    counts, accepted, trees = Counter(), 0, 0
+    for seed in range(n):
+        r = sg.generate(PROMPT, max_new_tokens=3, seed=seed, ignore_eos=True, **SAMPLING)
+        counts[tuple(r.token_ids)] += 1
+        accepted += r.spec.accepted
+        trees += r.spec.tree_rounds
+    return counts, accepted, trees
+
+
+SAMPLES = 10_000  # the control fails at 2,000 already
+TREE_SHAPES = [TreeShape(budget=6, depth=2, width=3, adaptive=False), TreeShape(budget=5, depth=3, width=2)]
+
+
+@pytest.mark.parametrize("shape", TREE_SHAPES, ids=["wide", "deep-adaptive"])
+def test_model_drafter_trees_of_iid_siblings_sample_the_target_distribution(hash_target, hash_joint, shape):
+    draft = TreeHashLM(_table(0) + 1.2 * _table(1))
+    sg = SpeculativeGenerator(hash_target, TOK, None, ModelDrafter(draft), tree=shape)
+    counts, accepted, trees = _sample(sg, SAMPLES)
+    assert accepted > SAMPLES // 2 and trees > SAMPLES
+    assert set(counts) <= set(hash_joint)
+    assert chi_square_p_value(counts, hash_joint, SAMPLES) > 1e-3
+
+
+def test_control_without_the_sibling_residual_fails_the_test(hash_target, hash_joint, monkeypatch):
+    """Forgetting r = norm(max(0, r - q)) between siblings is biased, and the test sees it."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("kvblocks.specdec.tree"), "residual", lambda r, q: r)
+    draft = TreeHashLM(_table(0) + 1.2 * _table(1))
+    sg = SpeculativeGenerator(hash_target, TOK, None, ModelDrafter(draft), tree=TREE_SHAPES[0])
+    counts, _, _ = _sample(sg, 2_000)
+    assert chi_square_p_value(counts, hash_joint, 2_000) < 1e-9
+
+
+def test_trie_trees_of_earlier_samples_sample_the_target_distribution(hash_target, hash_joint):
+    """Every request's sample goes into the trie, so later requests draft trees of many branches."""
+    cache = KVCacheTrie.for_model(hash_target, capacity_tokens=1 << 16)
+    shape = TreeShape(budget=8, depth=3, width=4, adaptive=False)
+    sg = SpeculativeGenerator(hash_target, TOK, cache, TrieDrafter(cache), tree=shape)
+    counts, accepted, trees = _sample(sg, SAMPLES)
+    assert accepted > SAMPLES and trees > SAMPLES // 2
+    assert chi_square_p_value(counts, hash_joint, SAMPLES) > 1e-3
+    assert cache.stats()["locked_tokens"] == 0
+
+
+def test_serve_flags_follow_sglangs_speculative_flags_and_refuse_what_cannot_be_served():
+    from kvblocks.cli.commands import UserError, build_parser, tree_shape
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["serve", "--draft", "trie", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "12",
+         "--speculative-num-steps", "5"]
+    )  # fmt: skip
+    assert tree_shape(args) == TreeShape(budget=12, depth=5, width=4, adaptive=True)
+    args = parser.parse_args(["serve", "--draft", "lookup", "--draft-tree-width", "3", "--draft-tree-fixed"])
+    assert tree_shape(args) == TreeShape(budget=8, depth=4, width=3, adaptive=False)
+    assert tree_shape(parser.parse_args(["serve", "--draft", "trie"])) is None  # chains by default
+    with pytest.raises(UserError, match="at least --gamma"):
+        tree_shape(parser.parse_args(["serve", "--draft-tree-width", "2", "--draft-tree-tokens", "2"]))
+    with pytest.raises(UserError, match="must be >= 1"):
+        tree_shape(parser.parse_args(["serve", "--draft-tree-width", "0"]))

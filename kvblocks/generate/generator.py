@@ -151,7 +151,7 @@ class ModelRunner:
         if positions is not None and "position_ids" in kwargs:
             kwargs["position_ids"] = torch.tensor([list(positions)], dtype=torch.long, device=self.device)
         if allowed is not None:
-            dtype = self.model.dtype
+            dtype = next(self.model.parameters()).dtype
             bias = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
             kwargs["attention_mask"] = bias.masked_fill_(~allowed.to(self.device), torch.finfo(dtype).min)[
                 None, None
