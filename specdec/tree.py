@@ -221,6 +221,7 @@ class Shape:
 
     PATIENCE = 4
     PROBE = 16
+    FULL = 8  # other requests in the forward from which a round drafts a chain
 
     def __post_init__(self) -> None:
         self.budget = self.budget or self.limit.budget
@@ -231,7 +232,9 @@ class Shape:
         small trees (every extra node is a row of the forward all of them wait for)."""
         if not self.limit.adaptive or others == 0 or self.width == 1:
             return self.budget, self.width
-        budget = max(self.limit.depth, self.budget // (1 + others // 4))
+        if others >= self.FULL:  # every row is another request's too: a chain
+            return self.limit.depth, 1
+        budget = max(self.limit.depth, self.budget // (1 + others // 2))
         return budget, self.width if budget > self.limit.depth else 1
 
     def after(self, tree: DraftTree, path: list[int]) -> None:

@@ -108,8 +108,9 @@ def test_shape_widens_on_side_branches_and_narrows_to_a_chain_when_trees_do_not_
     shape.after(tree, [4, 5])  # a side branch: what only a tree finds
     assert shape.width == 3 and shape.budget == 16
     assert shape.for_batch(others=0) == (16, 3)
-    budget, _width = shape.for_batch(others=16)
-    assert budget < 16 and budget >= limit.depth
+    budget, width = shape.for_batch(others=2)
+    assert limit.depth <= budget < 16 and width == 3  # a smaller tree beside a few requests
+    assert shape.for_batch(others=16) == (limit.depth, 1)  # a full batch: a chain
 
 
 # ---- greedy: exactly the target's output -----------------------------------------------------------

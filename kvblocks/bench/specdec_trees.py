@@ -26,28 +26,28 @@ from dataclasses import dataclass
 from kvblocks.bench.harness import BenchOptions, Check, Report, Variant, measure
 
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Perth"]
+UNITS = ["celsius", "fahrenheit", "kelvin"]
 
 
 def _agent_prompt(i: int) -> list[dict]:
-    """A tool-calling conversation with earlier calls of the same tool for other cities."""
+    """A tool-calling conversation with earlier calls of the same tool with other arguments (city,
+    unit, days): the next call forks at each argument where the history holds several values."""
     calls = []
     for k in range(5):
-        city = CITIES[(i + k) % len(CITIES)]
+        city, unit, days = CITIES[(i + k) % len(CITIES)], UNITS[(i + k) % len(UNITS)], 1 + (i + k) % 4
+        call = f'{{"city": "{city}", "unit": "{unit}", "days": {days}}}'
         calls += [
-            {"role": "user", "content": f"Weather in {city}?"},
-            {"role": "assistant", "content": f'{{"name": "get_weather", "arguments": {{"city": "{city}", "unit": "celsius"}}}}'},
+            {"role": "user", "content": f"Forecast for {city} in {unit}, {days} days?"},
+            {"role": "assistant", "content": f'{{"name": "get_forecast", "arguments": {call}}}'},
             {"role": "user", "content": f"Tool result: {10 + k} degrees in {city}."},
-        ]  # fmt: skip
+        ]
     system = (
         "You call tools by answering with one JSON object and nothing else: "
-        '{"name": "get_weather", "arguments": {"city": ..., "unit": "celsius"}}.'
+        '{"name": "get_forecast", "arguments": {"city": ..., "unit": ..., "days": ...}}.'
     )
-    target = CITIES[(i + 2) % len(CITIES)]
-    return [
-        {"role": "system", "content": system},
-        *calls,
-        {"role": "user", "content": f"Weather in {target}?"},
-    ]
+    city, unit, days = CITIES[(i + 2) % len(CITIES)], UNITS[(i + 3) % len(UNITS)], 1 + (i + 1) % 4
+    ask = {"role": "user", "content": f"Forecast for {city} in {unit}, {days} days?"}
+    return [{"role": "system", "content": system}, *calls, ask]
 
 
 def _template_prompt(i: int) -> list[dict]:
