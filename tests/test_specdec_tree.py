@@ -206,7 +206,12 @@ def _engine_prompts() -> list[list[int]]:
 def test_packed_tree_rounds_beside_other_requests_give_target_greedy_and_free_rejected_slots(arch, batch):
     model = tiny_model(arch, torch.float64)
     prompts = _engine_prompts()
-    params = [GenerationParams(max_new_tokens=12)] * len(prompts)
+    # seeded sampling too: with point-mass siblings every emitted token is the target's own sample,
+    # drawn in order from the request's generator, so it equals target-only sampling seed for seed
+    params = [GenerationParams(max_new_tokens=12)] * (len(prompts) - 2) + [
+        GenerationParams(max_new_tokens=12, temperature=0.8, seed=5),
+        GenerationParams(max_new_tokens=12, temperature=1.1, top_p=0.9, seed=6),
+    ]
     shape = TreeShape(budget=8, depth=3, width=3, adaptive=False)
     spec = SpeculativeGenerator(
         model, TOK, KVCacheTrie.for_model(model, 4096), PromptLookupDrafter(), tree=shape
