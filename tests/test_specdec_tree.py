@@ -170,16 +170,20 @@ def test_tree_greedy_equals_target_greedy_and_rejected_nodes_never_reach_the_tri
             # only committed tokens were stored: the trie holds this request's answer as it was given
             assert cache.cached_length(ids + want[:-1]) == len(ids) + len(want) - 1
             answered.append(ids + want)
-        # every branch the trie holds after the prompt is a prefix of a request's committed tokens
-        tree = DraftTree(*cache.continuations(prompt, 512, 64, 16))
-        for node in range(len(tree)):
-            path = [node]
-            while tree.parents[path[0]] >= 0:
-                path.insert(0, tree.parents[path[0]])
-            seq = prompt + tree.path_tokens(path)
-            assert any(full[: len(seq)] == seq for full in answered), "a rejected draft reached the trie"
+        _assert_only_committed(cache, prompt, answered)
     assert trees > 0, "some rounds must have verified a real tree"
     assert cache.stats()["locked_tokens"] == 0
+
+
+def _assert_only_committed(cache: KVCacheTrie, prompt: list[int], answered: list[list[int]]) -> None:
+    """Every branch the trie holds after `prompt` is a prefix of a request's committed tokens."""
+    tree = DraftTree(*cache.continuations(prompt, 512, 64, 16))
+    for node in range(len(tree)):
+        path = [node]
+        while tree.parents[path[0]] >= 0:
+            path.insert(0, tree.parents[path[0]])
+        seq = prompt + tree.path_tokens(path)
+        assert any(full[: len(seq)] == seq for full in answered), "a rejected draft reached the trie"
 
 
 def hf_length(past) -> int:
@@ -242,6 +246,9 @@ def test_packed_tree_rounds_beside_other_requests_give_target_greedy_and_free_re
             assert time.monotonic() < deadline
             time.sleep(0.01)
         no_leaks(cache, len(engine.runner.scratch) if batch.get("invariant") else 0)
+        answered = [p + r["tokens"] for p, r in zip(prompts, together)]
+        for prompt in prompts:  # the trie holds committed tokens only: no rejected node went in
+            _assert_only_committed(cache, prompt, answered)
     finally:
         for e in (plain, engine, alone):
             e.stop()
