@@ -93,6 +93,8 @@ OPTIONS = (
     ]),
     Option("--sweep-layers", None, "2,4,8,16,24,29",
            "self-drafter layer counts the sweep measures (default 2,4,8,16,24,29)"),
+    Option("--tree-workloads", None, "agents,retried,templated",
+           "trees: the workloads to run (default agents,retried,templated)"),
 )  # fmt: skip
 
 
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
             )
     model, tokenizer = fixtures.load_model(args.model)
     layers = model.config.num_hidden_layers
-    sweep = _layer_list(args.sweep_layers, layers)
+    sweep = _layer_list(args.sweep_layers, layers) if "sweep" in selected else []
     if not 0 < args.self_layers < layers:
         raise UserError(f"--self-layers must be in 1..{layers - 1}, got {args.self_layers}")
     reports: list[Report] = []

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from kvblocks.bench.harness import BenchOptions, Check, Report, Variant, measure
+from kvblocks.errors import UserError
 
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Perth"]
 UNITS = ["celsius", "fahrenheit", "kelvin"]
@@ -88,7 +89,13 @@ def bench_trees(opts: BenchOptions, model, tokenizer, args: argparse.Namespace) 
     gamma, tokens = args.tree_gamma, args.tree_max_tokens
     shape = TreeShape(budget=args.tree_tokens, depth=gamma, width=args.tree_width)
     reports = []
-    for w in WORKLOADS.values():
+    names = [n.strip() for n in args.tree_workloads.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise UserError(
+            f"--tree-workloads: unknown {', '.join(unknown)} (choose from {', '.join(WORKLOADS)})"
+        )
+    for w in (WORKLOADS[n] for n in names):
         cache = KVCacheTrie.for_model(model, capacity_tokens=1 << 16)
 
         def drafter(w=w, cache=cache):
