@@ -425,6 +425,25 @@ def place_appended(cache: DynamicCache, positions: torch.Tensor, length: int) ->
             setattr(layer, name, data[..., :length, :])
 
 
+@torch.inference_mode()
+def keep_rows(cache: DynamicCache, base: int, rows: list[int]) -> None:
+    """Keep positions `[0, base)` and then the rows `base + r` for `r` in `rows` (increasing), in
+    that order, dropping the rest: a verified draft tree's accepted path. Rows already in place (a
+    path along the tree's first branch) are not moved; the others are copied down (a few rows)."""
+    moved = [j for j, r in enumerate(rows) if r != j]
+    for layer in cache.layers:
+        if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
+            continue
+        assert not isinstance(layer, DynamicSlidingWindowLayer), "draft trees need full-attention layers"
+        for name in ("keys", "values"):
+            data = getattr(layer, name)
+            if moved:
+                src = torch.tensor([base + rows[j] for j in moved], device=data.device)
+                dst = torch.tensor([base + j for j in moved], device=data.device)
+                data[..., dst, :] = data[..., src, :]
+            setattr(layer, name, data[..., : base + len(rows), :])
+
+
 @dataclass(slots=True, frozen=True)
 class HFBridge:
     """The cache core's view of transformers caches (`kvblocks.cache.bridge.PastBridge`) for one model:

@@ -13,9 +13,11 @@ from .drafters import (
 from .generator import Round, SpecStats, SpeculativeGenerator
 from .rejection import acceptance_probability, residual, verify
 from .seq2seq import Seq2SeqModelDrafter, Seq2SeqSpeculativeGenerator
+from .tree import DraftTree, TreeShape
 
 __all__ = [
     "DraftSession",
+    "DraftTree",
     "Drafter",
     "ModelDrafter",
     "PointMassSession",
@@ -26,6 +28,7 @@ __all__ = [
     "Seq2SeqSpeculativeGenerator",
     "SpecStats",
     "SpeculativeGenerator",
+    "TreeShape",
     "TrieDrafter",
     "acceptance_probability",
     "residual",

@@ -19,6 +19,8 @@ from kvblocks.generate.decoding import context_room
 from kvblocks.generate.generator import ModelRunner, context_length
 from kvblocks.generate.sampling import SamplingParams, distribution
 
+from .tree import DraftTree, depth_first, merge
+
 
 @dataclass(slots=True)
 class Proposal:
@@ -34,6 +36,20 @@ class DraftSession:
         self, committed: list[int], gamma: int, params: SamplingParams, rng: torch.Generator | None
     ) -> Proposal:
         raise NotImplementedError
+
+    def propose_tree(
+        self,
+        committed: list[int],
+        budget: int,
+        depth: int,
+        width: int,
+        params: SamplingParams,
+        rng: torch.Generator | None,
+    ) -> DraftTree:
+        """A tree of at most `budget` nodes, `depth` levels and `width` children per node; a drafter
+        with one continuation proposes it as a chain (the default)."""
+        proposal = self.propose(committed, min(depth, budget), params, rng)
+        return DraftTree.chain(proposal.tokens, proposal.q)
 
     def rollback(self, length: int) -> None:
         """The first `length` committed tokens are final; forget anything drafted past them."""
@@ -56,11 +72,18 @@ class PointMassSession(DraftSession):
     """A drafter without a model or state of its own: `draft(committed, gamma)` returns the tokens."""
 
     draft: Callable[[list[int], int], list[int]]
+    # (committed, budget, depth, width) -> a point-mass tree; None: the chain of `draft`
+    branches: Callable[[list[int], int, int, int], DraftTree] | None = None
 
     def propose(
         self, committed: list[int], gamma: int, params: SamplingParams, rng: torch.Generator | None
     ) -> Proposal:
         return Proposal(self.draft(committed, gamma), None)
+
+    def propose_tree(self, committed, budget, depth, width, params, rng) -> DraftTree:
+        if self.branches is None or width <= 1:
+            return DraftTree.chain(self.draft(committed, min(depth, budget)))
+        return self.branches(committed, budget, depth, width)
 
 
 class ModelDrafter(Drafter):
@@ -117,6 +140,29 @@ class ModelDraftSession(DraftSession):
                 logits = runner.forward([token], self.past)[-1]
                 self.length += 1
         return Proposal(tokens, torch.stack(rows) if rows else None)
+
+    def propose_tree(self, committed, budget, depth, width, params, rng) -> DraftTree:
+        """The drafter's chain of `depth` tokens, and at each level up to `width - 1` more children
+        of the chain's node above, drawn from the same distribution row (no more drafter forwards):
+        greedy, the next most likely tokens; sampling, more i.i.d. draws, so that every node's
+        siblings are i.i.d. samples of q at their parent as multi-draft rejection sampling needs.
+        Shallow levels first until `budget`."""
+        proposal = self.propose(committed, min(depth, budget), params, rng)
+        chain, q = proposal.tokens, proposal.q
+        if q is None or width <= 1 or len(chain) >= budget:
+            return DraftTree.chain(chain, None if params.greedy else q)
+        tokens, parents, rows = list(chain), list(range(-1, len(chain) - 1)), list(range(len(chain)))
+        for level in range(len(chain)):
+            if params.greedy:
+                top = torch.topk(q[level], min(width, q.shape[-1])).indices.tolist()
+                extra = [t for t in top if t != chain[level]][: width - 1]
+            else:
+                extra = torch.multinomial(q[level], width - 1, replacement=True, generator=rng).tolist()
+            for t in extra[: budget - len(tokens)]:
+                tokens.append(int(t))
+                parents.append(level - 1)
+                rows.append(level)
+        return depth_first(tokens, parents, None if params.greedy else q[rows], not params.greedy)
 
     def rollback(self, length: int) -> None:
         if self.length > length:
@@ -183,7 +229,30 @@ class PromptLookupDrafter(Drafter):
 
     def start(self, prompt_ids: list[int], salt: Salt) -> PointMassSession:
         source = getattr(getattr(salt, "source", None), "ids", ())  # a seq2seq request's source
-        return PointMassSession(lambda committed, gamma: self.lookup(committed, gamma, source))
+        return PointMassSession(
+            lambda committed, gamma: self.lookup(committed, gamma, source),
+            lambda committed, budget, depth, width: merge(
+                self.lookups(committed, depth, width, source), budget
+            ),
+        )
+
+    def lookups(
+        self, committed: list[int], depth: int, width: int, source: Sequence[int] = ()
+    ) -> list[list[int]]:
+        """Up to `width` different continuations of the current n-gram's earlier occurrences,
+        longest n-gram first, then latest occurrence first (the first is `lookup`'s)."""
+        n_total, found = len(committed), []
+        for n in range(min(self.max_ngram, n_total - 1), self.min_ngram - 1, -1):
+            tail = committed[n_total - n :]
+            for text, end in ((committed, n_total - n - 1), (source, len(source) - n - 1)):
+                for start in range(end, -1, -1):
+                    if list(text[start : start + n]) == tail:
+                        follow = list(text[start + n : start + n + depth])
+                        if follow and follow not in found:
+                            found.append(follow)
+                            if len(found) >= width:
+                                return found
+        return found
 
     def lookup(self, committed: list[int], gamma: int, source: Sequence[int] = ()) -> list[int]:
         """What followed the current n-gram's last earlier occurrence in `committed`, else in the
@@ -201,10 +270,17 @@ class PromptLookupDrafter(Drafter):
 
 
 class TrieDrafter(Drafter):
-    """Propose what the trie already holds after the current sequence (repeated or retried requests)."""
+    """Propose what the trie already holds after the current sequence (repeated or retried requests):
+    one chain, the most recently used branch at each fork; as a tree, every branch it holds there,
+    the most often taken first (`PrefixCache.continuations`)."""
 
     def __init__(self, cache: KVCacheTrie) -> None:
         self.cache = cache
 
     def start(self, prompt_ids: list[int], salt: Salt) -> PointMassSession:
-        return PointMassSession(lambda committed, gamma: self.cache.continuation(committed, gamma, salt=salt))
+        return PointMassSession(
+            lambda committed, gamma: self.cache.continuation(committed, gamma, salt=salt),
+            lambda committed, budget, depth, width: DraftTree(
+                *self.cache.continuations(committed, budget, depth, width, salt=salt)
+            ),
+        )

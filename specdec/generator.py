@@ -27,6 +27,7 @@ from kvblocks.generate.sampling import SamplingParams, distribution
 
 from .drafters import Drafter, DraftSession, Proposal
 from .rejection import verify
+from .tree import DraftTree, Shape, TreeShape, accept
 
 _NO_DRAFT = Proposal([], None)
 
@@ -44,6 +45,7 @@ class SpecStats:
     emitted: int = 0
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    tree_rounds: int = 0  # rounds that verified a tree of width > 1
 
     @property
     def alpha(self) -> float:
@@ -78,9 +80,35 @@ class SpecStats:
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < accepted
 
+    @property
+    def accepted_path(self) -> float:
+        """Mean accepted drafts per round (the accepted path's length, for a tree)."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    def record_tree(self, tree: DraftTree, path: list[int]) -> None:
+        """One tree round: `drafted` counts its nodes, `accepted` its accepted path; a rejection is
+        a path that stopped where the tree went on (the target's token matched none of the
+        children); by position, depth d counts as drafted when the tree reaches it."""
+        self.rounds += 1
+        self.tree_rounds += not tree.is_chain
+        self.drafted += len(tree)
+        self.accepted += len(path)
+        self.emitted += len(path) + 1
+        self.rejected_rounds += bool(tree.children(path[-1] if path else -1))
+        depth = tree.depth
+        grow = depth - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for d in range(depth):
+            self.drafted_at[d] += 1
+            self.accepted_at[d] += d < len(path)
+
     def as_dict(self) -> dict:
         return {
             "gamma": self.gamma,
+            "tree_rounds": self.tree_rounds,
+            "accepted_path": self.accepted_path,
             "rounds": self.rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -108,6 +136,11 @@ class SpeculativeGenerator(CachedGenerator):
 
     `adaptive=True` grows gamma by one after a fully accepted round and shrinks it by one after a
     rejection, within [1, max_gamma].
+
+    `tree` drafts token trees instead of chains (`kvblocks.specdec.tree`): each round the drafter
+    proposes up to `tree.budget` nodes, `tree.depth` deep (gamma is the depth), verified in one
+    forward under a tree mask, the accepted path's KV kept and the rest dropped. Needs a target of
+    full-attention layers on this path (the packed engine also takes windowed layers).
     """
 
     def __init__(
@@ -121,14 +154,19 @@ class SpeculativeGenerator(CachedGenerator):
         adaptive: bool = False,
         max_gamma: int = 16,
         on_round: Callable[[Round], None] | None = None,
+        tree: TreeShape | None = None,
     ) -> None:
         super().__init__(model, tokenizer, cache)
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
+        if tree is not None:
+            gamma = tree.depth
+            _check_tree_target(model, cache)
+        self.tree = tree
         self.drafter = drafter
         self.gamma = gamma
         self.adaptive = adaptive
-        self.max_gamma = max(max_gamma, gamma)
+        self.max_gamma = max(max_gamma, gamma, tree.budget if tree is not None else 0)
         self.on_round = on_round
         self.target_vocab = self.vocab_size
         self._target_state = False  # probed on first use when there is no cache to say it
@@ -198,7 +236,116 @@ class SpeculativeGenerator(CachedGenerator):
             return gamma
         return min(gamma + 1, self.max_gamma) if accepted == drafted else max(gamma - 1, 1)
 
+    def propose_tree(
+        self,
+        session: DraftSession,
+        committed: list[int],
+        shape: Shape,
+        params: SamplingParams,
+        rng: torch.Generator | None,
+        others: int = 0,
+        room: int | None = None,
+    ) -> DraftTree:
+        """One round's draft tree within `shape` (made smaller beside `others` requests, at most
+        `room` nodes), no deeper than the context allows, its q aligned to the target's vocabulary.
+        A node the target's vocabulary lacks is dropped with its subtree, or, in a tree of i.i.d.
+        siblings, kept as a leaf the verification rejects outright (fed as token 0)."""
+        budget, width = shape.for_batch(others)
+        budget = budget if room is None else min(budget, room)
+        depth = min(shape.limit.depth, context_room(self.max_context, len(committed) + 1), budget)
+        if depth <= 0:
+            return DraftTree([], [])
+        tree = session.propose_tree(committed, budget, depth, width, params, rng).truncated(budget, depth)
+        outside = [t >= self.target_vocab for t in tree.tokens]
+        if any(outside):
+            # keep only nodes with no outside ancestor; an outside node itself stays in a sampled tree
+            inside = tree.prune([not o for o in outside]) if not tree.sampled else None
+            if inside is None:
+                parent_ok = [True] * len(tree)
+                for i, p in enumerate(tree.parents):
+                    parent_ok[i] = p < 0 or (parent_ok[p] and not outside[p])
+                inside = tree.prune(parent_ok)
+            tree = inside
+        if tree.q is not None:
+            tree.q = _match_vocab(tree.q, self.target_vocab)
+        return tree
+
+    def fed_tokens(self, tree: DraftTree) -> list[int]:
+        """The tree's tokens as the target reads them (an id outside its vocabulary as 0: never accepted)."""
+        return [t if t < self.target_vocab else 0 for t in tree.tokens]
+
+    def settle_tree(
+        self,
+        logits: torch.Tensor,
+        tree: DraftTree,
+        params: SamplingParams,
+        rng: torch.Generator | None,
+        stats: SpecStats,
+        shape: Shape,
+    ) -> tuple[list[int], int]:
+        """Judge a tree round: (the accepted path's nodes, the target's own token); `logits` are
+        the root's row then each node's. The one-request path and the batched engine both settle here."""
+        path, token = accept(distribution(logits, params), tree, params.greedy, rng)
+        stats.record_tree(tree, path)
+        shape.after(tree, path)
+        return path, token
+
     def _decode(self, ids: list[int], run: DecodeState, out: Decoding) -> Iterator[int]:
+        if self.tree is not None:
+            yield from self._decode_tree(ids, run, out)
+            return
+        yield from self._decode_chain(ids, run, out)
+
+    def _decode_tree(self, ids: list[int], run: DecodeState, out: Decoding) -> Iterator[int]:
+        """Tree rounds: the uncomputed committed tokens and the tree's nodes in one forward (a 4-D
+        mask: the committed tokens causal, each node the prefix and its ancestors; a node's position
+        is the root's plus its depth), then the accepted path's KV kept in order, the rest cropped."""
+        params, rng = out.params.sampling, out.rng
+        stats = run.spec = SpecStats(self.gamma)
+        shape = Shape(self.tree)
+        committed = list(ids)
+        drafter = self.drafter.start(ids, run.salt)
+        try:
+            while True:
+                tree = self.propose_tree(drafter, committed, shape, params, rng)
+                head = committed[run.computed :]
+                logits = self._tree_forward(head, tree, run.past, run.computed)
+                path, token = self.settle_tree(logits, tree, params, rng, stats, shape)
+                new = [*tree.path_tokens(path), token]
+                committed.extend(new)
+                hf.keep_rows(run.past, len(committed) - len(new), path)
+                run.computed = len(committed) - 1
+                self._snapshot(run)
+                drafter.rollback(len(committed) - 1)
+                if self.on_round is not None:
+                    # drafts as a chain would show them: the accepted path, then the children it stopped at
+                    stopped = tree.path_tokens(tree.children(path[-1] if path else -1))
+                    drafts = tree.path_tokens(path) + stopped
+                    self.on_round(Round(list(committed), drafts, len(path), token, run.past))
+                rows = [0, *(i + 1 for i in path)]
+                for emitted, row in zip(new, logits[rows]):
+                    if run.logits is not None:
+                        run.logits.append(row.detach().clone())
+                    yield emitted
+        finally:
+            drafter.end(run.sequence)
+
+    def _tree_forward(self, head: list[int], tree: DraftTree, past, cached: int) -> torch.Tensor:
+        """Logits `[1 + len(tree), V]`: the last committed token's row, then each node's."""
+        if tree.is_chain:  # a chain is causal: the ordinary forward
+            return self.runner.forward(head + self.fed_tokens(tree), past, keep=len(tree) + 1)
+        h, n = len(head), len(tree)
+        positions = list(range(cached, cached + h)) + [cached + h - 1 + d for d in tree.depths()]
+        allowed = torch.ones(h + n, cached + h + n, dtype=torch.bool)
+        allowed[:, cached:] = False
+        allowed[:h, cached : cached + h] = torch.ones(h, h, dtype=torch.bool).tril()
+        allowed[h:, cached : cached + h] = True
+        allowed[h:, cached + h :] = torch.from_numpy(tree.ancestors())
+        return self.runner.forward(
+            head + self.fed_tokens(tree), past, keep=n + 1, positions=positions, allowed=allowed
+        )
+
+    def _decode_chain(self, ids: list[int], run: DecodeState, out: Decoding) -> Iterator[int]:
         """Draft/verify rounds; every committed token goes to the per-token rule (`out`) through the
         stream, which owns the finish checks, so a round's tail past a finish is never emitted."""
         params, rng = out.params.sampling, out.rng
@@ -252,6 +399,20 @@ class SpeculativeGenerator(CachedGenerator):
         hf.apply_state(run.past, state, saved)
         hf.crop(run.past, run.computed, state_restored=True)
         self.runner.forward(accepted, run.past)
+
+
+def _check_tree_target(model, cache: KVCacheTrie | None) -> None:
+    """Draft trees need a target whose cache rows can be kept out of order: full attention only."""
+    config = model.config.get_text_config()
+    state = cache.state if cache is not None else hf.describe(model)[1]
+    windowed = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
+        getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    )
+    if state is not None or windowed:
+        raise ValueError(
+            f"draft trees need a target of full-attention layers; a '{config.model_type}' model keeps "
+            f"{'recurrent state' if state is not None else 'sliding-window layers'}: draft chains instead"
+        )
 
 
 def _match_vocab(q: torch.Tensor, size: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ Three workloads on the same target, each with the drafter that fits it:
 - lookup: n-gram prompt lookup on input-grounded prompts whose answer copies the input;
 - trie: `TrieDrafter` on repeated requests (the trie holds the earlier answer);
 
-plus `sweep`, which measures alpha and the cost ratio c for several K to choose the self-drafter.
+plus `sweep`, which measures alpha and the cost ratio c for several K to choose the self-drafter,
+and `trees`, draft trees against chains with the same drafter (`kvblocks.bench.specdec_trees`).
 
 Per workload, in one interleaved run: kvblocks' `CachedGenerator` and `SpeculativeGenerator` on the
 same prefix cache (greedy; their outputs must be identical), transformers' plain greedy `generate`
@@ -41,7 +42,7 @@ from kvblocks.bench.harness import (
 )
 from kvblocks.errors import UserError
 
-BENCHMARKS = ("self", "lookup", "trie", "sweep")
+BENCHMARKS = ("self", "lookup", "trie", "sweep", "trees")
 
 _TEXT = (
     "The lighthouse stood on a rocky point at the edge of the bay. Every night the keeper climbed the "
@@ -84,9 +85,16 @@ OPTIONS = (
         ("trie-tokens", 48, "new tokens per prompt, trie"),
         ("prompts", 2, "prompts per run, self workload"),
         ("sweep-tokens", 32, "new tokens per prompt, sweep"),
+        ("tree-gamma", 4, "trees: the chain's drafts per round and the tree's depth"),
+        ("tree-tokens", 12, "trees: the tree's node budget"),
+        ("tree-width", 4, "trees: branches per node"),
+        ("tree-max-tokens", 48, "trees: new tokens per request"),
+        ("batched-others", 16, "trees: plain requests batched beside the workload's (0: skip)"),
     ]),
     Option("--sweep-layers", None, "2,4,8,16,24,29",
            "self-drafter layer counts the sweep measures (default 2,4,8,16,24,29)"),
+    Option("--tree-workloads", None, "agents,retried,templated",
+           "trees: the workloads to run (default agents,retried,templated)"),
 )  # fmt: skip
 
 
@@ -120,7 +128,7 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
             )
     model, tokenizer = fixtures.load_model(args.model)
     layers = model.config.num_hidden_layers
-    sweep = _layer_list(args.sweep_layers, layers)
+    sweep = _layer_list(args.sweep_layers, layers) if "sweep" in selected else []
     if not 0 < args.self_layers < layers:
         raise UserError(f"--self-layers must be in 1..{layers - 1}, got {args.self_layers}")
     reports: list[Report] = []
@@ -129,6 +137,10 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
             reports += bench_workload(opts, model, tokenizer, workload, args.repeats, args.cost_repeats)
     if "sweep" in selected:
         reports.append(bench_sweep(opts, model, tokenizer, sweep, args.sweep_tokens, args.cost_repeats))
+    if "trees" in selected:
+        from kvblocks.bench.specdec_trees import bench_trees
+
+        reports += bench_trees(opts, model, tokenizer, args)
     return reports
 
 

@@ -193,6 +193,29 @@ class RadixTree:
             offset = 0
         return np.concatenate(out) if out else _EMPTY
 
+    def continuations(self, match: Match, budget: int, depth: int, width: int) -> tuple[list[int], list[int]]:
+        """At most `budget` resident tokens after `match` as a tree `(tokens, parents)` in
+        depth-first order (parent -1: follows `match`), `depth` levels deep, at most `width`
+        branches at each fork, the most often matched first (`hits`, then the most recent): the
+        continuations earlier requests with this prefix took."""
+        tokens: list[int] = []
+        parents: list[int] = []
+
+        def walk(node: Node, offset: int, parent: int, level: int) -> None:
+            while level < depth and len(tokens) < budget:
+                if offset < len(node.tokens):
+                    tokens.append(int(node.tokens[offset]))
+                    parents.append(parent)
+                    parent, offset, level = len(tokens) - 1, offset + 1, level + 1
+                    continue
+                ranked = sorted(node.children.values(), key=lambda c: (c.hits, c.last_access), reverse=True)
+                for child in ranked[:width]:
+                    walk(child, 0, parent, level)
+                return
+
+        walk(match.node, match.node_offset, -1, 0)
+        return tokens, parents
+
     def iter_nodes(self, namespaces: Iterable[Hashable] | None = None) -> Iterator[Node]:
         """Every non-root node, or those under the given namespaces' roots."""
         keys = self.roots if namespaces is None else namespaces

@@ -172,6 +172,18 @@ class PrefixCache:
                 return []
             return self._tree.continuation(m, max_tokens).tolist()
 
+    def continuations(
+        self, token_ids: TokenIds, budget: int, depth: int, width: int, *, salt: Salt = None
+    ) -> tuple[list[int], list[int]]:
+        """The tree of tokens the trie holds after all of `token_ids` (`Radix.continuations`):
+        (tokens, parents) in depth-first order; empty unless all of `token_ids` are resident."""
+        ids, ns = self.key_of(token_ids, salt)
+        with self._lock:
+            m = self._tree.match(ns.key, ids, touch=False, create=False)
+            if m.length < len(ids) or budget <= 0:
+                return [], []
+            return self._tree.continuations(m, budget, depth, width)
+
     def snapshot(self, token_ids: TokenIds, *, salt: Salt = None) -> torch.Tensor | None:
         """The recurrent-state snapshot kept after exactly `token_ids` (a copy), or None."""
         ids, ns = self.key_of(token_ids, salt)

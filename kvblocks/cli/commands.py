@@ -90,10 +90,43 @@ DRAFT_HELP = (
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help=f"speculative decoding with this {DRAFT_HELP}")
-    p.add_argument("--gamma", type=int, default=4, help="drafts per round (default 4)")
+    p.add_argument(
+        "--gamma", "--speculative-num-steps", type=int, default=4,
+        help="drafts per round (default 4); with a draft tree, its depth",
+    )  # fmt: skip
     p.add_argument(
         "--adaptive-gamma", action="store_true", help="grow gamma on full acceptance, shrink on rejection"
     )
+    p.add_argument(
+        "--draft-tree-width", "--speculative-eagle-topk", type=int, default=1, metavar="W",
+        help="draft trees: up to W branches per node (default 1: a chain); every continuation the trie holds, "
+        "several prompt-lookup matches, a draft model's top-W, verified in one forward",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft-tree-tokens", "--speculative-num-draft-tokens", type=int, default=None, metavar="N",
+        help="draft trees: at most N nodes a round (default 2 x gamma); adapted per request to its "
+        "acceptance and to the batch unless --draft-tree-fixed",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft-tree-fixed", action="store_true", help="draft trees keep their size (no adapting)"
+    )
+
+
+def tree_shape(args: argparse.Namespace):
+    """The `TreeShape` the draft-tree flags ask for, or None for chains."""
+    width, tokens = getattr(args, "draft_tree_width", 1), getattr(args, "draft_tree_tokens", None)
+    if width < 1:
+        raise UserError(f"--draft-tree-width must be >= 1, got {width}")
+    if width == 1 and tokens is None:
+        return None
+    tokens = 2 * args.gamma if tokens is None else tokens
+    if tokens < args.gamma:
+        raise UserError(
+            f"--draft-tree-tokens ({tokens}) must be at least --gamma, the tree's depth ({args.gamma})"
+        )
+    from kvblocks.specdec import TreeShape
+
+    return TreeShape(budget=tokens, depth=args.gamma, width=width, adaptive=not args.draft_tree_fixed)
 
 
 def parse_capacity(text: str) -> dict[str, int]:
@@ -283,9 +316,13 @@ def build_generator(args: argparse.Namespace, model, tokenizer, cache, on_round=
         )
     except DraftSpecError as exc:
         raise UserError(str(exc)) from exc
-    return SpeculativeGenerator(
-        model, tokenizer, cache, drafter, gamma=args.gamma, adaptive=args.adaptive_gamma, on_round=on_round
-    )
+    try:
+        return SpeculativeGenerator(
+            model, tokenizer, cache, drafter, gamma=args.gamma, adaptive=args.adaptive_gamma,
+            on_round=on_round, tree=tree_shape(args),
+        )  # fmt: skip
+    except ValueError as exc:  # a target draft trees cannot serve, a bad gamma
+        raise UserError(f"--draft: {exc}") from exc
 
 
 def check_kv_mode(gen, kv_mode: str, blend_recompute: float) -> None:
@@ -305,6 +342,8 @@ def build_seq2seq_generator(args: argparse.Namespace, model, tokenizer, cache, o
 
     if not getattr(args, "draft", None):
         return Seq2SeqCachedGenerator(model, tokenizer, cache)
+    if tree_shape(args) is not None:
+        raise UserError("--draft-tree-width/--draft-tree-tokens: an encoder-decoder target drafts chains")
     from kvblocks.specdec import (
         PromptLookupDrafter,
         Seq2SeqModelDrafter,

@@ -284,10 +284,10 @@ class Engine:
         """Tokens `s` feeds this step with their slots reserved (and its drafts proposed); 0: none."""
         if s.draft is None or take != s.left:
             return take if self._reserve(s, s.computed + take, batch) else 0
-        room = min(s.gamma, budget - take)  # a draft/verify round
+        room = min(speculative.room(s), budget - take)  # a draft/verify round
         if not self._reserve(s, s.computed + take + room, batch):  # slots first: drafting consumes the rng
             return 0
-        take += speculative.propose(self.rounds, s, room)
+        take += speculative.propose(self.rounds, s, room, len(self._running) - 1)
         self.slots.trim(s, s.computed + take)  # fewer drafts than room
         return take
 

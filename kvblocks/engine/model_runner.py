@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvblocks.engine import paged
+from kvblocks.engine import paged, speculative
 from kvblocks.engine.sequence import Sequence
 
 Batch = list[tuple[Sequence, int]]
@@ -72,7 +72,8 @@ class PackedRunner:
         """The segments of `n` tokens of `s`; the last one's logits are its output."""
         if s.proposal:  # the last token and the drafts, every row's logits kept for verification
             tokens = s.sequence + s.proposal[0]
-            return [paged.Segment(tokens[s.computed :], s.slots[: s.computed + n], keep=n)]
+            tree = speculative.segment_tree(s, n)
+            return [paged.Segment(tokens[s.computed :], s.slots[: s.computed + n], keep=n, tree=tree)]
         end = s.computed + n
         ends = paged.chunk_ends(s.computed, end, self.chunk) if self.invariant else [end]
         segments, begin = [], s.computed

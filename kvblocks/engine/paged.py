@@ -82,6 +82,7 @@ import torch.nn.functional as F
 
 from kvblocks.cache.pool import KVPool
 from kvblocks.engine import graphs, kernel
+from kvblocks.engine import tree as trees
 from kvblocks.engine.head import PackedLinears, scope
 
 NAME = graphs.BATCH_KEYWORD  # the keyword a packed forward's batch travels under to every layer
@@ -121,11 +122,13 @@ _wrapped: dict[str, str] = {}  # dispatcher name -> the implementation it falls 
 class Segment:
     """One request's share of a packed forward: its new `token_ids` and the slots of all of its
     positions (`len(slots) >= len(token_ids)`; the new tokens' slots are the last ones).
-    `keep` rows of logits come back for it: its last `keep` new tokens."""
+    `keep` rows of logits come back for it: its last `keep` new tokens. A `tree` (a speculative
+    round's draft tree, `kvblocks.engine.tree`) numbers and masks the new tokens by ancestry."""
 
     token_ids: Sequence[int]
     slots: np.ndarray
     keep: int = 1
+    tree: tuple[int, ...] | None = None
 
     @property
     def start(self) -> int:
@@ -161,7 +164,11 @@ class PagedBatch:
                     f"got {n} tokens, {len(s.slots)} slots, keep={s.keep}"
                 )
             self.bounds.append((row, row + n))
-            positions.append(np.arange(s.start, len(s.slots)))
+            if s.tree is not None:
+                assert len(s.tree) == n, "a tree names one parent per new token"
+                positions.append(trees.positions(s.start, s.tree))
+            else:
+                positions.append(np.arange(s.start, len(s.slots)))
             writes.append(s.slots[s.start :])
             row += n
         self.segments = list(segments)
@@ -175,7 +182,9 @@ class PagedBatch:
         self._align = align
         self._views: dict[int | None, list[tuple[torch.Tensor | slice, torch.Tensor]]] = {}
         self._stacked: dict[tuple[int | None, int, int, torch.dtype], torch.Tensor] = {}
-        short = [i for i, s in enumerate(segments) if len(s.token_ids) <= GROUP_MAX_TOKENS]
+        # draft trees attend under their own masks, a call each (`_plain_attention`)
+        self.trees = [i for i, s in enumerate(segments) if s.tree is not None]
+        short = [i for i, s in enumerate(segments) if len(s.token_ids) <= GROUP_MAX_TOKENS and s.tree is None]
         self.grouped = short if grouped and len(short) > 1 else []  # segments read in one call per layer
         self.alone = sorted(set(range(len(segments))) - set(self.grouped))
         self._groups: dict[int | None, Group] = {}
@@ -183,7 +192,7 @@ class PagedBatch:
         # The CPU kernel (`direct`) takes the segments of at most `kernel.MAX_WIDTH` new tokens, all of
         # their keys, a shared run read once per group (a row's bits do not depend on how its keys are
         # split, so this serves batch-invariant forwards too); the cascade plans take the others.
-        rest = list(range(len(segments)))
+        rest = [i for i, s in enumerate(segments) if s.tree is None]
         self.direct: kernel.Plan | None = None
         if direct:
             narrow = [i for i in rest if len(segments[i].token_ids) <= kernel.MAX_WIDTH]
@@ -203,8 +212,14 @@ class PagedBatch:
         reads the same keys wherever the segment around it starts (batch invariance)."""
         if window not in self._views:
             out = []
-            for slots, start in zip(self._slots, self._starts):
+            for segment, slots, start in zip(self.segments, self._slots, self._starts):
                 first = 0 if window is None else max(0, start // self._align * self._align - window + 1)
+                if segment.tree is not None:
+                    allowed = trees.visible(start, len(slots), first, segment.tree, window)
+                    out.append(
+                        (_reader(self.pool, slots[first:]), torch.from_numpy(allowed).to(self.pool.device))
+                    )
+                    continue
                 q = torch.arange(start, len(slots), device=self.pool.device)[:, None]
                 k = torch.arange(first, len(slots), device=self.pool.device)[None, :]
                 allowed = k <= q
@@ -765,6 +780,7 @@ def _planned_attention(
         out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
     if batch.direct is not None:
         kernel.attend(query, pool_layer, batch.direct, scale, out)
+    _plain_attention(pool_layer, query, batch, batch.trees, out, scale, groups)
     return out
 
 
@@ -1164,7 +1180,7 @@ class PagedRunner:
     def forward(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
         """Run the segments' new tokens as one forward; their K/V land in their slots. Returns each
         segment's logits `[keep, vocab]`."""
-        if self.graphs is not None:
+        if self.graphs is not None and all(s.tree is None for s in segments):
             with self.lock, scope(self.head):
                 out = self.graphs.forward(segments)
             if out is not None:

@@ -44,6 +44,8 @@ class Reporter:
             m.inc("kvblocks_spec_drafted_tokens_total", r.spec.drafted)
             m.inc("kvblocks_spec_accepted_tokens_total", r.spec.accepted)
             m.inc("kvblocks_spec_rounds_total", r.spec.rounds)
+            m.inc("kvblocks_spec_emitted_tokens_total", r.spec.emitted)
+            m.inc("kvblocks_spec_tree_rounds_total", r.spec.tree_rounds)
         trace_ended(
             request,
             outcome="finished",

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kvblocks.generate.generator import CachedGenerator
     from kvblocks.specdec.drafters import DraftSession
     from kvblocks.specdec.generator import SpecStats
+    from kvblocks.specdec.tree import Shape
 
 
 @dataclass(eq=False)
@@ -44,7 +45,8 @@ class Sequence:
     draft: DraftSession | None = None  # speculative decoding: the request's own drafter session
     spec: SpecStats | None = None
     gamma: int = 0
-    proposal: tuple = ()  # this step's (drafts, q, tail_q), settled after the forward
+    proposal: tuple = ()  # this step's (drafts, q, tail_q), or (fed tokens, DraftTree, None), settled after the forward
+    shape: Shape | None = None  # draft trees: this request's adaptive tree size
     marked: list[BlockSpan] = field(default_factory=list)  # KV blocks the client marked (promoted at its end)
     _array: np.ndarray | None = field(default=None, repr=False)
 

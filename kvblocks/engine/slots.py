@@ -60,6 +60,15 @@ class SlotManager:
             self.cache.release_slots(s.slots[end:])
             s.slots = s.slots[:end]
 
+    def keep(self, s: Sequence, base: int, rows: list[int]) -> None:
+        """Keep the slots of `s` up to `base`, then its slots `base + r` for `r` in `rows` in that
+        order; give back the rest past `base` (a draft tree's rejected nodes). The accepted path's
+        KV stays where the verification wrote it: only the slot list is reordered, nothing copied."""
+        assert base >= s.start, "the trie's slots are not the sequence's to give back"
+        tail = s.slots[base:]
+        self.cache.release_slots(np.delete(tail, rows))
+        s.slots = np.concatenate([s.slots[:base], tail[rows]])
+
     def commit_prompt(self, s: Sequence, length: int | None = None) -> None:
         """The prompt's slots pass to the trie as soon as it is computed; `s` keeps them locked (a
         fresh lock over the whole prompt: the trie's slots from now on, which are other slots where

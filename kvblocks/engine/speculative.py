@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from kvblocks.engine import tree as trees
 from kvblocks.specdec.generator import SpecStats
+from kvblocks.specdec.tree import DraftTree, Shape
 
 if TYPE_CHECKING:
     from kvblocks.engine.sequence import Sequence
@@ -39,12 +41,33 @@ def start(generator: Rounds, s: Sequence) -> None:
     s.draft = generator.drafter.start(s.ids, s.salt)
     s.gamma = generator.gamma
     s.spec = SpecStats(s.gamma)
+    if getattr(generator, "tree", None) is not None:
+        s.shape = Shape(generator.tree)
 
 
-def propose(generator: Rounds, s: Sequence, room: int) -> int:
-    """Draft this round's tokens for `s` (at most `room`); returns how many."""
-    s.proposal = generator.propose(s.draft, s.sequence, room, s.params.sampling, s.out.rng)
+def room(s: Sequence) -> int:
+    """The most drafts `s` may feed this round: its gamma, or its tree's node budget."""
+    return s.shape.budget if s.shape is not None else s.gamma
+
+
+def propose(generator: Rounds, s: Sequence, room: int, others: int = 0) -> int:
+    """Draft this round's tokens for `s` (at most `room`; a tree smaller beside `others` running
+    requests); returns how many."""
+    params, rng = s.params.sampling, s.out.rng
+    if s.shape is not None:
+        tree = generator.propose_tree(s.draft, s.sequence, s.shape, params, rng, others, room)
+        s.proposal = (generator.fed_tokens(tree), tree, None)
+        return len(tree)
+    s.proposal = generator.propose(s.draft, s.sequence, room, params, rng)
     return len(s.proposal[0])
+
+
+def segment_tree(s: Sequence, n: int) -> tuple[int, ...] | None:
+    """The packed segment's `tree` for a round of `n` fed tokens of `s` (None: a chain, causal)."""
+    tree = s.proposal[1] if s.proposal else None
+    if not isinstance(tree, DraftTree) or tree.is_chain:
+        return None
+    return trees.segment_tree(n - len(tree), tree.parents)
 
 
 def settle(
@@ -53,9 +76,26 @@ def settle(
     """Accept a prefix of the drafts and one token of the target's; the rejected drafts' slots go
     back (rollback = a shorter slot list). The committed tokens with their logits rows, in order."""
     proposal, s.proposal = s.proposal, ()
+    if isinstance(proposal[1], DraftTree):
+        return _settle_tree(generator, s, proposal[1], logits, slots)
     drafts = proposal[0]
     n, token, s.gamma = generator.settle(logits, proposal, s.params.sampling, s.out.rng, s.spec, s.gamma)
     s.computed += 1 + n  # the fed token and the accepted drafts hold KV now
     slots.trim(s, s.computed)
     s.draft.rollback(len(s.sequence) + n)
     return list(zip([*drafts[:n], token], logits))
+
+
+def _settle_tree(
+    generator: Rounds, s: Sequence, tree: DraftTree, logits: torch.Tensor, slots: SlotManager
+) -> list[tuple[int, torch.Tensor]]:
+    """A tree round: the accepted path's slots follow the fed tokens' in the slot list (their KV
+    stays where the forward wrote it), every other node's slots go back."""
+    head = len(logits) - len(tree)  # committed tokens fed before the tree (its root last)
+    rows = logits[head - 1 :]
+    path, token = generator.settle_tree(rows, tree, s.params.sampling, s.out.rng, s.spec, s.shape)
+    base = s.computed + head
+    slots.keep(s, base, path)
+    s.computed = base + len(path)
+    s.draft.rollback(len(s.sequence) + len(path))
+    return list(zip([*tree.path_tokens(path), token], rows[[0, *(i + 1 for i in path)]]))

@@ -126,17 +126,36 @@ class ModelRunner:
         self.stepwise = getattr(model.config, "model_type", None) in hf.STEPWISE_MODEL_TYPES
 
     @torch.inference_mode()
-    def forward(self, token_ids: Sequence[int], past, keep: int = 1) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: Sequence[int],
+        past,
+        keep: int = 1,
+        *,
+        positions: Sequence[int] | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits `[keep, vocab]` of the last `keep` positions; `past` grows by `len(token_ids)`.
 
+        `positions` and `allowed` (`[new, cached + new]` booleans: which keys each new token sees)
+        replace the causal numbering and mask, for a draft tree (`kvblocks.specdec.tree`).
         A model that cannot continue a recurrent state over several tokens in one forward
         (`hf.STEPWISE_MODEL_TYPES`) gets them one per forward once `past` holds a state."""
         if self.stepwise and len(token_ids) > 1 and hf.has_state(past):
+            assert allowed is None, "a stepwise model reads no tree"
             rows = [self.forward([t], past) for t in token_ids]
             return torch.cat(rows[len(rows) - keep :])
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         kwargs = {"logits_to_keep": keep} if self._keep_arg else {}
         kwargs.update(hf.positions(self._position_args, past, len(token_ids), self.device))
+        if positions is not None and "position_ids" in kwargs:
+            kwargs["position_ids"] = torch.tensor([list(positions)], dtype=torch.long, device=self.device)
+        if allowed is not None:
+            dtype = next(self.model.parameters()).dtype
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+            kwargs["attention_mask"] = bias.masked_fill_(~allowed.to(self.device), torch.finfo(dtype).min)[
+                None, None
+            ]
         with self.lock:
             out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_arg: past}, **kwargs)
         return out.logits[0, -keep:]

@@ -49,6 +49,10 @@ COUNTERS = {
     "kvblocks_spec_drafted_tokens_total": "Speculative draft tokens proposed.",
     "kvblocks_spec_accepted_tokens_total": "Speculative draft tokens accepted.",
     "kvblocks_spec_rounds_total": "Speculative draft/verify rounds (target calls).",
+    "kvblocks_spec_emitted_tokens_total": "Tokens speculative rounds committed (accepted drafts plus the target's own); "
+    "divided by the rounds, tokens per target forward.",
+    "kvblocks_spec_tree_rounds_total": "Speculative rounds that verified a draft tree wider than a chain "
+    "(drafted tokens count a tree's nodes, accepted ones its accepted path).",
 }
 # Counters with labels, and every value each label takes (exported at 0 from the start).
 LABELLED = {
