@@ -94,7 +94,7 @@ class BatchEngine(Engine):
             chunk,
             max(1, int(watermark * cache.pool.capacity)),
             # on a CPU a step's time grows with its rows, and whoever arrives waits for the step in
-            # flight: while another tenant waits on the step, a tenant's prefill is one chunk of it
+            # flight: while a lighter tenant waits on the step, a busier one's prefill is one chunk of it
             chunk if cache.pool.device.type == "cpu" else 0,
         )
         super().__init__(generator, metrics, max_active, limits, limits_of, packed=(runner, batch))
