@@ -40,6 +40,23 @@ def test_packed_rows_are_the_same_at_every_row_count_and_close_to_linear():
     torch.testing.assert_close(full, plain, rtol=1e-5, atol=1e-5)
 
 
+def test_a_bfloat16_head_is_packed_where_onednn_has_bfloat16_and_stays_row_invariant():
+    model = tiny_model("llama", torch.bfloat16)
+    packed = head.PackedHead.of(model)
+    if torch.bfloat16 not in head._dtypes():
+        assert packed is None
+        return
+    assert packed is not None
+    x = _head_input(model, 40)[0].to(torch.bfloat16)
+    full = packed(x)
+    assert full.dtype == torch.bfloat16
+    for rows in (1, 2, 3, 5, 16, 39):
+        assert torch.equal(packed(x[:rows]), full[:rows])
+        assert torch.equal(packed(x[40 - rows :]), full[40 - rows :])
+    plain = F.linear(x, model.get_output_embeddings().weight).detach()
+    torch.testing.assert_close(full.float(), plain.float(), rtol=2**-7, atol=2**-7 * float(plain.abs().max()))
+
+
 def test_only_forwards_in_scope_on_this_thread_take_the_packed_head():
     model = tiny_model("llama")
     module = model.get_output_embeddings()

@@ -34,7 +34,7 @@ def _attend(query, pool, groups, dtype, lse=True):
     )
     tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
     out = torch.full((tokens, heads, dim), float("nan"), dtype=dtype)
-    sums = torch.full((tokens, heads), float("nan"), dtype=dtype) if lse else None
+    sums = torch.full((tokens, heads), float("nan"), dtype=kernel.lse_dtype(dtype)) if lse else None
     kernel.attend(query, pool, plan, dim**-0.5, out, sums)
     return out, sums
 
@@ -53,7 +53,7 @@ def _reference(query, pool, rows, keys, dim):
     return (scores.softmax(-1) @ v).transpose(0, 1), torch.logsumexp(scores, -1).T
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (4, 4, 32), (8, 1, 128), (2, 1, 24)]
 )
@@ -70,19 +70,52 @@ def test_the_kernel_attends_like_a_float64_reference(dtype, heads, kv_heads, dim
     members = [([0], scattered[:7]), ([5, 6, 7], scattered[7:40]), ([1, 2, 3, 4], scattered[40:44])]
     groups = [(np.arange(10, 160), members), ([], [([11, 9, 10], scattered[44:300])])]
     out, lse = _attend(query, pool, groups, dtype)
-    tolerance = 1e-12 if dtype == torch.float64 else 2e-6
+    # bfloat16: computed in float32, the output rounded to bfloat16 (a relative 2^-9), the lse not
+    tolerance, relative = {torch.float64: (1e-12, 0), torch.float32: (2e-6, 0)}.get(dtype, (2e-6, 2**-8))
     for rows, own in members:
         o, s = _reference(query, pool, rows, np.concatenate([np.arange(10, 160), own]), dim)
-        assert torch.allclose(out[rows].double(), o, atol=tolerance, rtol=0)
+        assert torch.allclose(out[rows].double(), o, atol=tolerance, rtol=relative)
         assert torch.allclose(lse[rows].double(), s, atol=tolerance * 10, rtol=0)
     o, s = _reference(query, pool, [11, 9, 10], scattered[44:300], dim)
-    assert torch.allclose(out[[11, 9, 10]].double(), o, atol=tolerance, rtol=0)
+    assert torch.allclose(out[[11, 9, 10]].double(), o, atol=tolerance, rtol=relative)
     assert torch.isnan(out[8]).all()  # a row no segment has is left as it was
     without, _ = _attend(query, pool, groups, dtype, lse=False)
     assert torch.equal(without[:8], out[:8])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_bfloat16_pool_is_computed_as_its_float32_widening_and_rounded_once():
+    """bfloat16 storage, float32 arithmetic: the same bits as the float32 kernel over the same values
+    widened, the output rounded to bfloat16 once (to nearest even, as torch rounds), the lse not."""
+    heads, kv_heads, dim = 9, 3, 64
+    g = torch.Generator().manual_seed(2)
+    pool = torch.randn(700, 2, kv_heads, dim, generator=g).to(torch.bfloat16)
+    query = torch.randn(1, 10, heads, dim, generator=g).to(torch.bfloat16).transpose(1, 2)
+    rng = np.random.default_rng(2)
+    groups = [
+        (np.arange(5, 200), [([0], rng.permutation(700)[:90]), ([1, 2, 3], np.arange(300, 340))]),
+        ([], [([9, 4, 6], rng.permutation(700)[:400])]),
+    ]
+    out, lse = _attend(query, pool, groups, torch.bfloat16)
+    wide, wide_lse = _attend(query.float(), pool.float(), groups, torch.float32)
+    rows = [0, 1, 2, 3, 4, 6, 9]
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.equal(out[rows], wide[rows].to(torch.bfloat16))
+    assert torch.equal(lse[rows], wide_lse[rows])
+    assert torch.isnan(out[[5, 7, 8]]).all()
+
+
+def test_the_kernel_refuses_outputs_of_the_wrong_dtype():
+    pool = torch.zeros(8, 2, 1, 16, dtype=torch.bfloat16)
+    query = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16)
+    plan = kernel.Plan.of([(np.zeros(0, dtype=np.int64), [(np.array([0]), np.arange(4))])])
+    out = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="log-sum-exps in at least float32"):
+        kernel.attend(query, pool, plan, 0.25, out, torch.zeros(1, 1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="in the pool's dtype"):
+        kernel.attend(query, pool, plan, 0.25, out.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_a_row_has_the_same_bits_however_its_keys_are_split_and_wherever_they_lie(dtype):
     """What batch-invariant forwards rely on: a row's result depends on its query and its keys only."""
     heads, kv_heads, dim = 9, 3, 64
@@ -154,7 +187,9 @@ def test_where_the_kernel_cannot_be_built_packed_forwards_gather_and_say_why(mon
 def test_the_kernel_is_refused_by_name_where_it_does_not_apply():
     model = tiny_model("llama", torch.float32)
     pool = KVPool(KVLayout(torch.bfloat16, tuple(hf.describe_layers(model))), 64, "cpu")
-    assert "float32 and float64" in paged.direct_refusal(model, pool)
+    assert "over a pool of their dtype (model torch.float32, pool torch.bfloat16)" in paged.direct_refusal(
+        model, pool
+    )
     runner = PagedRunner(model, _runner_pool(model), cascade=False)
     assert not runner.direct and runner.direct_reason == "it serves cascade attention only"
     assert not PagedRunner(model, _runner_pool(model), direct=False).direct

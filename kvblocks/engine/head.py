@@ -10,7 +10,7 @@ step (SmolLM2-135M: 49,152 x 576 float32 weights), where the reordered weight to
 to 22-23 ms at 16 rows.
 
 `PackedHead.of(model)` reorders a model's head once, `PackedLinears.of(model)` every linear layer
-of it (the head included): on CPU, in float32 or bfloat16, where oneDNN is built in and `probe`
+of it (the head included): on CPU, in float32 or bfloat16 (where oneDNN has bfloat16 kernels), where `probe`
 holds for the shape (a row comes out the same for any row count from 4 up, so batch invariance
 holds, and within float rounding of `F.linear`). The bound: each reordered copy costs its weight's
 size in memory once more (the model's linear weights, once). Packed forwards switch them on for
@@ -36,7 +36,6 @@ import torch.nn.functional as F
 PROBE_ROWS = (4, 5, 17, 64)
 # the layers under the head see whole prefill chunks too (the full-batch budget is 256 rows)
 LAYER_PROBE_ROWS = (*PROBE_ROWS, 300)
-DTYPES = (torch.float32, torch.bfloat16)  # what the reordered weights serve
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # rounding against F.linear, relative
 _heads: weakref.WeakKeyDictionary[torch.nn.Module, PackedHead | None] = weakref.WeakKeyDictionary()
 _models: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears | None] = weakref.WeakKeyDictionary()
@@ -174,10 +173,17 @@ def _eligible(module) -> bool:
     return (
         type(module) is torch.nn.Linear
         and module.weight.device.type == "cpu"
-        and module.weight.dtype in DTYPES
+        and module.weight.dtype in _dtypes()
         and (module.bias is None or module.bias.dtype == module.weight.dtype)
         and available()
     )
+
+
+@functools.cache
+def _dtypes() -> tuple[torch.dtype, ...]:
+    """The head dtypes oneDNN runs here: float32, and bfloat16 where this CPU has its kernels."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,11 @@ for this CPU (`-march=native`), without torch headers (about ten seconds), into 
 folder (`$KVBLOCKS_HOME/kernels`, default `~/.cache/kvblocks/kernels`), named by a hash of the
 source, the flags, the compiler and the CPU; later processes load it from there. Where it cannot be
 built or loaded (no compiler, a read-only home), or `KVBLOCKS_KERNEL=0`, or its probe fails,
-packed forwards keep the gather path and `reason()` says why. Float32 and float64 pools on CPU;
-other dtypes and devices keep the gather path.
+packed forwards keep the gather path and `reason()` says why. Float32, float64 and bfloat16 pools
+on CPU; other dtypes and devices keep the gather path. A bfloat16 pool is read as bfloat16 and
+computed in float32 (each element widened exactly as it is read, then the float32 code), its outputs
+rounded to bfloat16 and its log-sum-exps written in float32: a bfloat16 decode step's attention
+no longer gathers keys and calls the fused kernel per segment (BENCHMARKS.md, dtype).
 
 A row's result depends only on its query, the keys it sees and their number (see the source's
 header): whatever else is in the call or the batch, and wherever the keys lie in the pool, it is
@@ -57,7 +60,11 @@ ENV = "KVBLOCKS_KERNEL"  # "0": never build or use the kernel
 # Segments of at most this many new tokens are attended by the kernel; wider ones (prefill chunks)
 # have enough query rows for PyTorch's fused kernel to run at its matrix-product rate.
 MAX_WIDTH = 16
-_FUNCTIONS = {torch.float32: "kvb_attend_f32", torch.float64: "kvb_attend_f64"}
+_FUNCTIONS = {
+    torch.float32: "kvb_attend_f32",
+    torch.float64: "kvb_attend_f64",
+    torch.bfloat16: "kvb_attend_bf16",
+}
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -197,15 +204,18 @@ def attend(
 ) -> None:
     """Attention of the plan's rows of `query [1, Hq, T, D]` over their slots of `pool_layer
     [slots, 2, Hkv, D]`, written into `out [T, Hq, D]` and, if given, their log-sum-exps into `lse
-    [T, Hq]` (both contiguous, of the query's dtype) at the rows' own places; other rows are left
-    as they are."""
+    [T, Hq]` (both contiguous: `out` of the query's dtype, `lse` of `lse_dtype(dtype)`) at the rows'
+    own places; other rows are left as they are."""
     q = query[0]
     if q.stride(-1) != 1:
         q = q.contiguous()
     heads, _, dim = q.shape
-    outputs = (out,) if lse is None else (out, lse)
-    if q.dtype != pool_layer.dtype or not all(t.is_contiguous() and t.dtype == q.dtype for t in outputs):
-        raise ValueError("the kernel takes queries and writes contiguous outputs in the pool's dtype")
+    outputs = ((out, q.dtype),) if lse is None else ((out, q.dtype), (lse, lse_dtype(q.dtype)))
+    if q.dtype != pool_layer.dtype or not all(t.is_contiguous() and t.dtype == d for t, d in outputs):
+        raise ValueError(
+            "the kernel takes queries in the pool's dtype and writes contiguous outputs in it "
+            "(log-sum-exps in at least float32)"
+        )
     layout = (ctypes.c_int64 * 8)(
         q.stride(0), q.stride(1), *pool_layer.stride()[:3], heads, pool_layer.shape[2], dim
     )
@@ -224,6 +234,11 @@ def attend(
         raise RuntimeError(
             f"the attention kernel refused its arguments (code {code}): head dim {dim}, {heads} heads"
         )
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernel writes log-sum-exps in: the pool's, at least float32."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 @functools.cache
@@ -246,7 +261,7 @@ def probe(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
             ]
         )
         out = torch.full((9, heads, dim), float("nan"), dtype=dtype)
-        lse = torch.full((9, heads), float("nan"), dtype=dtype)
+        lse = torch.full((9, heads), float("nan"), dtype=lse_dtype(dtype))
         attend(query, pool_, plan, scale, out, lse)
         return out[[0, 1, 2]], lse[[0, 1, 2]]
 
@@ -273,7 +288,11 @@ def probe(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
     v = kv[:, 1].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
     scores = query[0, :, [0, 1, 2]].double() @ k.transpose(1, 2) * scale  # [Hq, 3, 40]
     scores.masked_fill_(torch.arange(40)[None, :] >= torch.arange(38, 41)[:, None], float("-inf"))
-    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
-    close = torch.allclose(alone[0].double(), (scores.softmax(-1) @ v).transpose(0, 1), atol=tolerance)
-    close = close and torch.allclose(alone[1].double(), torch.logsumexp(scores, -1).T, atol=tolerance)
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-5}.get(
+        dtype, 1e-2
+    )  # bfloat16: its output's rounding
+    reference = (scores.softmax(-1) @ v).transpose(0, 1)
+    close = torch.allclose(alone[0].double(), reference, atol=tolerance, rtol=tolerance)
+    sums = torch.logsumexp(scores, -1).T  # in float32 for bfloat16 too
+    close = close and torch.allclose(alone[1].double(), sums, atol=1e-12 if dtype == torch.float64 else 1e-5)
     return bool(same and close)

@@ -1051,8 +1051,11 @@ def direct_refusal(model, pool: KVPool) -> str | None:
     and dtype, the kernel's build, and its `probe` for every layer's heads."""
     if pool.device.type != "cpu":
         return f"it runs on CPU (the pool is on {pool.device.type})"
-    if pool.dtype != model.dtype or pool.dtype not in (torch.float32, torch.float64):
-        return f"it runs float32 and float64 models over a pool of their dtype (model {model.dtype}, pool {pool.dtype})"
+    if pool.dtype != model.dtype or pool.dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        return (
+            f"it runs float32, float64 and bfloat16 models over a pool of their dtype "
+            f"(model {model.dtype}, pool {pool.dtype})"
+        )
     if kernel.library() is None:
         return kernel.reason()
     heads = getattr(model.config, "num_attention_heads", None)

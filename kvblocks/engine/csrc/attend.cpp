@@ -16,6 +16,12 @@
 // over disjoint key sets merge exactly.
 //
 // Vectors are GCC's generic vector extension (AVX-512, AVX2, NEON: whatever the target has).
+//
+// Storage and arithmetic. Pools and queries of float32 and float64 are computed in their own type;
+// bfloat16 ones are stored in bfloat16 and computed in float32: every query, key and value element
+// widened exactly (its 16 bits the top of a float's 32) as it is read, then the same float32 code
+// as a float32 pool, so a row's bits still depend only on its own inputs. Outputs are rounded to
+// bfloat16 (to nearest, ties to even), log-sum-exps written in float32.
 
 #include <algorithm>
 #include <cmath>
@@ -50,6 +56,22 @@ struct Plan {
   const int64_t *member_offsets, *shared_offsets, *shared;
   const int64_t *row_offsets, *rows, *key_offsets, *slots, *visible;
   int64_t groups;
+};
+
+// a bfloat16 element: the top 16 bits of a float32
+struct bf16 {
+  uint16_t bits;
+};
+
+// the type a storage type is computed in
+template <typename S>
+struct Compute {
+  typedef S type;
+};
+
+template <>
+struct Compute<bf16> {
+  typedef float type;
 };
 
 template <typename T, int W>
@@ -94,6 +116,48 @@ inline V load(const void* p) {
   V v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// a vector of the compute type from as many elements of storage type S at p (widened exactly)
+template <typename V, typename S>
+inline V load_as(const S* p) {
+  if constexpr (std::is_same_v<S, bf16>) {
+    constexpr int W = sizeof(V) / sizeof(float);
+    typedef uint16_t H __attribute__((vector_size(W * sizeof(uint16_t))));
+    typedef uint32_t U __attribute__((vector_size(W * sizeof(uint32_t))));
+    const U bits = __builtin_convertvector(load<H>(p), U) << 16;
+    V v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  } else {
+    return load<V>(p);
+  }
+}
+
+inline float widen(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// float32 to bfloat16, to nearest with ties to even (a NaN stays a quiet NaN of its sign)
+inline bf16 round_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return bf16{static_cast<uint16_t>((bits >> 16) | 0x40)};
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return bf16{static_cast<uint16_t>(bits >> 16)};
+}
+
+// n elements of the compute type stored at p in storage type S
+template <typename S, typename T>
+inline void store_as(S* p, const T* x, int64_t n) {
+  if constexpr (std::is_same_v<S, T>) {
+    std::memcpy(p, x, n * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < n; ++i) p[i] = round_bf16(x[i]);
+  }
 }
 
 // x in every lane: x - (+0) is x for every x, -0 included, so this is a plain broadcast (`V{} + x`
@@ -246,9 +310,10 @@ struct Row {
 };
 
 // The rows of a K/V head, each row's head dim `NV` vectors of `W` lanes: scores `SR` rows at a time,
-// weighted values `RB` at a time.
-template <typename T, int W, int NV>
+// weighted values `RB` at a time. Queries and pools are stored in `S`, computed in `T`.
+template <typename S, int W, int NV>
 struct Kernel {
+  typedef typename Compute<S>::type T;
   typedef typename Vec<T, W>::type V;
   static constexpr int RB = 16 / NV >= 4 ? 4 : 16 / NV >= 1 ? 16 / NV : 1;  // rows per weighing (registers)
 
@@ -265,12 +330,12 @@ struct Kernel {
       (registers / ((sizeof(V) + register_bytes - 1) / register_bytes) - SR) / (SR + 1), 1, KB / W);
 
   // `count` keys' K rows into `kt`, whole vectors (zeros past `count`)
-  __attribute__((noinline)) static void gather(T* kt, const T* pool, const int64_t* keys, int64_t count, const Layout& at, int64_t h) {
+  __attribute__((noinline)) static void gather(T* kt, const S* pool, const int64_t* keys, int64_t count, const Layout& at, int64_t h) {
     const int64_t offset = h * at.kv_head;
     for (int64_t j = 0; j < count; j += W) {
       for (int v = 0; v < NV; ++v) {
         V x[W];
-        for (int l = 0; l < W; ++l) x[l] = j + l < count ? load<V>(pool + keys[j + l] * at.slot + offset + v * W) : V{};
+        for (int l = 0; l < W; ++l) x[l] = j + l < count ? load_as<V>(pool + keys[j + l] * at.slot + offset + v * W) : V{};
         transpose<V, W>(x);
         for (int l = 0; l < W; ++l) std::memcpy(kt + (v * W + l) * KB + j, &x[l], sizeof(V));
       }
@@ -366,22 +431,22 @@ struct Kernel {
   // every accumulator is indexed by a constant (a fold over `I`), so it lives in a register. This and
   // `score_tile` stay out of line: inlined into `walk`'s callbacks, weighing ran 1.4x slower and a
   // score tile spilled its keys to the stack (measured).
-  static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
+  static void weigh(Row<T>* rows, int rb, const S* pool, const int64_t* keys, int64_t count, int64_t first,
                     const Layout& at, int64_t h) {
     weigh(rows, rb, pool, keys, count, first, at, h, std::make_index_sequence<RB * NV>{});
   }
 
   template <std::size_t... I>
-  __attribute__((noinline)) static void weigh(Row<T>* rows, int rb, const T* pool, const int64_t* keys, int64_t count, int64_t first,
+  __attribute__((noinline)) static void weigh(Row<T>* rows, int rb, const S* pool, const int64_t* keys, int64_t count, int64_t first,
                     const Layout& at, int64_t h, std::index_sequence<I...>) {
     const T* weights[RB];
     for (int r = 0; r < RB; ++r) weights[r] = rows[std::min(r, rb - 1)].scores + first;
     V acc[RB * NV] = {load<V>(rows[std::min<int>(I / NV, rb - 1)].acc + (I % NV) * W)...};
     const int64_t offset = at.value + h * at.kv_head;
     for (int64_t j = 0; j < count; ++j) {
-      const T* value = pool + keys[j] * at.slot + offset;
+      const S* value = pool + keys[j] * at.slot + offset;
       V vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = load<V>(value + v * W);
+      for (int v = 0; v < NV; ++v) vv[v] = load_as<V>(value + v * W);
       T w[RB];
       for (int r = 0; r < RB; ++r) w[r] = weights[r][j];
       ((acc[I] = fmadd<T>(splat<V>(w[I / NV]), vv[I % NV], acc[I])), ...);
@@ -410,9 +475,10 @@ struct Kernel {
     return top;
   }
 
-  static void run(const T* q, const T* pool, const Plan& plan, const Layout& at, T scale, T* out, T* lse) {
+  static void run(const S* q, const S* pool, const Plan& plan, const Layout& at, T scale, S* out, T* lse) {
     const int64_t groups = at.heads / at.kv_heads, dim = at.dim;
-    std::vector<T> scores, accs, kt(KB * dim);
+    std::vector<T> scores, accs, kt(KB * dim), widened;
+    std::vector<const S*> queries;
     std::vector<Row<T>> rows;
     std::vector<Span> spans;
     for (int64_t g = 0; g < plan.groups; ++g) {
@@ -421,6 +487,7 @@ struct Kernel {
       for (int64_t h = 0; h < at.kv_heads; ++h) {
         // the group's rows of this K/V head, segment by segment: query head h * groups + c, row i
         rows.clear();
+        queries.clear();
         int64_t space = 0;
         for (int64_t s = plan.member_offsets[g]; s < plan.member_offsets[g + 1]; ++s) {
           const int64_t n = plan.key_offsets[s + 1] - plan.key_offsets[s];
@@ -428,7 +495,8 @@ struct Kernel {
           for (int64_t c = 0; c < groups; ++c)
             for (int64_t i = 0; i < width; ++i) {
               const int64_t row = plan.rows[plan.row_offsets[s] + i], head = h * groups + c;
-              rows.push_back(Row<T>{q + head * at.q_head + row * at.q_row, nullptr, nullptr, space,
+              queries.push_back(q + head * at.q_head + row * at.q_row);
+              rows.push_back(Row<T>{nullptr, nullptr, nullptr, space,
                                     plan.key_offsets[s], n, std::min(n, plan.visible[s] + i),
                                     row * at.heads + head, 0, 0});
               space += (m + n + W - 1) / W * W + W;  // + W: an own tile's last vector may pass m + n
@@ -437,9 +505,18 @@ struct Kernel {
         if (rows.empty()) continue;
         if (static_cast<int64_t>(scores.size()) < space) scores.resize(space);
         if (accs.size() < rows.size() * dim) accs.resize(rows.size() * dim);
+        if constexpr (!std::is_same_v<S, T>) {
+          if (widened.size() < rows.size() * dim) widened.resize(rows.size() * dim);
+        }
         for (size_t r = 0; r < rows.size(); ++r) {
           rows[r].scores = scores.data() + rows[r].start;
           rows[r].acc = accs.data() + r * dim;
+          if constexpr (std::is_same_v<S, T>) {
+            rows[r].q = queries[r];
+          } else {
+            for (int64_t d = 0; d < dim; ++d) widened[r * dim + d] = widen(queries[r][d]);
+            rows[r].q = widened.data() + r * dim;
+          }
         }
         const int64_t R = rows.size();
         spans_of(spans, rows, shared, m, plan);
@@ -478,10 +555,12 @@ struct Kernel {
           }
         });
         for (const Row<T>& x : rows) {
-          T* o = out + x.out * dim;
+          S* o = out + x.out * dim;
           for (int64_t v = 0; v < NV; ++v) {
-            V y = load<V>(x.acc + v * W) / x.total;
-            std::memcpy(o + v * W, &y, sizeof y);
+            const V y = load<V>(x.acc + v * W) / x.total;
+            T lanes[W];
+            std::memcpy(lanes, &y, sizeof y);
+            store_as(o + v * W, lanes, W);
           }
           if (lse) lse[x.out] = x.top + std::log(x.total);
         }
@@ -490,12 +569,12 @@ struct Kernel {
   }
 };
 
-template <typename T, int W>
-bool dispatch(int64_t nv, const T* q, const T* pool, const Plan& plan, const Layout& at, T scale, T* out,
+template <typename S, int W, typename T = typename Compute<S>::type>
+bool dispatch(int64_t nv, const S* q, const S* pool, const Plan& plan, const Layout& at, T scale, S* out,
               T* lse) {
 #define KVB_CASE(N)                                                                               \
   case N:                                                                                         \
-    Kernel<T, W, N>::run(q, pool, plan, at, scale, out, lse);                                    \
+    Kernel<S, W, N>::run(q, pool, plan, at, scale, out, lse);                                    \
     return true;
   switch (nv) {
     KVB_CASE(1)
@@ -511,16 +590,16 @@ bool dispatch(int64_t nv, const T* q, const T* pool, const Plan& plan, const Lay
   return false;
 }
 
-template <typename T>
-int attend(const T* q, const T* pool, const int64_t* const* index, int64_t groups, const int64_t* layout,
-           double scale, T* out, T* lse) {
+template <typename S, typename T = typename Compute<S>::type>
+int attend(const S* q, const S* pool, const int64_t* const* index, int64_t groups, const int64_t* layout,
+           double scale, S* out, T* lse) {
   const Plan plan{index[0], index[1], index[2], index[3], index[4], index[5], index[6], index[7], groups};
   const Layout at{layout[0], layout[1], layout[2], layout[3], layout[4], layout[5], layout[6], layout[7]};
   if (at.kv_heads <= 0 || at.heads % at.kv_heads || at.dim <= 0) return 1;
   constexpr int wide = 64 / sizeof(T), narrow = 16 / sizeof(T);
   const T s = static_cast<T>(scale);
-  if (at.dim % wide == 0 && dispatch<T, wide>(at.dim / wide, q, pool, plan, at, s, out, lse)) return 0;
-  if (at.dim % narrow == 0 && dispatch<T, narrow>(at.dim / narrow, q, pool, plan, at, s, out, lse)) return 0;
+  if (at.dim % wide == 0 && dispatch<S, wide>(at.dim / wide, q, pool, plan, at, s, out, lse)) return 0;
+  if (at.dim % narrow == 0 && dispatch<S, narrow>(at.dim / narrow, q, pool, plan, at, s, out, lse)) return 0;
   return 2;  // a head dim this build has no kernel for
 }
 
@@ -538,6 +617,13 @@ int kvb_attend_f32(const float* q, const float* pool, const int64_t* const* inde
 int kvb_attend_f64(const double* q, const double* pool, const int64_t* const* index, int64_t groups,
                    const int64_t* layout, double scale, double* out, double* lse) {
   return attend<double>(q, pool, index, groups, layout, scale, out, lse);
+}
+
+// bfloat16 queries, pool and outputs (their bits), float32 log-sum-exps
+int kvb_attend_bf16(const uint16_t* q, const uint16_t* pool, const int64_t* const* index, int64_t groups,
+                    const int64_t* layout, double scale, uint16_t* out, float* lse) {
+  return attend<bf16>(reinterpret_cast<const bf16*>(q), reinterpret_cast<const bf16*>(pool), index, groups,
+                      layout, scale, reinterpret_cast<bf16*>(out), lse);
 }
 
 }  // extern "C"
