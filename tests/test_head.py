@@ -182,3 +182,19 @@ def test_a_bfloat16_packed_step_is_batch_invariant_and_greedy_equal_to_the_plain
         assert torch.equal(alone, batched)
         reference = plain.forward([Segment(p, s, keep=len(p))])[0]
         assert torch.equal(alone.argmax(-1), reference.argmax(-1))
+
+
+def test_packed_weights_choose_every_layer_the_head_only_or_none_and_say_what_they_cost():
+    model = tiny_model("qwen2")
+    layout = KVLayout(torch.float32, tuple(hf.describe_layers(model)))
+    pool = KVPool(layout, 256, "cpu")
+    every = PagedRunner(model, pool, invariant=True, chunk=8, packed_weights="all").head
+    only = PagedRunner(model, pool, invariant=True, chunk=8, packed_weights="head").head
+    assert isinstance(every, head.PackedLinears) and isinstance(only, head.PackedHead)
+    assert PagedRunner(model, pool, invariant=True, chunk=8, packed_weights="none").head is None
+    weight = model.get_output_embeddings().weight
+    assert only.nbytes == weight.numel() * weight.element_size()
+    linears = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert only.nbytes < every.nbytes <= linears
+    with pytest.raises(ValueError, match="packed_weights must be one of all, head, none"):
+        PagedRunner(model, pool, invariant=True, chunk=8, packed_weights="some")

@@ -250,6 +250,12 @@ def half_refusal(args: argparse.Namespace, dtype: str) -> str | None:
     return None
 
 
+def packed_note(engine) -> str:
+    """The start line's word on the weights reordered for packed forwards (`--packed-weights`)."""
+    size = getattr(engine, "packed_weight_bytes", 0)  # a serial engine reorders none
+    return f", reordered weights {size / 2**20:,.0f} MiB (--packed-weights)" if size else ""
+
+
 def cuda_graphs(args: argparse.Namespace) -> bool | None:
     """--cuda-graphs as given (refused off CUDA), else None: the engine's default."""
     if args.cuda_graphs and args.device.split(":")[0] != "cuda":
@@ -294,6 +300,7 @@ def build_engine(args: argparse.Namespace, gen, keys=None):
         full_batch_tokens=args.full_batch_tokens,
         invariant=batch_invariant(args),
         cuda_graphs=cuda_graphs(args),
+        packed_weights=args.packed_weights,
         **room,
     )
 
@@ -643,7 +650,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"(cache {stats['capacity_tokens']} tokens, {stats['capacity_bytes'] / 2**20:.0f} MiB"
         f"{', redis ' + args.redis if args.redis else ''}{', draft ' + args.draft if args.draft else ''}"
         f"{', KV events on ' + args.kv_events_endpoint if args.kv_events_endpoint else ''}"
-        f"{', API key required' if keys else ''})",
+        f"{', API key required' if keys else ''}"
+        f"{packed_note(engine)})",
         file=sys.stderr,
         flush=True,
     )
@@ -1008,6 +1016,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --max-batch-size above 1 on a CUDA device: replay packed forwards of up to 256 rows "
         "(decode steps, short prompts) from CUDA graphs captured once per padded shape, instead of "
         "launching each kernel from Python (default on with --device cuda; refused elsewhere)",
+    )
+    sv.add_argument(
+        "--packed-weights",
+        choices=("all", "head", "none"),
+        default="all",
+        help="with --max-batch-size above 1 on a CPU: which linear layers run on a copy of their weights "
+        "reordered once for oneDNN (every layer's weights read once per step at about 3x the speed in "
+        "float32, 1.2x in bfloat16, at the cost of the linear weights' size in memory once more): all "
+        "(default), head (the output head only) or none; the copy's size is printed at start",
     )
     sv.add_argument(
         "--max-waiting",

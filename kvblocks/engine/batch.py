@@ -67,6 +67,7 @@ class BatchEngine(Engine):
         limits_of: LimitsOf = no_limits,
         attention: str | None = None,
         cuda_graphs: bool | None = None,
+        packed_weights: str = "all",
     ) -> None:
         cache = generator.cache
         if cache is None or not paged.supports(generator.model):
@@ -82,7 +83,9 @@ class BatchEngine(Engine):
             cuda_graphs = paged.graphs_default(cache.pool.device, invariant, attention in (None, "grouped"))
         need = paged.scratch_slots(invariant, cuda_graphs)
         scratch = cache.reserve(need) if need else None  # held for the engine's life
-        runner = PackedRunner(generator.model, cache.pool, invariant, chunk, scratch, attention, cuda_graphs)
+        runner = PackedRunner(
+            generator.model, cache.pool, invariant, chunk, scratch, attention, cuda_graphs, packed_weights
+        )
         batch = BatchLimits(
             max_batch_size,
             max_batch_tokens,
@@ -97,6 +100,9 @@ class BatchEngine(Engine):
             # flight: while a lighter tenant waits on the step, a busier one's prefill is one chunk of it
             chunk if cache.pool.device.type == "cpu" else 0,
         )
+        head = runner.paged.head
+        # what the weights reordered for the packed forwards cost beside the model's own (`--packed-weights`)
+        self.packed_weight_bytes = 0 if head is None else head.nbytes
         super().__init__(generator, metrics, max_active, limits, limits_of, packed=(runner, batch))
 
     @property

@@ -94,6 +94,11 @@ class PackedHead:
                     self._key = key
         return self._weight
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the reordered weight (what it costs beside the model's own)."""
+        return self.module.weight.numel() * self.module.weight.element_size()
+
     def for_module(self, module: torch.nn.Module) -> PackedHead | None:
         """This packed layer if it is `module`'s (what `scope` asks of what it holds)."""
         return self if module is self.module else None
@@ -131,7 +136,7 @@ class PackedLinears:
     @property
     def nbytes(self) -> int:
         """Bytes of the reordered weights (what they cost beside the model's own)."""
-        return sum(p.module.weight.numel() * p.module.weight.element_size() for p in self.layers.values())
+        return sum(p.nbytes for p in self.layers.values())
 
     @classmethod
     def of(cls, model) -> PackedLinears | None:

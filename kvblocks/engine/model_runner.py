@@ -29,9 +29,17 @@ class PackedRunner:
         scratch: np.ndarray | None,
         attention: str | None = None,
         cuda_graphs: bool | None = None,
+        packed_weights: str = "all",
     ) -> None:
         self.paged = paged.PagedRunner(
-            model, pool, invariant, chunk, scratch, **paged.attention_mode(attention), cuda_graphs=cuda_graphs
+            model,
+            pool,
+            invariant,
+            chunk,
+            scratch,
+            **paged.attention_mode(attention),
+            cuda_graphs=cuda_graphs,
+            packed_weights=packed_weights,
         )
         self.invariant = invariant
         self.chunk = chunk

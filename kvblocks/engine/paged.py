@@ -83,7 +83,7 @@ import torch.nn.functional as F
 from kvblocks.cache.pool import KVPool
 from kvblocks.engine import graphs, kernel
 from kvblocks.engine import tree as trees
-from kvblocks.engine.head import PackedLinears, scope
+from kvblocks.engine.head import PackedHead, PackedLinears, scope
 
 NAME = graphs.BATCH_KEYWORD  # the keyword a packed forward's batch travels under to every layer
 ATTENTION_RANGE = "kvblocks.attention"  # the profiler range around `paged_attention`, under a profiler
@@ -1088,6 +1088,20 @@ def attention_mode(name: str | None) -> dict[str, bool]:
     return {"grouped": name == "grouped", "cascade": name == "cascade"}
 
 
+PACKED_WEIGHTS = ("all", "head", "none")  # `kvblocks serve --packed-weights`
+
+
+def packed_layers(model, which: bool | str) -> PackedLinears | PackedHead | None:
+    """The reordered weights a runner's packed forwards take: every linear layer's (`"all"`, True),
+    the output head's (`"head"`) or none (`"none"`, False)."""
+    which = {True: "all", False: "none"}.get(which, which)  # type: ignore[call-overload]
+    if which not in PACKED_WEIGHTS:
+        raise ValueError(f"packed_weights must be one of {', '.join(PACKED_WEIGHTS)}, not {which!r}")
+    if which == "all":
+        return PackedLinears.of(model)
+    return PackedHead.of(model) if which == "head" else None
+
+
 class PagedRunner:
     """Packed forwards of one model over one pool (the trie's, or a pool of its own). With
     `invariant`, matrix products never run on fewer than `MIN_ROWS` rows (padding rows use
@@ -1096,8 +1110,9 @@ class PagedRunner:
     refused where `probe_row_invariance` fails. Attention: `cascade` (the CPU default; with
     `invariant`, cut into `cascade_blocks` at fixed positions where `probe_blocks_invariance` holds,
     else one call per request), `grouped` (the CUDA default), or neither (one call per request).
-    `packed_weights`: the linear layers and the output head run on weights reordered once for oneDNN
-    where that is possible (`kvblocks.engine.head`; their size in memory once more). `cuda_graphs`
+    `packed_weights`: `"all"` (True) runs the linear layers and the output head on weights reordered
+    once for oneDNN where that is possible (`kvblocks.engine.head`; their size in memory once more),
+    `"head"` the output head only, `"none"` (False) neither. `cuda_graphs`
     (default: on CUDA with grouped attention, not batch-invariant): forwards that fit a layout replay CUDA graphs (`kvblocks.engine.graphs`),
     their padding rows writing to one scratch slot (taken from the pool when `scratch` is not given)."""
 
@@ -1112,7 +1127,7 @@ class PagedRunner:
         cascade: bool | None = None,
         cascade_min: int = CASCADE_MIN_RUN,
         cascade_blocks: Sequence[int] | None = None,
-        packed_weights: bool = True,
+        packed_weights: bool | str = True,
         cuda_graphs: bool | None = None,
         direct: bool | None = None,
     ) -> None:
@@ -1176,7 +1191,7 @@ class PagedRunner:
                 raise ValueError(f"these forwards need {need} scratch slots, got {len(self.scratch)}")
         self.graphs = graphs.GraphedForwards(model, pool, int(self.scratch[0])) if cuda_graphs else None
         # the linear layers' weights reordered once for oneDNN (CPU, float32 or bfloat16, where the probe holds)
-        self.head = PackedLinears.of(model) if packed_weights else None
+        self.head = packed_layers(model, packed_weights)
         self.lock = threading.Lock()
 
     @torch.inference_mode()
