@@ -24,6 +24,7 @@ def bench_parser() -> argparse.ArgumentParser:
         server,
         soak,
         specdec,
+        tiers,
         workloads,
     )
 
@@ -34,6 +35,6 @@ def bench_parser() -> argparse.ArgumentParser:
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
     first = (micro, workloads, redis, specdec, server, fleet, packed, hybrid)
-    for suite in (*first, seq2seq, prefix_listing, constrained, soak, gpu, blocks):
+    for suite in (*first, seq2seq, prefix_listing, constrained, soak, gpu, blocks, tiers):
         suite.add_parser(suites)
     return p

@@ -98,8 +98,8 @@ class DiskTier:
             (
                 "hits",
                 "misses",
-                "read_bytes",
-                "written_bytes",
+                "read_file_bytes",
+                "written_file_bytes",
                 "written_files",
                 "evictions",
                 "damaged_deleted",
@@ -169,7 +169,7 @@ class DiskTier:
                     self._used += size - self._index.pop(name, 0)
                     self._index[name] = size
                 written += size
-        self._count(written_bytes=written)
+        self._count(written_file_bytes=written)
         return written
 
     def delete(self, keys: Sequence[str]) -> int:
@@ -307,7 +307,7 @@ class DiskTier:
             if name not in self._index:  # written by another process since the last rescan
                 self._index[name] = st.st_size
                 self._used += st.st_size
-        self._count(read_bytes=len(value))
+        self._count(read_file_bytes=len(value))
         return value
 
     def _damaged(self, name: str, inode: int) -> None:
