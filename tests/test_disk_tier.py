@@ -357,3 +357,16 @@ LOOP = textwrap.dedent(
     print("ok")
     """
 )
+
+
+def test_eviction_hands_whole_records_to_the_tier_below(tmp_path):
+    size = FRAME.size + len(KEY.format(0)) + 1000
+    tier = DiskTier(tmp_path, 2 * size)
+    demoted: list[tuple[str, bytes]] = []
+    tier.bind_demote(demoted.extend)
+    for i in range(3):
+        tier.put([(KEY.format(i), value(i))])
+    assert demoted == [(KEY.format(0), value(0))]
+    damage_flip_value(only_by_key(tmp_path, tier, KEY.format(1)), tmp_path)
+    tier.put([(KEY.format(3), value(3))])  # evicts 1, whose file is damaged: nothing goes down
+    assert demoted == [(KEY.format(0), value(0))] and tier.counters()["evictions"] == 2

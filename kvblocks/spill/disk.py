@@ -34,7 +34,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import xxhash
@@ -61,13 +61,16 @@ def key_hash(key: str) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 
+def digest(key: bytes, value: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(value, seed=xxhash.xxh3_64_intdigest(key))
+
+
 def frame(key: str, value: bytes) -> bytes:
     """The frame and key that precede `value` in its file."""
     k = key.encode()
     if len(k) > MAX_KEY_BYTES:
         raise ValueError(f"a disk tier key is at most {MAX_KEY_BYTES} bytes, got {len(k)}")
-    digest = xxhash.xxh3_64_intdigest(value, seed=xxhash.xxh3_64_intdigest(k))
-    return FRAME.pack(MAGIC, VERSION, len(k), len(value), digest, key_hash(key)) + k
+    return FRAME.pack(MAGIC, VERSION, len(k), len(value), digest(k, value), key_hash(key)) + k
 
 
 class DiskTier:
@@ -112,8 +115,14 @@ class DiskTier:
         )
         self._health = TierHealth("ok")
         self._blocked_until = 0.0
+        self._demote: Callable[[list[tuple[str, bytes]]], None] | None = None
         self.root.mkdir(parents=True, exist_ok=True)
         self.rescan()
+
+    def bind_demote(self, demote: Callable[[list[tuple[str, bytes]]], None]) -> None:
+        """`demote(items)` receives the records eviction removes (read back before their files go),
+        so a stack under write-back hands them to the tier below."""
+        self._demote = demote
 
     # ---- Tier ----------------------------------------------------------------------------
 
@@ -246,16 +255,37 @@ class DiskTier:
         self.rescan()
 
     def _make_room(self, name: str, size: int) -> None:
+        evicted = []
         while True:
             with self._lock:
                 if self._used - self._index.get(name, 0) + size <= self.capacity or not self._index:
-                    return
+                    break
                 victim = next(iter(self._index))
                 if victim == name:
                     self._index.move_to_end(name)
                     continue
+            record = self._load(victim) if self._demote is not None else None
             if self._unlink(victim):
                 self._count(evictions=1)
+                if record is not None:
+                    evicted.append(record)
+        if evicted:
+            self._demote(evicted)
+
+    def _load(self, name: str) -> tuple[str, bytes] | None:
+        """The (key, value) a file holds, when its frame is whole and names the file."""
+        try:
+            with open(self._file(name), "rb", buffering=0) as f:
+                data = f.read()
+        except OSError:
+            return None
+        key = _framed_key(data[: FRAME.size + MAX_KEY_BYTES])
+        if key is None or self._name(key) != name:
+            return None
+        k = key.encode()
+        parsed = _parse(data[: FRAME.size + len(k)], k, len(data))
+        value = data[FRAME.size + len(k) :]
+        return None if parsed is None or digest(k, value) != parsed[1] else (key, value)
 
     def _unlink(self, name: str, inode: int | None = None) -> bool:
         """Remove `name` from the index and the directory; with `inode`, only if the file is still
@@ -286,7 +316,7 @@ class DiskTier:
                 if parsed is None:
                     self._damaged(name, st.st_ino)
                     return None
-                length, digest = parsed
+                length, expected = parsed
                 value = f.read(min(length, limit))
         except FileNotFoundError:  # never written, evicted, or deleted by another process
             with self._lock:
@@ -297,10 +327,7 @@ class DiskTier:
         if len(value) < min(length, limit):  # truncated since fstat
             self._damaged(name, st.st_ino)
             return None
-        if (
-            len(value) == length
-            and xxhash.xxh3_64_intdigest(value, seed=xxhash.xxh3_64_intdigest(k)) != digest
-        ):
+        if len(value) == length and digest(k, value) != expected:
             self._damaged(name, st.st_ino)
             return None
         with self._lock:
