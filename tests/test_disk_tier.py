@@ -370,3 +370,10 @@ def test_eviction_hands_whole_records_to_the_tier_below(tmp_path):
     damage_flip_value(only_by_key(tmp_path, tier, KEY.format(1)), tmp_path)
     tier.put([(KEY.format(3), value(3))])  # evicts 1, whose file is damaged: nothing goes down
     assert demoted == [(KEY.format(0), value(0))] and tier.counters()["evictions"] == 2
+
+
+def test_records_are_readable_by_their_owner_only(tmp_path):
+    root = tmp_path / "cache"
+    DiskTier(root, 1 << 20).put([(KEY.format(0), value(0))])
+    path = only_file(root)
+    assert [p.stat().st_mode & 0o777 for p in (root, path.parent, path)] == [0o700, 0o700, 0o600]

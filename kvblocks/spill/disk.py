@@ -19,7 +19,8 @@ files: between rescans each may overshoot by what the other wrote. A hit also to
 mtime, so a restart and the other process order files by their last use too. A run of chunks is
 touched last-first: a chunk is worth nothing without the ones before it, so the tail goes first.
 
-A full disk (ENOSPC, EDQUOT, EFBIG), a read-only one (EROFS, EACCES) or a directory gone and not
+Files are the owner's alone (0600, directories 0700): without a secret a record holds the prompt's
+token ids in the clear. A full disk (ENOSPC, EDQUOT, EFBIG), a read-only one (EROFS, EACCES) or a directory gone and not
 recreatable stops writes for `retry_interval_s` (counted, health says why); reads go on.
 """
 
@@ -116,7 +117,7 @@ class DiskTier:
         self._health = TierHealth("ok")
         self._blocked_until = 0.0
         self._demote: Callable[[list[tuple[str, bytes]]], None] | None = None
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.rescan()
 
     def bind_demote(self, demote: Callable[[list[tuple[str, bytes]]], None]) -> None:
@@ -249,7 +250,7 @@ class DiskTier:
     def _recreate(self) -> None:
         """The directory was deleted under the tier: its files went with it."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             self._failed(exc)
         self.rescan()
@@ -345,10 +346,10 @@ class DiskTier:
         temp = path.with_name(f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         try:
             try:
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileNotFoundError:  # first write to this fan-out directory, or the tree is gone
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 write_file(fd, head, value, self.fsync)
                 os.replace(temp, path)
