@@ -20,8 +20,9 @@ mtime, so a restart and the other process order files by their last use too. A r
 touched last-first: a chunk is worth nothing without the ones before it, so the tail goes first.
 
 Files are the owner's alone (0600, directories 0700): without a secret a record holds the prompt's
-token ids in the clear. A full disk (ENOSPC, EDQUOT, EFBIG), a read-only one (EROFS, EACCES) or a directory gone and not
-recreatable stops writes for `retry_interval_s` (counted, health says why); reads go on.
+token ids in the clear. A full disk (ENOSPC, EDQUOT, EFBIG), a read-only one (EROFS, EACCES) or a
+directory gone and not recreatable stops writes for `retry_interval_s` (counted, health says why);
+reads go on.
 """
 
 from __future__ import annotations
