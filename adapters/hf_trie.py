@@ -19,7 +19,7 @@ from kvblocks.cache.snapshots import DEFAULT_SNAPSHOT_EVERY
 from kvblocks.cache.trie import STATE_ARENA_BYTES, PrefixCache
 
 if TYPE_CHECKING:
-    from kvblocks.spill.redis_tier import RedisTier
+    from kvblocks.spill.stack import TierStack
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
 
@@ -50,7 +50,7 @@ class KVCacheTrie(PrefixCache):
         *,
         capacity_bytes: int | None = None,
         max_pinned_tokens: int | None = None,
-        spill: RedisTier | None = None,
+        spill: TierStack | None = None,
         eviction: str | EvictionPolicy | None = None,
         snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
     ) -> KVCacheTrie:
@@ -58,7 +58,7 @@ class KVCacheTrie(PrefixCache):
 
         Capacity is `capacity_tokens`, or `capacity_bytes` of KV (default 1 GiB) divided by the
         bytes one token takes across all layers. `spill` adds a shared tier below the device
-        pool (`RedisTier`). `eviction` orders what leaves a full pool: a `kvblocks.cache.eviction`
+        pool (a `TierStack`, e.g. `RedisTier`). `eviction` orders what leaves a full pool: a `kvblocks.cache.eviction`
         policy or its name (`lru`, `gdsf`; default `gdsf`). On a recurrent or hybrid model the
         recurrent state is snapshotted every `snapshot_every` tokens (0: only where a request
         ends, branches or stops one token short), and the snapshots share the pool's capacity.

@@ -24,7 +24,7 @@ from kvblocks.cache.radix import Match, Node, RadixTree
 from kvblocks.cache.stats import TenantCounters
 
 if TYPE_CHECKING:
-    from kvblocks.spill.redis_tier import RedisTier
+    from kvblocks.spill.stack import TierStack
     from kvblocks.telemetry.kv_events import KVEventPublisher
 
 # (start, end) -> per-layer [end - start, 2, H, D] KV, None for layers that cache nothing
@@ -45,7 +45,7 @@ class Resident:
         device: torch.device | str,
         arena_bytes: int,
         eviction: str | EvictionPolicy | None,
-        spill: RedisTier | None,
+        spill: TierStack | None,
     ) -> None:
         self.layout = layout
         self.pool = KVPool(layout, capacity_tokens, device, arena_bytes=arena_bytes)

@@ -17,7 +17,7 @@ from kvblocks.cache.resident import KVSource, Resident
 from kvblocks.telemetry import tracing
 
 if TYPE_CHECKING:
-    from kvblocks.spill.redis_tier import Fetched
+    from kvblocks.spill.lookup import Fetched
 
 
 class SpillLink:

@@ -33,7 +33,7 @@ from kvblocks.cache.stats import Reports
 from kvblocks.telemetry import tracing
 
 if TYPE_CHECKING:
-    from kvblocks.spill.redis_tier import RedisTier
+    from kvblocks.spill.stack import TierStack
     from kvblocks.telemetry.kv_events import KVEventPublisher
 
 __all__ = ["Hit", "PinLimitError", "PoolFullError", "PrefixCache", "Salt", "TokenIds", "as_token_array"]
@@ -79,7 +79,7 @@ class PrefixCache:
         dtype: torch.dtype,
         device: torch.device | str,
         max_pinned_tokens: int | None = None,
-        spill: RedisTier | None = None,
+        spill: TierStack | None = None,
         eviction: str | EvictionPolicy | None = None,
         state: StateLayout | None = None,
         snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,

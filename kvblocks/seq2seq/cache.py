@@ -29,7 +29,7 @@ from kvblocks.cache.radix import TOKEN_DTYPE
 from kvblocks.cache.trie import PrefixCache, Salt, as_token_array
 
 if TYPE_CHECKING:
-    from kvblocks.spill.redis_tier import RedisTier
+    from kvblocks.spill.stack import TierStack
 
 # The token a source record's lookup key ends with: `match` always leaves its last token out, and
 # this one is never stored, so a whole record can be a hit. Any id works (the namespace is per source).
@@ -87,8 +87,8 @@ class Seq2SeqCache:
         *,
         source_capacity_tokens: int | None = None,
         capacity_bytes: int | None = None,
-        spill: RedisTier | None = None,
-        source_spill: RedisTier | None = None,
+        spill: TierStack | None = None,
+        source_spill: TierStack | None = None,
         eviction: str | EvictionPolicy | None = None,
         max_pinned_tokens: int | None = None,
     ) -> Seq2SeqCache:

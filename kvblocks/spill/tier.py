@@ -5,6 +5,15 @@ every tier, and the stack that walks the tiers (lookup in order, promotion upwar
 eviction) sits above that. A tier is thread-safe, bounds every blocking call by its own timeouts,
 and never raises for what it stores: an outage raises `TierUnavailable` (the caller counts a miss
 and stays quiet for a while), a damaged or foreign value is the caller's to verify and `delete`.
+
+A tier may also have these, which the stack (`spill.stack.TierStack`) uses where present and does
+without otherwise (they are optional so a tier needs no more than the Protocol):
+- `bind_demote(fn)`: the tier evicts by its own size bound and calls `fn(items)` with the
+  (key, value)s it evicted, outside its locks; under write-back the stack writes them one tier down;
+- `records() -> int`: how many records it holds, for `kvblocks stats` and `/metrics`;
+- `server_warnings() -> list[str]`: deployment problems worth a line at start;
+- `trust_warning: str`: logged when the stack's records are not sealed (no secret) and other
+  programs can reach this tier's store (Redis).
 """
 
 from __future__ import annotations
