@@ -51,6 +51,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "with the same secret (default $KVBLOCKS_REDIS_SECRET; none: Redis is trusted)",
     )
     p.add_argument(
+        "--disk-cache",
+        nargs="?",
+        const=DEFAULT_DISK_CACHE,
+        default=None,
+        metavar="DIR",
+        help="a spill tier of files under DIR that outlives a restart (without DIR: "
+        "~/.cache/kvblocks/disk-cache); off by default. Sealed with the Redis secret when one is set",
+    )
+    p.add_argument(
+        "--disk-cache-size",
+        default="4GiB",
+        metavar="SIZE",
+        help="most bytes the disk tier keeps, least recently used out first (default 4GiB)",
+    )
+    p.add_argument(
         "--redis-ttl",
         type=float,
         default=DEFAULT_REDIS_TTL_S,
@@ -83,10 +98,28 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_capacity(text: str) -> dict[str, int]:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+SIZE_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+DEFAULT_DISK_CACHE = "~/.cache/kvblocks/disk-cache"  # kvblocks.models.cache_home() / "disk-cache"
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes from a size with a unit (512MiB, 4GiB, 10GB)."""
     t = text.strip().lower()
-    for unit, scale in units.items():
+    for unit, scale in SIZE_UNITS.items():
+        if t.endswith(unit):
+            try:
+                size = int(float(t[: -len(unit)].strip()) * scale)
+            except ValueError:
+                break
+            if size > 0:
+                return size
+            break
+    raise UserError(f"{flag} must be a size like 512MiB or 4GiB, got '{text}'")
+
+
+def parse_capacity(text: str) -> dict[str, int]:
+    t = text.strip().lower()
+    for unit, scale in SIZE_UNITS.items():
         if t.endswith(unit):
             number = t[: -len(unit)].strip()
             try:
@@ -106,7 +139,7 @@ def load_stack(args: argparse.Namespace):
 
     torch.set_num_threads(max(1, args.threads))
     capacity = parse_capacity(args.capacity)
-    spill = redis_tier(args)
+    spill = spill_tiers(args)
     try:
         model, tokenizer = models.load(args.model, args.dtype, args.device)
         if getattr(
@@ -115,7 +148,7 @@ def load_stack(args: argparse.Namespace):
             from kvblocks.seq2seq import Seq2SeqCache
 
             cache = Seq2SeqCache.for_model(
-                model, **capacity, spill=spill, source_spill=redis_tier(args), eviction=args.eviction
+                model, **capacity, spill=spill, source_spill=spill_tiers(args), eviction=args.eviction
             )
         else:
             cache = KVCacheTrie.for_model(
@@ -126,22 +159,42 @@ def load_stack(args: argparse.Namespace):
     return model, tokenizer, cache
 
 
-def redis_tier(args: argparse.Namespace):
-    """The spill tier --redis asks for (None without it); one per cache."""
-    if not args.redis:
+def spill_tiers(args: argparse.Namespace):
+    """The spill tiers --disk-cache and --redis ask for, as one stack (None without either); one per
+    cache."""
+    if not args.redis and not args.disk_cache:
         return None
-    from kvblocks.spill.redis_tier import RedisTier
+    from kvblocks.spill.redis_tier import RedisTier, redis_store
     from kvblocks.spill.sealing import read_secret
 
+    ttl = args.redis_ttl if args.redis_ttl > 0 else None
     try:
         secret = read_secret(args.redis_secret_file)
-        ttl = args.redis_ttl if args.redis_ttl > 0 else None
-        spill = RedisTier(args.redis, chunk_tokens=args.redis_chunk_tokens, secret=secret, ttl_s=ttl)
+        if not args.disk_cache:
+            spill = RedisTier(args.redis, chunk_tokens=args.redis_chunk_tokens, secret=secret, ttl_s=ttl)
+        else:
+            from kvblocks.spill.stack import TierStack
+
+            tiers = [disk_tier(args)] + ([redis_store(args.redis, ttl_s=ttl)] if args.redis else [])
+            spill = TierStack(tiers, chunk_tokens=args.redis_chunk_tokens, secret=secret)
     except ValueError as exc:
         raise UserError(f"--redis: {exc}") from exc
     for warning in spill.server_warnings():
         print(warning, file=sys.stderr, flush=True)
     return spill
+
+
+def disk_tier(args: argparse.Namespace):
+    """The tier --disk-cache asks for; a directory that cannot be made is a clear error."""
+    from kvblocks.models import cache_home
+    from kvblocks.spill.disk import DiskTier
+
+    size = parse_size(args.disk_cache_size, "--disk-cache-size")
+    where = cache_home() / "disk-cache" if args.disk_cache == DEFAULT_DISK_CACHE else args.disk_cache
+    try:
+        return DiskTier(os.path.expanduser(where), size)
+    except OSError as exc:
+        raise UserError(f"--disk-cache {args.disk_cache}: {exc.strerror or exc}") from exc
 
 
 DEFAULT_BATCH_SIZE = 16  # kvblocks serve without --max-batch-size, where the model has a packed path

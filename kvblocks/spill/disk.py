@@ -207,6 +207,9 @@ class DiskTier:
     def capacity_bytes(self) -> int | None:
         return self.capacity
 
+    def records(self) -> int:
+        return len(self._index)
+
     def health(self) -> TierHealth:
         if not self.root.is_dir():
             return TierHealth("down", f"{self.root} is gone (recreated on the next write)")
