@@ -51,7 +51,7 @@ RECOMPUTE, DEVICE = "recompute (no cache)", "device hit"
 TIER_HIT = "{} hit, empty pool"
 DISK_GET, PLAIN_READ = "DiskTier.get", "plain sequential reads (open, read, close), bytes kept"
 CAT = "plain sequential reads, each file's bytes dropped (cat)"
-COLD = " , pages dropped"
+COLD = ", pages dropped"
 
 OPTIONS = (
     Option("--chunk-tokens", positive_int, 64, "tokens per spill record (default 64)"),
