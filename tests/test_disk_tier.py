@@ -167,7 +167,9 @@ def test_a_restart_rebuilds_the_index_from_the_directory_in_the_order_of_use(tmp
 
 
 def only_by_key(root: Path, tier: DiskTier, key: str) -> Path:
-    return root / tier._name(key)[:2] / (tier._name(key) + ".kvb")
+    path = tier.path(key)
+    assert path.parent.parent == root and path.exists()
+    return path
 
 
 def test_stale_temporary_files_are_cleaned_at_start_and_nothing_foreign_is_touched(tmp_path):

@@ -262,7 +262,7 @@ def bench_read(
             tier.put([(key, value)])
         write_s[fsync] = time.perf_counter() - t0
     tier = DiskTier(root / "fsync-False", 64 << 30)
-    paths = [tier._path(k) for k in keys]  # the bench reads the tier's own files as a plain reader would
+    paths = [tier.path(k) for k in keys]  # the tier's own files, read as a plain reader would
     limits = [record] * n
 
     def get() -> None:

@@ -133,7 +133,7 @@ class DiskTier:
         out = []
         for key in keys:
             try:
-                size = os.stat(self._path(key)).st_size
+                size = os.stat(self.path(key)).st_size
             except FileNotFoundError:
                 out.append(0)
                 continue
@@ -408,7 +408,8 @@ class DiskTier:
     def _file(self, name: str) -> Path:
         return self.root / name[:2] / (name + SUFFIX)
 
-    def _path(self, key: str) -> Path:
+    def path(self, key: str) -> Path:
+        """The file that holds (or would hold) `key`'s record."""
         return self._file(self._name(key))
 
     def _subdirs(self) -> Iterator[str]:
