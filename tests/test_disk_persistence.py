@@ -29,7 +29,12 @@ PROMPTS = [
 
 
 def serve(
-    root: Path, *extra: str, model: Path | None = None, secret: str | None = None, command=None
+    root: Path,
+    *extra: str,
+    model: Path | None = None,
+    secret: str | None = None,
+    command=None,
+    chunk: int = CHUNK,
 ) -> ServerProcess:
     args = [
         "--model",
@@ -39,7 +44,7 @@ def serve(
         "--disk-cache-size",
         "64MiB",
     ]
-    args += ["--redis-chunk-tokens", str(CHUNK), *extra]
+    args += ["--redis-chunk-tokens", str(chunk), *extra]
     env = {"KVBLOCKS_REDIS_SECRET": secret} if secret else {}
     return start_server(*args, env=env, command=command)
 
