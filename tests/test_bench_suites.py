@@ -267,3 +267,21 @@ def test_the_decode_heavy_load_needs_the_batched_server(capsys):
     args = ["bench", "server", "--model", str(tiny_model_dir()), "--decode-heavy", "8", "--batch-size", "1"]
     assert main([*args, *QUIET]) == 2
     assert "--decode-heavy runs on the batched server" in capsys.readouterr().err
+
+
+def test_tiers_suite_runs_every_benchmark_on_a_tiny_model(tmp_path, capsys):
+    try:
+        fixtures.redis_binary()
+    except fixtures.ServiceError as exc:
+        pytest.skip(str(exc))
+    args = ["tiers", "--model", str(tiny_model_dir()), "--chunk-tokens", "16"]
+    args += ["--ttft-prefix", "64", "--ttft-question", "8", "--ttft-repeats", "1"]
+    args += ["--read-tokens", "64", "--read-repeats", "2", "--restart-prefix", "48", "--restart-files", "20"]
+    args += ["--restart-repeats", "1", "--hitrate-prefixes", "8", "--hitrate-prefix", "32"]
+    args += ["--hitrate-question", "8", "--hitrate-requests", "24"]
+    summary = run_suite(tmp_path, capsys, *args)
+    names = ["tiers-ttft", "tiers-read", "tiers-hitrate", "tiers-restart"]
+    assert [r["name"] for r in summary["reports"]] == names
+    assert summary["reports"][0]["params"]["restored_tokens"] == 64
+    assert checks(summary, "tiers-hitrate")["pool + disk / unbounded pool, hit rate"] >= 0.9
+    assert checks(summary, "tiers-read")["DiskTier.get throughput"] > 0

@@ -14,9 +14,9 @@ from pathlib import Path
 import msgpack
 import openai
 import pytest
+from server_proc import ServerProcess, start_server, stop_cleanly, tiny_model_dir
 
 from kvblocks.spill.disk import FRAME
-from tests.server_proc import ServerProcess, start_server, stop_cleanly, tiny_model_dir
 
 SECRET_A = "disk-persistence-secret-aaaaaaaaaaaa"
 SECRET_B = "disk-persistence-secret-bbbbbbbbbbbb"

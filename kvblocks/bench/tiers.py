@@ -72,6 +72,7 @@ OPTIONS = (
         ("ratio", 10, "working set / device pool"),
     ])),
     Group("restart (a fresh cache over a directory that holds the prefix)", ints("restart", [
+        ("prefix", 1024, "prefix tokens the first process wrote and the restarted one asks for"),
         ("files", 2000, "other records in the directory, rescanned at start"),
         repeats_row(5),
     ])),
@@ -399,7 +400,7 @@ def bench_hitrate(
 
 
 def bench_restart(
-    opts: BenchOptions, model, tokenizer, root: Path, c: int, files: int, repeats: int
+    opts: BenchOptions, model, tokenizer, root: Path, c: int, prefix: int, files: int, repeats: int
 ) -> Report:
     """A cache's first token after a restart: a new DiskTier (its start rescans the directory), a new
     stack and trie, and the first request's match from the disk and prefill of its question."""
@@ -411,11 +412,11 @@ def bench_restart(
 
     rng = np.random.default_rng(12)
     vocab = model.config.vocab_size
-    system = random_ids(rng, vocab, 1024)
+    system = random_ids(rng, vocab, prefix)
     prompt = system + random_ids(rng, vocab, 32)
     capacity = 2 * len(prompt) + c
     first = KVCacheTrie.for_model(
-        model, capacity_tokens=capacity, spill=TierStack([DiskTier(root, 64 << 30)])
+        model, capacity_tokens=capacity, spill=TierStack([DiskTier(root, 64 << 30)], chunk_tokens=c)
     )
     gen = CachedGenerator(model, tokenizer, first)
     gen.generate(system + random_ids(rng, vocab, 8), max_new_tokens=1)
@@ -428,7 +429,7 @@ def bench_restart(
 
     def restart_and_ask() -> None:
         trie = KVCacheTrie.for_model(
-            model, capacity_tokens=capacity, spill=TierStack([DiskTier(root, 64 << 30)])
+            model, capacity_tokens=capacity, spill=TierStack([DiskTier(root, 64 << 30)], chunk_tokens=c)
         )
         with trie.match(prompt) as hit:
             hits.append(hit.length)
