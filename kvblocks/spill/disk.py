@@ -166,8 +166,9 @@ class DiskTier:
 
     def put(self, items: Sequence[tuple[str, bytes]]) -> int:
         """Write each record (evicting the least recently used first); returns the bytes written.
-        While the disk is full or read-only nothing is written (counted); a directory that is gone
-        is recreated, or the tier is unavailable."""
+        While the disk is full or read-only nothing is written (counted, never raised); a directory
+        deleted under the tier is recreated. Files another process wrote since the last rescan enter
+        the index at the least recent end, so each process evicts the other's unused files first."""
         if not self.root.is_dir():
             self._recreate()
         if time.time() - self._rescanned > self.rescan_interval_s:
