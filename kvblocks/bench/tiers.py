@@ -157,7 +157,7 @@ def bench_ttft(
         tiers = {
             "host memory": HostTier(64 << 30),
             "disk": DiskTier(workdir / "disk", 64 << 30),
-            "Redis": redis_store(server.url, ttl_s=3600.0),
+            "Redis": redis_store(server.url, ttl_s=3600.0, timeout_s=30.0, fetch_timeout_s=30.0),
         }
         # The prefix is computed once, in the device trie; each tier's trie gets a copy of its KV
         # (inserted, so written through to its tier), as if it had served the prefix itself.
@@ -230,7 +230,9 @@ def bench_ttft(
         f"device hit: the prefix is resident in the pool; recompute: prefill of all {len(prompt)} tokens; "
         f"a run ends at the first greedy token, which was {same} in every variant",
         "host memory is a tier of its own here (on a CPU server it is off by default: the pool is host "
-        "memory already); Redis is a private redis-server on 127.0.0.1 TCP started by the bench; the disk "
+        "memory already); Redis is a private redis-server on 127.0.0.1 TCP started by the bench, read with "
+        "a 30 s reply timeout (the server's is 0.25 s: on a loaded machine 4k tokens of records can take "
+        "longer, and the bench measures the read, not the budget); the disk "
         f"tier's files are under {_bench_dir() or tempfile.gettempdir()} (set KVBLOCKS_BENCH_DIR to place them)",
         "tier counters: "
         + "; ".join(
