@@ -318,8 +318,8 @@ def bench_read(
     ]
     report.notes = [
         f"{n} records of {record:,} bytes (a sealed fp32 chunk of {c} tokens of this layout), random bytes; "
-        "DiskTier.get reads each file's frame and key, checks them, reads the value, checks its xxh3 and "
-        "touches the file's mtime (recency); plain = open, read to the end, close, the same files in the "
+        "DiskTier.get opens every file of the run and asks for its read-ahead (WILLNEED), then reads each "
+        "file's frame and key, checks them, reads the value, checks its xxh3 and touches the file's mtime; plain = open, read to the end, close, the same files in the "
         "same order, keeping every file's bytes as the tier hands back every record of the run; cat = the "
         "same reads dropping each file's bytes before the next (its buffer is reused, so its pages are never "
         "faulted in afresh: most of the gap to it is the kernel zeroing the run's fresh memory, which any "
