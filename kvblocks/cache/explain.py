@@ -12,12 +12,16 @@ Reasons, checked in this order:
 - `tokenization_boundary`: the cache continues with different ids that spell the same text (a
   prefix tokenised alone, e.g. a system prompt ending in a space, then reused inside a longer text);
 - `never_seen`: nothing cached continues this prompt.
+
+`tiers` says where the prompt's cached prefix would come from: `device` for what the pool holds,
+then each spill tier (`host`, `disk`, `redis`) holding the chunks that continue it, as far as their
+record sizes show (nothing is read or verified: a record that fails verification is still a miss).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -78,6 +82,7 @@ class Explanation:
     prompt_side: list[dict]
     cached_side: list[dict]
     before: list[dict]
+    tiers: list[dict] = field(default_factory=list)  # [{"tier": "device" | spill tier, "tokens": n}]
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -100,7 +105,8 @@ def explain(
     prompt_logprobs: bool = False,
     window: int = 8,
 ) -> Explanation:
-    """Explain how much of `ids` the cache holds and why the rest missed.
+    """Explain how much of `ids` the cache holds, which tier each part would come from, and why the
+    rest missed.
 
     `salt` is the request's cache salt or `Scope`. Only namespaces of the request's own tenant
     count as "another namespace" unless `all_tenants` (an admin asks): for a tenant the answer
@@ -108,8 +114,29 @@ def explain(
     asks for prompt log-probabilities, e.g. completions with echo and logprobs) nothing is reused.
     """
     arr = np.asarray(ids, dtype=np.int32)
-    n = len(arr)
     matched = cache.cached_length(arr, salt=salt)
+    explained = _explain(cache, tokenizer, ids, arr, matched, salt, all_tenants, prompt_logprobs, window)
+    explained.tiers = _tiers(cache, arr, salt, matched, prompt_logprobs)
+    return explained
+
+
+def _tiers(cache, arr: np.ndarray, salt, matched: int, prompt_logprobs: bool) -> list[dict]:
+    """The device's share of the cached prefix, then each spill tier's, in the order a lookup asks."""
+    n = len(arr)
+    usable = min(matched, max(n - 1, 0))
+    out = [{"tier": "device", "tokens": usable}] if usable else []
+    spill = getattr(cache, "spill", None)
+    if spill is None or prompt_logprobs or not hasattr(spill, "locate") or usable >= n - 1:
+        return out
+    _, ns = cache.key_of(arr, salt)
+    return out + [{"tier": t, "tokens": k} for t, k in spill.locate(ns.key, arr, matched, n - 1)]
+
+
+def _explain(
+    cache, tokenizer, ids: list[int], arr: np.ndarray, matched: int, salt, all_tenants: bool,
+    prompt_logprobs: bool, window: int,
+) -> Explanation:  # fmt: skip
+    n = len(arr)
     usable = min(matched, max(n - 1, 0))
     before = _pieces(tokenizer, ids[max(0, matched - window) : matched], max(0, matched - window))
     if prompt_logprobs:

@@ -128,7 +128,8 @@ class Resident:
         if self.spill is not None and self.spill.write_mode == "back":
             self.spill.on_evict(ns_key, ids, len(ids) - count, lambda a, b: self.gather(slots[a:b]))
         if self.events is not None:  # complete Redis chunks stay restorable (the shared tier)
-            chunk = self.spill.chunk_tokens if self.spill is not None else len(ids) + 1
+            shared = self.spill is not None and self.spill.shared
+            chunk = self.spill.chunk_tokens if shared else len(ids) + 1
             self.events.evicted(ids, len(ids) - count, len(ids) // chunk * chunk)
 
     def pin(self, namespace_key: str, ids: np.ndarray, cap: int) -> int:

@@ -174,6 +174,8 @@ def _stats_table(now: dict, r: dict, title: str):
         t.add_row("lookups short of a snapshot", f"{r['snapshot_misses']:,}")
     if r["redis_errors"] is not None:
         t.add_row("redis errors / verify failures", f"{r['redis_errors']:,} / {r['redis_verify_failures']:,}")
+    for tier in now.get("spill_tiers") or ():  # admin only: each spill tier, fastest first
+        t.add_row(f"spill tier {tier['name']}", _tier_line(tier, cache))
     if "tenant" in now:  # a tenant's key: its own counters, no server-wide engine figures
         t.add_row("tenant", now["tenant"] or "(default)")
     else:
@@ -190,6 +192,21 @@ def _stats_table(now: dict, r: dict, title: str):
         if direct is not None:  # the packed engine: is the CPU kernel reading keys in place?
             t.add_row("CPU attention kernel", "in use" if direct["in_use"] else f"off: {direct['reason']}")
     return t
+
+
+def _tier_line(tier: dict, cache: dict) -> str:
+    """A spill tier's health, size and counters in one line."""
+    name = tier["name"]
+    used, capacity, records = tier["used_bytes"], tier["capacity_bytes"], tier["records"]
+    size = (
+        ""
+        if used is None
+        else f"{used / 2**20:,.1f} MiB" + ("" if capacity is None else f" / {capacity / 2**20:,.1f} MiB")
+    )
+    held = "" if records is None else f", {records:,} records"
+    hits = cache.get(f"{name}_hit_chunks", 0)
+    restored = cache.get(f"{name}_hit_tokens", 0)
+    return f"{tier['health']}: {size}{held}; {hits:,} chunks hit ({restored:,} tokens restored)"
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -399,6 +416,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         console.print(f"source of {e['source']['tokens']} tokens {held}")
     console.print(f"[bold]{e['reason']}[/bold]: {e['detail']}")
     console.print(f"cached {e['cached_tokens']} of {e['prompt_tokens']} prompt tokens")
+    if len(e.get("tiers") or ()) > 1 or any(t["tier"] != "device" for t in e.get("tiers") or ()):
+        console.print("from " + ", then ".join(f"{t['tier']} ({t['tokens']} tokens)" for t in e["tiers"]))
     if e["divergence"] is not None:
         console.print(f"diverges at token {e['divergence']}:")
         show = lambda pieces: " ".join(f"{p['id']}:{p['text']!r}" for p in pieces) or "(nothing)"  # noqa: E731

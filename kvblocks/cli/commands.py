@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 
+from kvblocks.cli.tiers import add_tier_args, spill_stack
 from kvblocks.errors import UserError
 
 
@@ -42,7 +43,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--redis", default=None, metavar="URL", help="spill tier, e.g. redis://127.0.0.1:6379/0")
-    p.add_argument("--redis-chunk-tokens", type=int, default=64, help="tokens per Redis chunk (default 64)")
+    p.add_argument(
+        "--redis-chunk-tokens",
+        type=int,
+        default=64,
+        help="tokens per spill chunk, in every tier (default 64)",
+    )
     p.add_argument(
         "--redis-secret-file",
         default=None,
@@ -51,27 +57,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "with the same secret (default $KVBLOCKS_REDIS_SECRET; none: Redis is trusted)",
     )
     p.add_argument(
-        "--disk-cache",
-        nargs="?",
-        const=DEFAULT_DISK_CACHE,
-        default=None,
-        metavar="DIR",
-        help="a spill tier of files under DIR that outlives a restart (without DIR: "
-        "~/.cache/kvblocks/disk-cache); off by default. Sealed with the Redis secret when one is set",
-    )
-    p.add_argument(
-        "--disk-cache-size",
-        default="4GiB",
-        metavar="SIZE",
-        help="most bytes the disk tier keeps, least recently used out first (default 4GiB)",
-    )
-    p.add_argument(
         "--redis-ttl",
         type=float,
         default=DEFAULT_REDIS_TTL_S,
         metavar="SECONDS",
         help=f"lifetime of a Redis record (default {DEFAULT_REDIS_TTL_S:g}, a day; 0: never expires)",
     )
+    add_tier_args(p)
 
 
 TOOL_PARSERS = (
@@ -98,28 +90,10 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-SIZE_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-DEFAULT_DISK_CACHE = "~/.cache/kvblocks/disk-cache"  # kvblocks.models.cache_home() / "disk-cache"
-
-
-def parse_size(text: str, flag: str) -> int:
-    """Bytes from a size with a unit (512MiB, 4GiB, 10GB)."""
-    t = text.strip().lower()
-    for unit, scale in SIZE_UNITS.items():
-        if t.endswith(unit):
-            try:
-                size = int(float(t[: -len(unit)].strip()) * scale)
-            except ValueError:
-                break
-            if size > 0:
-                return size
-            break
-    raise UserError(f"{flag} must be a size like 512MiB or 4GiB, got '{text}'")
-
-
 def parse_capacity(text: str) -> dict[str, int]:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
     t = text.strip().lower()
-    for unit, scale in SIZE_UNITS.items():
+    for unit, scale in units.items():
         if t.endswith(unit):
             number = t[: -len(unit)].strip()
             try:
@@ -139,7 +113,7 @@ def load_stack(args: argparse.Namespace):
 
     torch.set_num_threads(max(1, args.threads))
     capacity = parse_capacity(args.capacity)
-    spill = spill_tiers(args)
+    spill = spill_stack(args)
     try:
         model, tokenizer = models.load(args.model, args.dtype, args.device)
         if getattr(
@@ -148,7 +122,7 @@ def load_stack(args: argparse.Namespace):
             from kvblocks.seq2seq import Seq2SeqCache
 
             cache = Seq2SeqCache.for_model(
-                model, **capacity, spill=spill, source_spill=spill_tiers(args), eviction=args.eviction
+                model, **capacity, spill=spill, source_spill=spill_stack(args), eviction=args.eviction
             )
         else:
             cache = KVCacheTrie.for_model(
@@ -157,44 +131,6 @@ def load_stack(args: argparse.Namespace):
     except (models.ModelLoadError, UnsupportedModelError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     return model, tokenizer, cache
-
-
-def spill_tiers(args: argparse.Namespace):
-    """The spill tiers --disk-cache and --redis ask for, as one stack (None without either); one per
-    cache."""
-    if not args.redis and not args.disk_cache:
-        return None
-    from kvblocks.spill.redis_tier import RedisTier, redis_store
-    from kvblocks.spill.sealing import read_secret
-
-    ttl = args.redis_ttl if args.redis_ttl > 0 else None
-    try:
-        secret = read_secret(args.redis_secret_file)
-        if not args.disk_cache:
-            spill = RedisTier(args.redis, chunk_tokens=args.redis_chunk_tokens, secret=secret, ttl_s=ttl)
-        else:
-            from kvblocks.spill.stack import TierStack
-
-            tiers = [disk_tier(args)] + ([redis_store(args.redis, ttl_s=ttl)] if args.redis else [])
-            spill = TierStack(tiers, chunk_tokens=args.redis_chunk_tokens, secret=secret)
-    except ValueError as exc:
-        raise UserError(f"--redis: {exc}") from exc
-    for warning in spill.server_warnings():
-        print(warning, file=sys.stderr, flush=True)
-    return spill
-
-
-def disk_tier(args: argparse.Namespace):
-    """The tier --disk-cache asks for; a directory that cannot be made is a clear error."""
-    from kvblocks.models import cache_home
-    from kvblocks.spill.disk import DiskTier
-
-    size = parse_size(args.disk_cache_size, "--disk-cache-size")
-    where = cache_home() / "disk-cache" if args.disk_cache == DEFAULT_DISK_CACHE else args.disk_cache
-    try:
-        return DiskTier(os.path.expanduser(where), size)
-    except OSError as exc:
-        raise UserError(f"--disk-cache {args.disk_cache}: {exc.strerror or exc}") from exc
 
 
 DEFAULT_BATCH_SIZE = 16  # kvblocks serve without --max-batch-size, where the model has a packed path

@@ -137,6 +137,7 @@ async def cache_stats(request: Request):
         )
         return {"model": s.config.model_name, "tenant": who.tenant, "cache": own}
     stats = None if s.cache is None else await run_in_threadpool(s.full_cache.stats)
+    spill = None if s.cache is None else s.cache.spill
     return {
         "model": s.config.model_name,
         "uptime_s": time.time() - s.started,
@@ -147,6 +148,8 @@ async def cache_stats(request: Request):
             "attention_kernel": s.engine.kernel_stats(),
         },
         "cache": stats,
+        # each spill tier, fastest first: name, health, used and capacity bytes, records
+        "spill_tiers": None if spill is None else await run_in_threadpool(spill.tier_sizes),
         "counters": s.engine.metrics.counters,
     }
 

@@ -11,8 +11,9 @@ ids a router hashes are exactly the ids this server prefills and its cache match
 from __future__ import annotations
 
 import uuid
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from kvblocks import __version__
@@ -108,10 +109,13 @@ async def get_load(request: Request):
 
 
 @router.post("/flush_cache", responses=answers(400, 403, 503))
-async def flush_cache(request: Request, spill: bool = False):
+async def flush_cache(
+    request: Request, spill: bool = False, tier: Annotated[str | None, Query(max_length=32)] = None
+):
     """Admin only. Empties the device cache except what running requests hold and what is pinned;
-    with `?spill=true` also deletes every record under the Redis tier's key prefix, which every
-    replica sharing that Redis reads."""
+    with `?spill=true` also deletes every record under the spill tiers' key prefix (Redis is read by
+    every replica sharing it); with `?tier=NAME` (`host`, `disk`, `redis`) only that tier's records
+    go, and the device cache is left as it is."""
     s = served(request)
     if not caller(request).admin:
         raise APIError(
@@ -119,23 +123,31 @@ async def flush_cache(request: Request, spill: bool = False):
         )
     if s.cache is None:
         raise APIError(400, "this server runs without a prefix cache")
-    if spill and s.cache.spill is None:
-        raise APIError(400, "this server has no spill tier to flush (it runs without --redis)", param="spill")
-    flushed = await run_in_threadpool(s.full_cache.clear)
+    stack = s.cache.spill
+    if (spill or tier is not None) and stack is None:
+        param = "spill" if tier is None else "tier"
+        raise APIError(400, "this server has no spill tier to flush (it runs without --redis)", param=param)
+    if tier is not None and tier not in [t.name for t in stack.tiers]:
+        names = ", ".join(t.name for t in stack.tiers)
+        raise APIError(400, f"this server has no spill tier named {tier!r} (it has: {names})", param="tier")
+    flushed = 0 if tier is not None else await run_in_threadpool(s.full_cache.clear)
     deleted = None
-    if spill:
+    if spill or tier is not None:
         try:
-            deleted = await run_in_threadpool(s.cache.spill.clear)
+            deleted = await run_in_threadpool(lambda: stack.clear(tier))
         except ValueError as exc:
-            raise APIError(400, str(exc), param="spill") from exc
+            raise APIError(400, str(exc), param="spill" if tier is None else "tier") from exc
         except RuntimeError as exc:
             raise APIError(503, str(exc), type_="server_error", code="spill_unavailable") from exc
     stats = await run_in_threadpool(s.cache.stats)
+    where = "spill" if tier is None else tier
     return {
-        "message": f"flushed {flushed} tokens" + ("" if deleted is None else f" and {deleted} Redis records"),
+        "message": f"flushed {flushed} tokens"
+        + ("" if deleted is None else f" and {deleted} {where} records"),
         "flushed_tokens": flushed,
         "kept_tokens": stats["resident_tokens"],  # locked by running requests, or pinned
         "spill_deleted_records": deleted,
+        "spill_tier": tier,
     }
 
 

@@ -220,6 +220,34 @@ class Lookup:
         return True
 
 
+def locate(
+    lookup: Lookup, namespace_key: str, ids: np.ndarray, start: int, limit: int
+) -> list[tuple[str, int]]:
+    """(tier, tokens) of each tier of `lookup` that holds chunks continuing a device hit of `start`
+    tokens, in order, by their sizes alone: what `fetch` would try, for `explain`. Reads, verifies,
+    deletes and counts nothing; a tier that is down or fails is left out."""
+    c = lookup.chunk_tokens
+    first = start // c
+    hashes = lookup.codec.chunk_hashes(namespace_key, ids[:limit], c)
+    keys = [lookup.codec.key(namespace_key, h) for h in hashes[first:]]
+    out, done = [], 0
+    for slot in lookup.slots:
+        if done == len(keys) or not slot.up():
+            continue
+        try:
+            lengths = slot.tier.sizes(keys[done:])
+        except TierUnavailable:
+            continue
+        bounds = (lookup.codec.size_bounds(k, namespace_key, c, lookup.layout) for k in keys[done:])
+        run = next(
+            (i for i, (n, b) in enumerate(zip(lengths, bounds)) if not b[0] <= n <= b[1]), len(lengths)
+        )
+        if run:
+            out.append((slot.name, run * c - (start - first * c if done == 0 else 0)))
+            done += run
+    return out
+
+
 def _join(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     if parts[0] is None:
         return None

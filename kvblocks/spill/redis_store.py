@@ -21,6 +21,7 @@ class RedisStore:
     """The record store behind the Redis tier. `ttl_ms` (None: forever) is set on every write."""
 
     name = "redis"
+    shared = True  # every replica using this Redis restores from it (optional Tier attribute)
     # logged by the stack when its records are not sealed: other programs can reach this store
     trust_warning = ""
 

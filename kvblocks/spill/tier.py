@@ -12,6 +12,8 @@ without otherwise (they are optional so a tier needs no more than the Protocol):
   (key, value)s it evicted, outside its locks; under write-back the stack writes them one tier down;
 - `records() -> int`: how many records it holds, for `kvblocks stats` and `/metrics`;
 - `server_warnings() -> list[str]`: deployment problems worth a line at start;
+- `shared: bool`: other processes restore from this tier (Redis; a disk two servers share): KV
+  events report chunks evicted from the device as still stored there;
 - `trust_warning: str`: logged when the stack's records are not sealed (no secret) and other
   programs can reach this tier's store (Redis).
 """

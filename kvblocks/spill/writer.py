@@ -1,6 +1,8 @@
 """The stack's writer: one background thread behind a bounded queue writes records into the tiers.
 
-Writes never block generation: a full queue drops (and counts) the job. Each job names the tiers it
+Writes never block generation: a full queue drops (and counts) the job, and so does one whose bytes
+(a chunk copied off the device, records moved between tiers) would take the bytes the writer holds,
+queued and held, past `max_bytes`. Each job names the tiers it
 targets; a target that is down, or fails, gets the job held for it (up to `retry_size` held jobs,
 oldest dropped first), retried once that tier answers again. Jobs:
 - `through`: the completed chunks of a prefix from a position on, read back out of the device pool
@@ -32,6 +34,8 @@ log = logging.getLogger("kvblocks.spill")
 
 # How many chunk keys the stack remembers having seen in its tiers (to rate-limit repairs).
 CONFIRMED_KEYS = 4096
+# Host bytes the writer's jobs may hold, queued and held together, before it drops new ones.
+DEFAULT_MAX_BYTES = 1 << 30
 
 
 @dataclass(slots=True)
@@ -41,6 +45,7 @@ class Job:
     args: tuple
     counter: str = "written_chunks"  # raw jobs: promoted_chunks or demoted_chunks
     ready: Any = field(default=None)  # a CUDA event the job waits on (its device-to-host copy)
+    nbytes: int = 0  # what it holds in host memory until it runs
 
 
 class Confirmed:
@@ -77,26 +82,45 @@ class Writer:
         queue_size: int,
         retry_size: int,
         retry_interval_s: float,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self._slots, self._run_job = slots, run_job
-        self.retry_size, self.retry_interval_s = retry_size, retry_interval_s
+        self.retry_size, self.retry_interval_s, self.max_bytes = retry_size, retry_interval_s, max_bytes
+        self._bytes = 0  # held by queued and held jobs
+        self._bytes_lock = threading.Lock()
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._held: list[Job] = []  # each for one target; touched by the writer thread only
         self._thread = threading.Thread(target=self._loop, name="kvblocks-spill-writer", daemon=True)
         self._thread.start()
 
     def enqueue(self, job: Job) -> None:
-        try:
-            self._queue.put_nowait(job)
-            counter = "write_jobs"
-        except queue.Full:
-            counter = "write_drops"
+        counter = "write_drops"
+        if self._take(job.nbytes):
+            try:
+                self._queue.put_nowait(job)
+                counter = "write_jobs"
+            except queue.Full:
+                self._give(job.nbytes)
         for t in job.targets:
             self._slots[t].count(**{counter: 1})
 
     def run_now(self, job: Job) -> None:
         """Run `job` on this thread (the writer's own: a demotion made by a write it runs)."""
         self._run(job)
+
+    def pending_bytes(self) -> int:
+        return self._bytes
+
+    def _take(self, nbytes: int, force: bool = False) -> bool:
+        with self._bytes_lock:
+            if nbytes and not force and self._bytes + nbytes > self.max_bytes:
+                return False
+            self._bytes += nbytes
+            return True
+
+    def _give(self, nbytes: int) -> None:
+        with self._bytes_lock:
+            self._bytes -= nbytes
 
     def depth(self) -> int:
         return self._queue.qsize()
@@ -127,6 +151,7 @@ class Writer:
                 if job is None:
                     return
                 self._run(job)
+                self._give(job.nbytes)
                 self._retry_held()
             finally:
                 self._queue.task_done()
@@ -155,9 +180,11 @@ class Writer:
 
     def _hold(self, job: Job) -> None:
         self._held.append(job)
+        self._take(job.nbytes, force=True)
         self._slots[job.targets[0]].count(write_deferred=1)
         if len(self._held) > self.retry_size:
             dropped = self._held.pop(0)
+            self._give(dropped.nbytes)
             self._slots[dropped.targets[0]].count(write_drops=1)
 
     def _retry_held(self) -> None:
@@ -169,12 +196,13 @@ class Writer:
                 i += 1
                 continue
             del self._held[i]
+            self._give(job.nbytes)
             slot.count(write_retried=1)
             self._run(job)  # held again, at the end, if it fails
 
 
 def _for(job: Job, target: int) -> Job:
-    return Job(job.kind, (target,), job.args, job.counter)
+    return Job(job.kind, (target,), job.args, job.counter, nbytes=job.nbytes)
 
 
 def to_host(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvblocks.telemetry.tier_metrics import hit_labels, tier_families
 from kvblocks.telemetry.vllm_metrics import VllmCollector, VllmHistograms
 
 if TYPE_CHECKING:
@@ -216,15 +217,16 @@ KV_EVENT_COUNTERS = (
 
 class CacheCollector(Collector):
     """The prefix cache's stats as counters and gauges, read at scrape time (one `stats()` call, so
-    one consistent snapshot); queried and hit tokens are labelled by tier: `device`, and `redis`
-    when the cache spills. Redis and KV-event counters appear when the cache has that tier or publisher."""
+    one consistent snapshot); queried and hit tokens are labelled by tier: `device`, and each spill
+    tier's name (`host`, `disk`, `redis`) when the cache spills, whose own families are `tier_metrics`'. Redis and KV-event counters appear when the cache has that tier or publisher."""
 
     def __init__(self, cache: KVCacheTrie) -> None:
         self.cache = cache
 
     def collect(self) -> Iterator[Metric]:
         s = self.cache.stats()
-        spills = "redis_lookups" in s
+        spill = self.cache.spill
+        spills, redis = spill is not None, "redis_lookups" in s
         queried = CounterMetricFamily(
             "kvblocks_prefix_cache_queried_tokens", "Prompt tokens looked up, per tier.", labels=["tier"]
         )
@@ -233,9 +235,9 @@ class CacheCollector(Collector):
         )
         queried.add_metric(["device"], s["queried_tokens"])
         hits.add_metric(["device"], s["hit_tokens"] - s["spill_hit_tokens"])
-        if spills:
-            queried.add_metric(["redis"], s["redis_lookup_chunks"] * self.cache.spill.chunk_tokens)
-            hits.add_metric(["redis"], s["spill_hit_tokens"])
+        for tier, asked, hit in hit_labels(s, spill) if spills else ():
+            queried.add_metric([tier], asked)
+            hits.add_metric([tier], hit)
         yield queried
         yield hits
         events = "kv_events_batches" in s
@@ -243,7 +245,7 @@ class CacheCollector(Collector):
         yield from stat_families(
             s,
             CACHE_COUNTERS
-            + (REDIS_COUNTERS if spills else ())
+            + (REDIS_COUNTERS if redis else ())
             + (KV_EVENT_COUNTERS if events else ())
             + (SNAPSHOT_COUNTERS if stateful else ()),
             CACHE_GAUGES + (SNAPSHOT_GAUGES if stateful else ()),
@@ -253,7 +255,9 @@ class CacheCollector(Collector):
         )
         policy.add_metric([self.cache.eviction_policy], 1)
         yield policy
-        yield from tenant_families(self.cache.tenant_counters(), spills)
+        yield from tier_families(s, spill)
+        label = None if not spills else spill.tiers[0].name if len(spill.tiers) == 1 else "spill"
+        yield from tenant_families(self.cache.tenant_counters(), label)
 
 
 # encoder-decoder models only: the encoder's work and the source records (`Seq2SeqCache.stats()`);
@@ -308,8 +312,9 @@ def stat_families(stats: dict[str, int], counters: tuple, gauges: tuple) -> Iter
         yield GaugeMetricFamily(name, doc, value=stats[key])
 
 
-def tenant_families(tenants: dict[str, dict[str, int]], spills: bool) -> Iterator[Metric]:
-    """Per-tenant lookups, hits (per tier) and evictions, labelled `tenant` ("" is the default tenant)."""
+def tenant_families(tenants: dict[str, dict[str, int]], spill_label: str | None) -> Iterator[Metric]:
+    """Per-tenant lookups, hits (per tier) and evictions, labelled `tenant` ("" is the default tenant);
+    spill hits are labelled `spill_label` (the lone spill tier's name, or "spill" for a stack)."""
     queried = CounterMetricFamily(
         "kvblocks_tenant_queried_tokens", "Prompt tokens looked up, per tenant.", labels=["tenant"]
     )
@@ -326,8 +331,8 @@ def tenant_families(tenants: dict[str, dict[str, int]], spills: bool) -> Iterato
     for tenant, c in sorted(tenants.items()):
         queried.add_metric([tenant], c["queried_tokens"])
         hits.add_metric([tenant, "device"], c["hit_tokens"] - c["spill_hit_tokens"])
-        if spills:
-            hits.add_metric([tenant, "redis"], c["spill_hit_tokens"])
+        if spill_label is not None:
+            hits.add_metric([tenant, spill_label], c["spill_hit_tokens"])
         evicted.add_metric([tenant], c["evicted_tokens"])
     yield from (queried, hits, evicted)
 

@@ -122,8 +122,8 @@ class VllmCollector(Collector):
         )
         yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                        label, s["hit_tokens"] - s["spill_hit_tokens"])  # fmt: skip
-        if "redis_lookups" in s:
-            queried = s["redis_lookup_chunks"] * self.cache.spill.chunk_tokens
+        if self.cache.spill is not None:  # asked of the first tier, whichever answers
+            queried = s[f"{self.cache.spill.tiers[0].name}_lookup_chunks"] * self.cache.spill.chunk_tokens
             yield _counter("vllm:external_prefix_cache_queries",
                            "External prefix cache queries from KV connector cross-instance cache sharing, "
                            "in terms of number of queried tokens.", label, queried)  # fmt: skip
