@@ -345,3 +345,21 @@ def test_a_peers_only_report_holds_the_batched_server_against_llama_server_alone
     assert found["prompt-token hit rate, batched"].value == pytest.approx(0.9)
     assert not [name for name in found if "batch 1" in name or "cache off" in name]
     assert report.baseline == "cache on, --max-batch-size 16"
+
+
+def test_tiers_suite_runs_every_benchmark_on_a_tiny_model(tmp_path, capsys):
+    try:
+        fixtures.redis_binary()
+    except fixtures.ServiceError as exc:
+        pytest.skip(str(exc))
+    args = ["tiers", "--model", str(tiny_model_dir()), "--chunk-tokens", "16"]
+    args += ["--ttft-prefix", "64", "--ttft-question", "8", "--ttft-repeats", "1"]
+    args += ["--read-tokens", "64", "--read-repeats", "2", "--restart-prefix", "48", "--restart-files", "20"]
+    args += ["--restart-repeats", "1", "--hitrate-prefixes", "8", "--hitrate-prefix", "32"]
+    args += ["--hitrate-question", "8", "--hitrate-requests", "24"]
+    summary = run_suite(tmp_path, capsys, *args)
+    names = ["tiers-ttft", "tiers-read", "tiers-hitrate", "tiers-restart"]
+    assert [r["name"] for r in summary["reports"]] == names
+    assert summary["reports"][0]["params"]["restored_tokens"] == 64
+    assert checks(summary, "tiers-hitrate")["pool + disk / unbounded pool, hit rate"] >= 0.9
+    assert checks(summary, "tiers-read")["DiskTier.get throughput"] > 0

@@ -25,6 +25,7 @@ def bench_parser() -> argparse.ArgumentParser:
         server,
         soak,
         specdec,
+        tiers,
         weights,
         workloads,
     )
@@ -36,6 +37,6 @@ def bench_parser() -> argparse.ArgumentParser:
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
     first = (micro, workloads, redis, specdec, server, fleet, packed, hybrid)
-    for suite in (*first, seq2seq, prefix_listing, constrained, soak, gpu, blocks, dtype, weights):
+    for suite in (*first, seq2seq, prefix_listing, constrained, soak, gpu, blocks, dtype, weights, tiers):
         suite.add_parser(suites)
     return p

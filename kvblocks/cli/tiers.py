@@ -14,6 +14,7 @@ import sys
 
 from kvblocks.errors import UserError
 
+DEFAULT_DISK_CACHE = "~/.cache/kvblocks/disk-cache"  # kvblocks.models.cache_home() / "disk-cache"
 WRITE_POLICIES = ("write-through", "write-back")  # kvblocks.spill.stack.WRITE_POLICIES, without torch
 # Test-only: lets a CPU-only test server build the host tier, which `serve` refuses on the CPU.
 HOST_TIER_ON_CPU_ENV = "KVBLOCKS_TEST_HOST_TIER_ON_CPU"
@@ -27,6 +28,21 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
         help="host-memory tier between the device pool and the tiers below (e.g. 64GiB): records evicted "
         "from a GPU's pool kept in RAM, per cache (an encoder-decoder model has two); refused on a CPU-only "
         "server, whose pool already is RAM (default: off)",
+    )
+    p.add_argument(
+        "--disk-cache",
+        nargs="?",
+        const=DEFAULT_DISK_CACHE,
+        default=None,
+        metavar="DIR",
+        help="a spill tier of files under DIR that outlives a restart (without DIR: "
+        "~/.cache/kvblocks/disk-cache); off by default. Sealed with the Redis secret when one is set",
+    )
+    p.add_argument(
+        "--disk-cache-size",
+        default="4GiB",
+        metavar="SIZE",
+        help="most bytes the disk tier keeps, least recently used out first (default 4GiB)",
     )
     p.add_argument(
         "--write-policy",
@@ -62,8 +78,24 @@ def redis_tier(args: argparse.Namespace):
     return redis_store(args.redis, ttl_s=args.redis_ttl if args.redis_ttl > 0 else None)
 
 
-# Fastest first. The disk tier goes between host and redis.
-TIERS = (host_tier, redis_tier)
+def disk_tier(args: argparse.Namespace):
+    """--disk-cache [DIR]: a DiskTier of --disk-cache-size bytes; a directory that cannot be made is a
+    clear error."""
+    if not args.disk_cache:
+        return None
+    from kvblocks.models import cache_home
+    from kvblocks.spill.disk import DiskTier
+
+    size = parse_bytes(args.disk_cache_size, "--disk-cache-size")
+    where = cache_home() / "disk-cache" if args.disk_cache == DEFAULT_DISK_CACHE else args.disk_cache
+    try:
+        return DiskTier(os.path.expanduser(where), size)
+    except OSError as exc:
+        raise UserError(f"--disk-cache {args.disk_cache}: {exc.strerror or exc}") from exc
+
+
+# Fastest first.
+TIERS = (host_tier, disk_tier, redis_tier)
 
 
 def spill_stack(args: argparse.Namespace):
