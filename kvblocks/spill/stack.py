@@ -102,8 +102,10 @@ class TierStack:
             retry_interval_s=retry_interval_s,
             max_bytes=queue_bytes,
         )
-        for slot in self.slots:
-            if hasattr(slot.tier, "bind_demote"):
+        # only write-back demotes: under write-through every tier below has the records already, so
+        # a tier's evictions are not read back (a disk tier would read each evicted file for nothing)
+        for slot in self.slots if mode == "back" else ():
+            if hasattr(slot.tier, "bind_demote") and slot.index + 1 < len(self.slots):
                 slot.tier.bind_demote(lambda items, i=slot.index: self.policy.demoted(i, items))
         self._bound = False
 
