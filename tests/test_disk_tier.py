@@ -379,3 +379,21 @@ def test_records_are_readable_by_their_owner_only(tmp_path):
     DiskTier(root, 1 << 20).put([(KEY.format(0), value(0))])
     path = only_file(root)
     assert [p.stat().st_mode & 0o777 for p in (root, path.parent, path)] == [0o700, 0o700, 0o600]
+
+
+def test_a_slow_read_is_cut_at_the_budget_and_the_run_read_so_far_is_kept(tmp_path, monkeypatch):
+    keys = [KEY.format(i) for i in range(4)]
+    DiskTier(tmp_path, 1 << 20).put([(k, value(i)) for i, k in enumerate(keys)])
+    tier = DiskTier(tmp_path, 1 << 20, read_budget_s=0.05)
+    assert tier.get(keys, [2000] * 4) == [value(i) for i in range(4)]  # a quick disk: the whole run
+    read = tier._read
+
+    def slow(*args):  # a disk that takes 30 ms a file
+        time.sleep(0.03)
+        return read(*args)
+
+    monkeypatch.setattr(tier, "_read", slow)
+    out = tier.get(keys, [2000] * 4)
+    assert out[:2] == [value(0), value(1)] and out[2:] == [None, None]  # 60 ms > 50 ms: cut after two
+    assert tier.counters()["read_budget_cuts"] == 1
+    assert len(record_files(tmp_path)) == 4  # cut records stay: they are not damaged

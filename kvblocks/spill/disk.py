@@ -89,6 +89,7 @@ class DiskTier:
         fsync: bool = False,
         retry_interval_s: float = 30.0,
         rescan_interval_s: float = 60.0,
+        read_budget_s: float = 0.5,
     ) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"the disk tier's size must be positive, got {capacity_bytes}")
@@ -97,6 +98,9 @@ class DiskTier:
         self.fsync = fsync
         self.retry_interval_s = retry_interval_s
         self.rescan_interval_s = rescan_interval_s
+        # A lookup runs while a request is admitted: like Redis's reply timeout, a slow disk may hold it
+        # at most this long; the run read by then is used and the rest is computed (`read_budget_cuts`).
+        self.read_budget_s = read_budget_s
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recent first
         self._used = 0
@@ -113,6 +117,7 @@ class DiskTier:
                 "write_skipped_degraded",
                 "rescans",
                 "stale_temps_deleted",
+                "read_budget_cuts",
             ),
             0,
         )
@@ -146,9 +151,15 @@ class DiskTier:
     def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[bytes | None]:
         """Every file is opened and its read-ahead asked for first, so a cold run's reads reach the
         device together rather than one file after another; then each is read and checked."""
+        deadline = time.monotonic() + self.read_budget_s
         files = [self._open(key) for key in keys]
+        out: list[bytes | None] = [None] * len(keys)
         try:
-            out = [self._read(key, f, limit) for key, f, limit in zip(keys, files, limits)]
+            for i, (key, f, limit) in enumerate(zip(keys, files, limits)):
+                if i and time.monotonic() > deadline:  # the run so far is used; the rest is computed
+                    self._count(read_budget_cuts=1)
+                    break
+                out[i] = self._read(key, f, limit)
         finally:
             for f in files:
                 if f is not None:
