@@ -241,3 +241,41 @@ def test_the_real_model_in_bf16_gets_its_alone_bits_batched_and_cached():
     assert bits(together) == bits(reference) and bits(again) == bits(reference)
     assert all(r.cached_tokens > 0 for *_, r in together[1:])
     assert all(r.cached_tokens >= len(p) - 1 for p, (*_, r) in zip(prompts, again))
+
+
+@pytest.mark.parametrize(
+    "dtype, serial",
+    [
+        (torch.bfloat16, {"params": GenerationParams(max_new_tokens=1, prompt_logprobs=1)}),
+        (torch.bfloat16, {"params": GenerationParams(max_new_tokens=1), "output_logits": True}),
+        (
+            torch.bfloat16,
+            {"params": GenerationParams(max_new_tokens=1, kv_mode="blend", blend_recompute=1.0)},
+        ),
+        (torch.bfloat16, {"store_block": True}),
+        (torch.float32, {"params": GenerationParams(max_new_tokens=1, prompt_logprobs=1)}),
+    ],
+    ids=["bf16-prompt-logprobs", "bf16-output-logits", "bf16-blend", "bf16-kv-block", "fp32-prompt-logprobs"],
+)
+def test_kv_of_the_one_request_path_never_changes_a_later_packed_request(dtype, serial):
+    """A request the packed path does not serve (prompt log-probabilities, raw logits, KV blocks) is
+    computed by other kernels (a KV block goes to the block store, which exact requests never read). In bf16 the batch-invariant engine keeps its KV out of the trie (shared, it changed
+    a later request's log-probabilities), so a later request on the same prefix gets the bits it gets
+    alone on an empty engine; float32 shares it (same bits here, and the later request hits it)."""
+    model = tiny_model("qwen2", dtype)
+    prompt, follow = long_prompts(2)
+    later = prompt + follow[150:]  # the serial request's whole prompt, then more
+    params = GenerationParams(max_new_tokens=12, logprobs=2)
+    reference = alone(model, IdTokenizer(), [later], params)
+    engine = invariant_engine(model, IdTokenizer())
+    try:
+        done = threading.Event()
+        engine.submit(prompt, lambda item: getattr(item, "result", item) is not None and done.set(), **serial)
+        assert done.wait(300)
+        assert engine.one_at_a_time == 1  # it took the one-request path
+        after = run(engine, [later], params)
+    finally:
+        engine.stop()
+    assert bits(after) == bits(reference)
+    shared = after[0][2].cached_tokens
+    assert shared == 0 if dtype == torch.bfloat16 else shared >= len(prompt) - 1

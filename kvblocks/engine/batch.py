@@ -10,6 +10,8 @@ for the pool) run on the serial runner between the packed forwards.
 
 from __future__ import annotations
 
+import torch
+
 from kvblocks.engine import paged, speculative
 from kvblocks.engine.admission import LimitsOf, RoomLimits, no_limits
 from kvblocks.engine.loop import Engine
@@ -19,6 +21,8 @@ from kvblocks.generate.generator import CachedGenerator
 from kvblocks.telemetry.metrics import Metrics
 
 __all__ = ["CHUNK", "BatchEngine", "check_settings"]
+
+HALF = (torch.bfloat16, torch.float16)
 
 
 def check_settings(
@@ -104,6 +108,10 @@ class BatchEngine(Engine):
         # what the weights reordered for the packed forwards cost beside the model's own (`--packed-weights`)
         self.packed_weight_bytes = 0 if head is None else head.nbytes
         super().__init__(generator, metrics, max_active, limits, limits_of, packed=(runner, batch))
+        # the one-request path's kernels round a half-precision KV otherwise than the invariant packed
+        # forwards: what it computes stays its own, so every prefix in the trie is the packed path's
+        # and a request gets the same bits after a hit as alone (float32 shares: tests/test_dtype.py)
+        self.serial.shares_kv = not (invariant and cache.pool.dtype in HALF)
 
     @property
     def preemptions(self) -> int:

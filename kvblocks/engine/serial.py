@@ -3,7 +3,10 @@
 It serves every request of an engine without a packed path, and the requests the packed path does
 not serve (prompt log-probabilities, raw logits, prompts too large for the pool, KV blocks stored
 ahead of use: `CachedGenerator.store_steps`, whose one answer is a `StoredBlock`). Each stream
-holds its own transformers cache and commits to the trie itself when it closes.
+holds its own transformers cache and commits to the trie itself when it closes, except where
+`shares_kv` is False: the batch-invariant engine in half precision (`BatchEngine`), where these
+kernels round otherwise than the packed forwards and a prefix they stored would change the bits of a
+later packed request on it; there a serial request reads the trie's prefixes but keeps its KV.
 
 A prompt's KV block work (fills, blend probe and recompute: `kvblocks.blocks.prefill`) runs one
 forward of at most `block_chunk` tokens (the engine's per-step budget) per step, before its first
@@ -40,6 +43,7 @@ class SerialRunner:
         self.block_chunk = block_chunk
         self.charge = charge  # (tenant, tokens) of KV block work computed for it
         self.active: list[Request] = []
+        self.shares_kv = True  # whether the KV its streams compute enters the trie
 
     def has_room(self) -> bool:
         return len(self.active) < self.max_active
@@ -68,12 +72,14 @@ class SerialRunner:
         if o.store_block:
             request.stream = self.generator.store_steps(request.prompt, o.salt, self.block_chunk)
         else:
+            own = {} if self.shares_kv else {"share_kv": False}  # a generator of its own may not take it
             request.stream = self.generator.stream(
                 request.prompt,
                 o.params,
                 salt=o.salt,
                 output_logits=o.output_logits,
                 block_chunk=self.block_chunk,
+                **own,
             )
         self.active.append(request)
 

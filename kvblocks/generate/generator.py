@@ -71,6 +71,7 @@ class DecodeState:
     # positions past this one were computed along a path a prefill of them would not take (one-token
     # forwards, prefill or decode, where the cache's min_prefill is 2): not reused
     reusable: int | None = None
+    shared: bool = True  # False: nothing it computes enters the cache (its hit is read all the same)
 
 
 def context_length(config) -> int | None:
@@ -261,6 +262,7 @@ class CachedGenerator:
         salt: Salt = None,
         output_logits: bool = False,
         block_chunk: int | None = None,
+        share_kv: bool = True,
         **options,
     ) -> Iterator[Piece | Working]:
         """Yield text as it is generated; the last piece carries the `GenerationResult`.
@@ -268,6 +270,11 @@ class CachedGenerator:
         `block_chunk`: a prompt's KV block work (`kv_mode` blend or concat) runs in forwards of at
         most this many tokens, each followed by a `Working` step, so an engine can interleave it with
         other requests (None: at once, and only `Piece`s are yielded).
+
+        `share_kv=False`: the KV computed here stays the request's own, never inserted into the cache
+        (a prefix it hits is read all the same). The batch-invariant engine serves half-precision
+        requests it cannot pack so: these kernels round otherwise than its packed forwards, and a later
+        request on the same prefix must get its bits from the packed path (`SerialRunner`).
 
         Options come as `params` or as `GenerationParams` fields given by keyword
         (`max_new_tokens=16, temperature=0.7`), not both. Prompt and generated ids are committed to
@@ -286,6 +293,7 @@ class CachedGenerator:
         hit = self.cache.match_or_miss(ids, salt=salt) if self.cache is not None and bypass is None else None
         rows: list[torch.Tensor] | None = [] if output_logits or params.logprobs is not None else None
         run = self._start(ids, hit, rows, salt)
+        run.shared = share_kv
         tokens = None
         try:
             blocks = None
@@ -451,7 +459,10 @@ class CachedGenerator:
 
     def _commit(self, run: DecodeState, final: bool = False) -> None:
         """Insert what the request computed, with the snapshots taken so far; at its end, also the
-        state where it stops (the reply's end, where the next turn resumes)."""
+        state where it stops (the reply's end, where the next turn resumes); nothing where the
+        request keeps its KV to itself (`stream(share_kv=False)`)."""
+        if not run.shared:
+            return
         end = min(run.computed, len(run.sequence))
         if run.reusable is not None:
             end = min(end, run.reusable)
