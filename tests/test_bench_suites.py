@@ -120,6 +120,7 @@ def test_specdec_suite_runs_every_drafter_and_transformers_on_a_tiny_model(tmp_p
     args += ["--prompts", "1", "--self-layers", "1", "--self-gamma", "2", "--self-tokens", "8"]
     args += ["--lookup-gamma", "2", "--lookup-tokens", "8", "--trie-gamma", "2", "--trie-tokens", "8"]
     args += ["--sweep-layers", "1", "--sweep-tokens", "4"]
+    args += [*("--only", "self", "--only", "lookup", "--only", "trie", "--only", "sweep")]  # trees: below
     summary = run_suite(tmp_path, capsys, *args)
     names = [r["name"] for r in summary["reports"]]
     assert names == [
@@ -130,6 +131,16 @@ def test_specdec_suite_runs_every_drafter_and_transformers_on_a_tiny_model(tmp_p
         checks(summary, "specdec-trie")["alpha (MLE)"] == 1.0
     )  # repeated requests: the trie holds the answer
     assert "kvblocks / transformers assisted decode speed" in checks(summary, "specdec-self")
+
+
+def test_specdec_trees_suite_holds_trees_against_chains_and_plain_decoding(tmp_path, capsys):
+    args = ["specdec", "--model", str(tiny_model_dir()), "--repeats", "1", "--only", "trees"]
+    args += ["--tree-workloads", "retried", "--tree-max-tokens", "12"]
+    summary = run_suite(tmp_path, capsys, *args)
+    assert [r["name"] for r in summary["reports"]] == ["specdec_trees_retried"]
+    found = checks(summary, "specdec_trees_retried")
+    assert found["tokens per target forward, chain"] >= 1
+    assert found["tokens per target forward, tree"] >= 1
 
 
 def test_server_suite_runs_cache_on_and_off_servers_on_a_tiny_model(tmp_path, capsys):

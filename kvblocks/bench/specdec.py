@@ -129,7 +129,7 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     model, tokenizer = fixtures.load_model(args.model)
     layers = model.config.num_hidden_layers
     sweep = _layer_list(args.sweep_layers, layers) if "sweep" in selected else []
-    if not 0 < args.self_layers < layers:
+    if "self" in selected and not 0 < args.self_layers < layers:
         raise UserError(f"--self-layers must be in 1..{layers - 1}, got {args.self_layers}")
     reports: list[Report] = []
     for name, workload in workloads.items():

@@ -233,7 +233,7 @@ def half_refusal(args: argparse.Namespace, dtype: str) -> str | None:
         return "is not exact with --draft: speculative rounds round otherwise than one token a step"
     try:
         config = AutoConfig.from_pretrained(models.resolve(args.model))
-    except (OSError, ValueError):
+    except (OSError, ValueError, models.ModelLoadError):
         return None  # the model load reports it
     kind = getattr(config, "model_type", None)
     if kind not in paged.SUPPORTED:
