@@ -40,6 +40,11 @@ from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, ints
 
 TENANTS = ("victim", "alpha", "beta", "flood", "attacker")
 MODEL = "unknown"  # what a request that names no model sends (sglang-router's placeholder): the served one
+# Both servers run in float32: the replies are checked against a --no-cache server, which is exact to
+# greedy tokens in float32 only (in bfloat16 only the batch-invariant packed engine is, which --no-cache
+# turns off: `kvblocks serve --dtype auto` takes float32 there), so a bf16 server would be compared
+# with a reference of another dtype.
+DTYPE = ("--dtype", "float32")
 TOPICS = ("refunds", "shipping", "invoices", "passwords", "warranty", "upgrades", "outages", "billing")
 
 
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
 def serve_args(args: argparse.Namespace, keys: Path, redis_url: str, secret: Path) -> list[str]:
     model = ["--model", args.model] if args.model else []
     return [
-        *model, "--capacity", str(args.capacity), "--api-keys", str(keys),
+        *model, *DTYPE, "--capacity", str(args.capacity), "--api-keys", str(keys),
         "--redis", redis_url, "--redis-secret-file", str(secret), "--redis-chunk-tokens", "32",
     ]  # fmt: skip
 
@@ -486,7 +491,7 @@ def replay(args: argparse.Namespace, tally: Tally, work: Path) -> list[str]:
     """Every recorded request against a no-cache server (each distinct body once: greedy replies to
     one body must all equal its reference): the replies that differ."""
     model = ["--model", args.model] if args.model else []
-    server = spawn_serve([*model, "--no-cache"], work, "reference")
+    server = spawn_serve([*model, *DTYPE, "--no-cache"], work, "reference")
     by_body: dict[str, list[str]] = {}
     for body, text in tally.replies:
         by_body.setdefault(json.dumps(body, sort_keys=True), []).append(text)
