@@ -12,7 +12,7 @@ stored responses past the tenant's byte budget, and `cache_control` pins of the 
 
 The victim's TTFT and the 400 of a too-long prompt are first measured on the idle server; the
 traffic then runs for a quarter of the duration without faults (RSS is read after this warm-up),
-then for the duration with them. Then every agent and victim request is replayed against a `--no-cache` server: a reply that differs
+then for the duration with them. Then every agent and victim request is replayed alone on a server whose cache is flushed before each: a reply that differs
 is a wrong output. Reported: wrong outputs (target 0), engine deaths (/health not 200 or the process
 gone; 0), 5xx answers to well-formed requests (0), to malformed ones and to the attacks (0), RSS
 growth from warm-up to the end (within 10%), and the victim's TTFT p99 while a tenant floods and while
@@ -40,11 +40,6 @@ from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, ints
 
 TENANTS = ("victim", "alpha", "beta", "flood", "attacker")
 MODEL = "unknown"  # what a request that names no model sends (sglang-router's placeholder): the served one
-# Both servers run in float32: the replies are checked against a --no-cache server, which is exact to
-# greedy tokens in float32 only (in bfloat16 only the batch-invariant packed engine is, which --no-cache
-# turns off: `kvblocks serve --dtype auto` takes float32 there), so a bf16 server would be compared
-# with a reference of another dtype.
-DTYPE = ("--dtype", "float32")
 TOPICS = ("refunds", "shipping", "invoices", "passwords", "warranty", "upgrades", "outages", "billing")
 
 
@@ -66,7 +61,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         run,
         help="several tenants' agent traffic while Redis, clients and a flooding tenant misbehave",
         description="Agent traffic of several tenants against kvblocks serve with a Redis tier while faults "
-        "are injected; every reply is checked against a no-cache server.",
+        "are injected; every reply is checked against the request alone without the cache.",
         model=True,
         options=OPTIONS,
     )
@@ -128,7 +123,7 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
 def serve_args(args: argparse.Namespace, keys: Path, redis_url: str, secret: Path) -> list[str]:
     model = ["--model", args.model] if args.model else []
     return [
-        *model, *DTYPE, "--capacity", str(args.capacity), "--api-keys", str(keys),
+        *model, "--capacity", str(args.capacity), "--api-keys", str(keys),
         "--redis", redis_url, "--redis-secret-file", str(secret), "--redis-chunk-tokens", "32",
     ]  # fmt: skip
 
@@ -488,10 +483,13 @@ def rss_mib(server: Service) -> float:
 
 
 def replay(args: argparse.Namespace, tally: Tally, work: Path) -> list[str]:
-    """Every recorded request against a no-cache server (each distinct body once: greedy replies to
-    one body must all equal its reference): the replies that differ."""
+    """Every recorded request run alone without the cache (each distinct body once: greedy replies to
+    one body must all equal its reference): the replies that differ. The reference is a server in the
+    soaked one's configuration and dtype, its cache flushed before each request: a `--no-cache` server
+    runs one request per forward, which in bfloat16 (the default on a CPU with native BF16) rounds
+    otherwise than the batch-invariant engine, cache or not."""
     model = ["--model", args.model] if args.model else []
-    server = spawn_serve([*model, *DTYPE, "--no-cache"], work, "reference")
+    server = spawn_serve(model, work, "reference")
     by_body: dict[str, list[str]] = {}
     for body, text in tally.replies:
         by_body.setdefault(json.dumps(body, sort_keys=True), []).append(text)
@@ -501,6 +499,7 @@ def replay(args: argparse.Namespace, tally: Tally, work: Path) -> list[str]:
         with httpx.Client(base_url=server.url, timeout=300) as c:
             for key, texts in by_body.items():
                 body = json.loads(key)
+                c.post("/flush_cache").raise_for_status()  # alone, without the cache
                 r = c.post("/v1/chat/completions", json=body)
                 expected = r.json()["choices"][0]["message"]["content"] or ""
                 asked = body["messages"][-1]["content"]
@@ -533,7 +532,8 @@ def report(args: argparse.Namespace, tally: Tally, readings: dict[str, float], w
     ]
     r.notes += [
         f"{len(tally.replies)} replies ({len({json.dumps(b, sort_keys=True) for b, _ in tally.replies})} "
-        f"distinct requests) checked against a --no-cache server; {tally.rejected_429} requests "
+        f"distinct requests) checked against each request alone on a server whose cache is flushed before "
+        f"each; {tally.rejected_429} requests "
         f"refused with 429; faults injected: {len(tally.faults)} ({', '.join(sorted(set(tally.faults)))})",
         f"victim TTFT p99: {readings['idle_ttft_p99'] * 1e3:.0f} ms idle, "
         f"{readings['flood_ttft_p99'] * 1e3:.0f} ms while the flooder alone runs "
