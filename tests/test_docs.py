@@ -391,7 +391,7 @@ def text_units(path: Path) -> list[tuple[str, str]]:
             units += [(f"{name}:{line_no + i}", f"{rows[0]} {row}") for i, row in enumerate(rows)]
         else:
             for item in re.split(r"\n\s*[-*] ", chunk):
-                units += [(where, sentence) for sentence in SENTENCE_END.split(item.replace("\n", " "))]
+                units += [(where, sentence) for sentence in SENTENCE_END.split(" ".join(item.split()))]
         line_no += chunk.count("\n")
     return units
 
