@@ -26,6 +26,7 @@ import functools
 import importlib
 import re
 import shlex
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,6 +315,45 @@ def test_every_file_and_module_a_doc_names_exists(path):
     assert not unresolved, f"{path.name} names modules or attributes that do not exist: {unresolved}"
 
 
+LINK = re.compile(r"\]\((?!https?:|mailto:)([^)#\s]*)(?:#([^)\s]+))?\)")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings (a repeated one gets -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+ (.*)$", FENCE.sub("", path.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        if seen[slug]:
+            seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+def broken_links(path: Path) -> list[str]:
+    broken = []
+    for target, anchor in LINK.findall(FENCE.sub("", path.read_text())):
+        linked = (path.parent / target).resolve() if target else path
+        if not linked.exists():
+            broken.append(target)
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            broken.append(f"{target}#{anchor}")
+    return broken
+
+
+@pytest.mark.parametrize("path", COMMAND_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_a_doc_makes_leads_to_a_file_and_section_that_exist(path):
+    broken = broken_links(path)
+    assert not broken, f"{path.name} links to files or sections that do not exist: {broken}"
+
+
+def test_a_link_to_a_renamed_section_fails_the_check(tmp_path):
+    doc = tmp_path / "DOC.md"
+    doc.write_text(
+        "# A `doc`: here\n\n## Twice\n\n## Twice\n\nSee [a](#a-doc-here), [b](#twice-1), [c](#gone), [d](NONE.md).\n"
+    )
+    assert broken_links(doc) == ["#gone", "NONE.md"]
+
+
 def test_a_name_that_does_not_exist_fails_the_check():
     assert resolves("kvblocks.cache.eviction") and resolves("kvblocks.KVCacheTrie.for_model")
     assert not resolves("kvblocks.cache.no_such_module") and not resolves("kvblocks.KVCacheTrie.no_such")
@@ -356,7 +396,9 @@ TOOL = re.compile(
     rf"|(?<![\w/-])(?P<repo>{REPO_TOOL})|(?<![\w/.-])(?P<foreign>{FOREIGN_TOOLS})(?![\w-])"
     r"|(?P<passed> -- )"  # a script's arguments passed on to a kvblocks command
 )
-DEFAULT = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)`?[^-`|]{0,25}?[(,]\s*default:?\s+(`[^`]*`|[^,;:)|`]+)")
+DEFAULT = re.compile(
+    r"(?<![\w-])(--[a-z][a-z0-9-]*)(?:(?!--)[^|]){0,25}?[(,]\s*default:?\s+(`[^`]*`|[^,;:)|`]+)"
+)
 QUANTITY = re.compile(r"(a|an|one|\d+(?:\.\d+)?)\s*([KMGT]i?B|B|hours?|h|s|days?)?(?!\w)")
 UNITS = {"": 1, "B": 1, "s": 1, "h": 3600, "hour": 3600, "hours": 3600, "day": 86400, "days": 86400}
 UNITS |= {f"{p}{i}B": (1024 if i else 1000) ** (n + 1) for n, p in enumerate("KMGT") for i in ("i", "")}
@@ -378,7 +420,7 @@ class Mention:
 
 
 def text_units(path: Path) -> list[tuple[str, str]]:
-    """(where, text): code blocks by logical line, tables by row, prose by paragraph."""
+    """(where, text): code blocks by logical line, tables by row (after the header), prose by sentence."""
     text, units = path.read_text(), []
     name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
     for block in blocks(path):
@@ -452,12 +494,9 @@ def flag_problem(m: Mention) -> str | None:
         return None if found else f"{m.where}: {m.tool} has no option {m.flag}"
     if any(m.flag in p._option_string_actions for p in owners(m)):
         return None
-    return (
-        f"{m.where}: {m.tool} has no option {m.flag}"
-        if m.tool
-        else (f"{m.where}: no kvblocks command has the option {m.flag}")
-    )
-    return None
+    if m.tool:
+        return f"{m.where}: {m.tool} has no option {m.flag}"
+    return f"{m.where}: no kvblocks command has the option {m.flag}"
 
 
 def quantity(text: str) -> float | None:
@@ -518,8 +557,6 @@ class EveryFamilyCache:
     eviction_policy = "lru"
 
     def stats(self) -> dict[str, int]:
-        from collections import defaultdict
-
         return defaultdict(int, redis_lookups=0, kv_events_batches=0, snapshots=0)
 
     def tenant_counters(self) -> dict[str, dict[str, int]]:
@@ -541,10 +578,8 @@ def exported_metrics() -> set[str]:
     metrics.export_vllm("model", lambda: (0, 0), cache)
     metrics.register(CacheCollector(cache))
     metrics.register(Seq2SeqCollector(cache))
-    held = dict.fromkeys(
-        ("stored_bytes", "stored_responses", "stored_evicted", "pinned_tokens", "pins_refused")
-    )
-    metrics.register(TenantHoldingsCollector(lambda: {k: {} for k in held} | {"stored_refused": 0}))
+    kinds = ("stored_bytes", "stored_responses", "stored_evicted", "pinned_tokens", "pins_refused")
+    metrics.register(TenantHoldingsCollector(lambda: {k: {} for k in kinds} | {"stored_refused": 0}))
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
     names = set()
     for family in metrics.registry.collect():
