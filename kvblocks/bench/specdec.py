@@ -469,7 +469,7 @@ def speed_notes(w: Workload, lanes: Lanes) -> list[str]:
         "listed in the costs report",
         "kvblocks runs with its prefix cache (prompts resident from an earlier request, prefill = 1 token); "
         "transformers has none and prefills every prompt, which the decode rate leaves out (assisted generation "
-        "on a prefilled cache is silently wrong: docs/ARCHITECTURE.md, 'transformers facts')",
+        "on a prefilled cache is silently wrong: docs/CACHE.md, 'transformers facts')",
         *_hf_notes(w),
     ]
 
