@@ -10,11 +10,11 @@ import argparse
 def bench_parser() -> argparse.ArgumentParser:
     """`kvblocks bench SUITE ...`; the suites import torch, so the top-level CLI builds this parser only
     when the `bench` command runs."""
-    from kvblocks import fleet
     from kvblocks.bench import (
         blocks,
         constrained,
         dtype,
+        fleet,
         gpu,
         hybrid,
         micro,

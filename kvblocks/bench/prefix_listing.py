@@ -15,7 +15,8 @@ import time
 import httpx
 import numpy as np
 
-from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, positive_int
+from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite
+from kvblocks.cli.argtypes import positive_int
 
 PREFIXES = "/v1/cache/prefixes?limit=1000&tree=true&max_nodes=5000"
 
@@ -75,7 +76,7 @@ def serve_big_trie(port: int, nodes: int, ready) -> None:
 
 
 def bench_health_under_inspection(nodes: int, probes: int, opts: BenchOptions) -> Report:
-    from kvblocks.bench.fixtures import free_port
+    from kvblocks.launch.ports import free_port
 
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
