@@ -34,6 +34,7 @@ from kvblocks.server.guard import Admission
 from kvblocks.server.openapi import answers, json_body
 from kvblocks.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvblocks.server.state import Served, caller, scope_of, served
+from kvblocks.server.streams import DONE, ChoiceStream, data_event
 
 router = APIRouter()
 SEED_SPACE = 1 << 64
@@ -793,14 +794,10 @@ async def sse(
                 "completion_tokens": completion,
                 "total_tokens": prompt + completion,
             }
-        return "data: " + json.dumps(payload) + "\n\n"
+        return data_event(payload)
 
     tasks = [asyncio.create_task(pump(i)) for i in range(len(branches))]
-    tool_streams = {
-        i: tools.ToolStreamParser(call.plan.parser)
-        for i in range(len(branches))
-        if call.chat and call.plan.parser
-    }
+    choices = [ChoiceStream(call.plan.parser if call.chat else None) for _ in branches]
     results: list[GenerationResult | None] = [None] * len(branches)
     try:
         for b in branches:
@@ -828,7 +825,8 @@ async def sse(
             b = branches[i]
             piece: Piece = item
             generated[i] += len(piece.token_ids)
-            finish = piece.result.finish_reason if piece.result is not None else None
+            added = choices[i].feed(piece)
+            finish = added.finish
             logprobs = None
             if b.params.logprobs is not None and piece.logprobs:
                 logprobs = (
@@ -838,21 +836,10 @@ async def sse(
                 )
             if call.chat:
                 delta: dict[str, Any] = {}
-                text = piece.text
-                if i in tool_streams:
-                    ts = tool_streams[i]
-                    text = ts.feed(piece.text)
-                    calls_delta = ts.call_deltas()
-                    if piece.result is not None:
-                        rest, calls = ts.finish(finish)
-                        text += rest
-                        calls_delta += ts.finish_deltas(calls)
-                        if calls and finish != "length":
-                            finish = "tool_calls"
-                    if calls_delta:
-                        delta["tool_calls"] = calls_delta
-                if text:
-                    delta["content"] = text
+                if added.calls:
+                    delta["tool_calls"] = added.calls
+                if added.text:
+                    delta["content"] = added.text
                 if "tool_calls" in delta and finish:  # the calls' last arguments, then the finish
                     yield data(
                         base | {"object": obj, "choices": [chunk_choice(b.index, delta, None, logprobs)]}
@@ -862,9 +849,9 @@ async def sse(
                     yield data(
                         base | {"object": obj, "choices": [chunk_choice(b.index, delta, finish, logprobs)]}
                     )
-            elif piece.text or finish or logprobs:
+            elif added.text or finish or logprobs:
                 yield data(
-                    base | {"object": obj, "choices": [text_choice(b.index, piece.text, finish, logprobs)]}
+                    base | {"object": obj, "choices": [text_choice(b.index, added.text, finish, logprobs)]}
                 )
             if piece.result is not None:
                 results[i] = piece.result
@@ -873,7 +860,7 @@ async def sse(
         if include_usage and all(r is not None for r in results):
             prompts = len({b.prompt for b in branches})
             yield data(base | {"object": obj, "choices": [], "usage": usage(results, prompts)})
-        yield "data: [DONE]\n\n"
+        yield DONE
     finally:  # no awaits here: when the client left, this runs inside a cancelled scope
         cancel_all(running)
         for t in tasks:
