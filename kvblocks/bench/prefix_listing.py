@@ -49,6 +49,7 @@ def serve_big_trie(port: int, nodes: int, ready) -> None:
     from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
     from kvblocks import CachedGenerator, KVCacheTrie, models
+    from kvblocks.engine.frontend import Frontend
     from kvblocks.engine.loop import Engine
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
 
@@ -70,7 +71,7 @@ def serve_big_trie(port: int, nodes: int, ready) -> None:
         for _ in range(1000):
             cache.insert(alphabet[rng.integers(0, 4, length)], past)
     engine = Engine(CachedGenerator(model, tokenizer, cache)).start()
-    app = create_app(engine, ServerConfig("tiny"))
+    app = create_app(Frontend(engine), ServerConfig("tiny"))
     ready.set()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 

@@ -251,8 +251,9 @@ def half_refusal(args: argparse.Namespace, dtype: str) -> str | None:
 
 
 def packed_note(engine) -> str:
-    """The start line's word on the weights reordered for packed forwards (`--packed-weights`)."""
-    size = getattr(engine, "packed_weight_bytes", 0)  # a serial engine reorders none
+    """The start line's word on the weights reordered for packed forwards (`--packed-weights`), from
+    the engine's `Frontend` (a serial engine reorders none)."""
+    size = engine.packed_weight_bytes
     return f", reordered weights {size / 2**20:,.0f} MiB (--packed-weights)" if size else ""
 
 
@@ -531,6 +532,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--store-ttl must be positive, got {args.store_ttl:g}")
     from kvblocks import models
     from kvblocks.engine.batch import check_settings
+    from kvblocks.engine.frontend import Frontend
     from kvblocks.generate.grammar import GrammarLimits
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
     from kvblocks.server.cost import CountCaps
@@ -643,7 +645,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             compile_timeout_s=args.grammar_timeout,
         ),
     )
-    app = create_app(engine, config)
+    frontend = Frontend(engine)
+    app = create_app(frontend, config)
     stats = cache.stats()
     print(
         f"kvblocks: serving {name} in {args.dtype} on http://{args.host}:{args.port} "
@@ -651,7 +654,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"{', redis ' + args.redis if args.redis else ''}{', draft ' + args.draft if args.draft else ''}"
         f"{', KV events on ' + args.kv_events_endpoint if args.kv_events_endpoint else ''}"
         f"{', API key required' if keys else ''}"
-        f"{packed_note(engine)})",
+        f"{packed_note(frontend)})",
         file=sys.stderr,
         flush=True,
     )
