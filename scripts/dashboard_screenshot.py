@@ -23,7 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from kvblocks.bench.fixtures import RedisServer, free_port, spawn_serve, terminate, wait_serve
+from kvblocks.launch.ports import free_port
+from kvblocks.launch.redis_server import RedisServer
+from kvblocks.launch.service import spawn_serve, terminate, wait_serve
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboards" / "kvblocks.json"
 KEYS = {"acme": "sk-shot-acme-0000", "globex": "sk-shot-globex-0000", "prometheus": "sk-shot-prom-0000"}

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import IdTokenizer, tiny_llama  # noqa: E402
 from redis_server import RedisServer, free_port  # noqa: E402
 
-from kvblocks.bench.fixtures import terminate  # noqa: E402
+from kvblocks.launch.service import terminate  # noqa: E402
 
 NEW_TOKENS = 16
 

@@ -1,7 +1,7 @@
 """A fleet for tests: real `kvblocks serve` replicas (tiny model) behind a real router, on 127.0.0.1.
 
-The machinery is `kvblocks.fleet` (the `kvblocks bench fleet` suite runs the same fleet):
-`Fleet` starts the replicas (extra arguments for all of them and for each one), an optional shared
+The machinery is `kvblocks.launch.fleet`, the workload `kvblocks.bench.fleet` (the `kvblocks bench
+fleet` suite runs the same fleet and load): `Fleet` starts the replicas (extra arguments for all of them and for each one), an optional shared
 Redis or Redis Cluster with one secret, and `start_router(kind, policy, args)` puts sglang-router or
 vllm-router in front; `fleet.replicas[i]` can be `stop`ped, `kill`ed and `restart`ed on its own
 port, and gives its `stats()` and `metrics()`. This module adds the tests' model and sizes.
@@ -13,12 +13,9 @@ from pathlib import Path
 
 from server_proc import tiny_model_dir
 
-from kvblocks.fleet import (
-    Fleet,
+from kvblocks.bench.fleet import (
     Job,
     Outcome,
-    Replica,
-    Router,
     Sent,
     Tenant,
     drive,
@@ -28,6 +25,8 @@ from kvblocks.fleet import (
     send,
     tokenize_jobs,
 )
+from kvblocks.launch.fleet import Fleet, Replica
+from kvblocks.launch.router import Router
 
 __all__ = [
     "CONTEXT",

@@ -1,4 +1,4 @@
-"""Real Redis servers for the spill-tier tests: `kvblocks.bench.fixtures` (one server, or a 3-node
+"""Real Redis servers for the spill-tier tests: `kvblocks.launch.redis_server` (one server, or a 3-node
 Redis Cluster), plus the rule that a test may skip for want of Redis on a developer's machine, never in CI.
 """
 
@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 
-from kvblocks.bench.fixtures import LocalCluster, RedisServer, free_port
-from kvblocks.bench.fixtures import ServiceError as RedisUnavailable
+from kvblocks.launch.ports import free_port
+from kvblocks.launch.redis_server import LocalCluster, RedisServer
+from kvblocks.launch.service import ServiceError as RedisUnavailable
 
 __all__ = ["LocalCluster", "RedisServer", "RedisUnavailable", "free_port", "unavailable"]
 

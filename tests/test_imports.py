@@ -140,3 +140,35 @@ def test_the_core_imports_neither_the_adapters_nor_the_server():
 
 
 FORBIDDEN = ("kvblocks.adapters", "kvblocks.server")
+
+
+BENCH_DOOR = {"kvblocks.cli.commands": ["kvblocks.bench"]}  # `kvblocks bench` builds the suites' parser
+
+
+def bench_imports(found: dict[str, Path]) -> dict[str, list[str]]:
+    """Every module outside `kvblocks.bench` that imports the benchmarks, with what it imports."""
+    inward = {
+        name: sorted(
+            t
+            for t in imports_of(name, path, set(found))
+            if t == "kvblocks.bench" or t.startswith("kvblocks.bench.")
+        )
+        for name, path in found.items()
+        if name != "kvblocks.bench" and not name.startswith("kvblocks.bench.")
+    }
+    return {name: targets for name, targets in inward.items() if targets}
+
+
+def test_the_product_does_not_import_the_benchmarks():
+    """The wall between product and benchmarks: the suites import the product (the fleet, Redis and
+    serve launchers live in `kvblocks.launch`), never the reverse. The one door is the CLI's
+    `kvblocks bench` command, which reaches the package's parser and nothing deeper."""
+    found = modules()
+    assert "kvblocks.launch.fleet" in found and "kvblocks.bench.fleet" in found
+    assert bench_imports(found) == BENCH_DOOR
+
+
+def test_the_wall_check_sees_a_product_module_that_imports_a_suite(tmp_path):
+    (tmp_path / "leak.py").write_text("def f():\n    from kvblocks.bench.harness import Report\n")
+    found = modules() | {"kvblocks.leak": tmp_path / "leak.py"}
+    assert bench_imports(found) == BENCH_DOOR | {"kvblocks.leak": ["kvblocks.bench.harness"]}

@@ -26,7 +26,7 @@ import httpx
 import pytest
 from server_proc import start_server, stop_cleanly, tiny_model_dir
 
-from kvblocks.bench.fixtures import free_port
+from kvblocks.launch.ports import free_port
 
 API_KEY = "sk-cors-test"
 MODEL = "tiny"
@@ -185,7 +185,7 @@ def test_errors_carry_the_cors_headers_so_a_page_can_read_them(server, page_orig
 
 
 def test_credentials_with_a_wildcard_origin_is_refused_at_start(model):
-    from kvblocks.bench.fixtures import kvblocks_command
+    from kvblocks.launch.service import kvblocks_command
 
     run = subprocess.run(
         [*kvblocks_command(), "serve", "--model", model, "--port", str(free_port()),

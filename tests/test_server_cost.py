@@ -19,7 +19,7 @@ import httpx
 import pytest
 from server_proc import cli_env, kvblocks_command, start_server, stop_cleanly, tiny_model_dir
 
-from kvblocks.bench.fixtures import free_port
+from kvblocks.launch.ports import free_port
 
 MODEL = "tiny"
 CONTEXT = 8192

@@ -17,8 +17,8 @@ import pytest
 from server_proc import smollm2_dir, start_server, stop_cleanly
 from transformers import AutoTokenizer
 
-from kvblocks.bench.fixtures import cli_env, kvblocks_command
 from kvblocks.generate import tools
+from kvblocks.launch.service import cli_env, kvblocks_command
 
 WEATHER = {
     "type": "function",

@@ -1,6 +1,8 @@
 """Benchmarks behind `kvblocks bench`: a shared harness (`harness`), what the suites run against
-(`fixtures`: the model, Redis, `kvblocks serve`), and one module per suite, named after it
-(`workloads` holds the three workload suites; `prefix_listing` is `kvblocks bench inspection`)."""
+(`fixtures`: the model, KV sources, the peer servers; Redis and `kvblocks serve` processes come from
+the product's `kvblocks.launch`), and one module per suite, named after it (`workloads` holds the
+three workload suites; `prefix_listing` is `kvblocks bench inspection`). The suites import the
+product; the product never imports them (`tests/test_imports.py`)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,11 @@ import argparse
 def bench_parser() -> argparse.ArgumentParser:
     """`kvblocks bench SUITE ...`; the suites import torch, so the top-level CLI builds this parser only
     when the `bench` command runs."""
-    from kvblocks import fleet
     from kvblocks.bench import (
         blocks,
         constrained,
         dtype,
+        fleet,
         gpu,
         hybrid,
         micro,

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from kvblocks.bench.blocks_data import Task, agent_tasks, rag_tasks
-from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, positive_int, progress
+from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, progress
+from kvblocks.cli.argtypes import positive_int
 
 SHARES = (0.0, 0.05, 0.15, 0.3, 1.0)
 TARGET_SHARE = 0.15

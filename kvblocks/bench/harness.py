@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvblocks.cli.argtypes import count, positive_int
 from kvblocks.errors import UserError
 
 
@@ -46,24 +47,6 @@ class BenchOptions:
         plots = not args.no_plots and can_plot()
         return cls(args.threads, args.warmup, Path(args.out), plots, not args.no_progress, args.clock,
                    not args.no_fail, dict(args.target))  # fmt: skip
-
-
-def positive_int(text: str) -> int:
-    return _int_at_least(text, 1, "a positive integer")
-
-
-def count(text: str) -> int:
-    return _int_at_least(text, 0, "an integer >= 0")
-
-
-def _int_at_least(text: str, low: int, what: str) -> int:
-    try:
-        value = int(text.replace("_", ""))
-    except ValueError:
-        value = low - 1
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected {what}, got '{text}'")
-    return value
 
 
 @dataclass(slots=True, frozen=True)

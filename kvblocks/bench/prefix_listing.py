@@ -15,7 +15,8 @@ import time
 import httpx
 import numpy as np
 
-from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, positive_int
+from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite
+from kvblocks.cli.argtypes import positive_int
 
 PREFIXES = "/v1/cache/prefixes?limit=1000&tree=true&max_nodes=5000"
 
@@ -48,6 +49,7 @@ def serve_big_trie(port: int, nodes: int, ready) -> None:
     from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
     from kvblocks import CachedGenerator, KVCacheTrie, models
+    from kvblocks.engine.frontend import Frontend
     from kvblocks.engine.loop import Engine
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
 
@@ -69,13 +71,13 @@ def serve_big_trie(port: int, nodes: int, ready) -> None:
         for _ in range(1000):
             cache.insert(alphabet[rng.integers(0, 4, length)], past)
     engine = Engine(CachedGenerator(model, tokenizer, cache)).start()
-    app = create_app(engine, ServerConfig("tiny"))
+    app = create_app(Frontend(engine), ServerConfig("tiny"))
     ready.set()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
 def bench_health_under_inspection(nodes: int, probes: int, opts: BenchOptions) -> Report:
-    from kvblocks.bench.fixtures import free_port
+    from kvblocks.launch.ports import free_port
 
     port = free_port()
     ctx = multiprocessing.get_context("spawn")

@@ -50,6 +50,8 @@ from kvblocks.bench.harness import (
     set_threads,
 )
 from kvblocks.errors import UserError
+from kvblocks.launch.redis_server import RedisServer
+from kvblocks.launch.service import ServiceError
 from kvblocks.spill.redis_tier import RedisTier
 
 BENCHMARKS = ("restore", "ttft", "decode")
@@ -118,8 +120,8 @@ def redis_url(external: str | None, workdir: Path) -> Iterator[tuple[str, dict]]
         yield external, {"key_prefix": f"kvblocks-bench-{uuid.uuid4().hex[:8]}", "ttl_s": 3600.0}
         return
     try:
-        server = fixtures.RedisServer(workdir / "redis").start()
-    except fixtures.ServiceError as exc:
+        server = RedisServer(workdir / "redis").start()
+    except ServiceError as exc:
         raise UserError(str(exc)) from exc
     with server:
         yield server.url, {}

@@ -106,7 +106,8 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
 
     from kvblocks import models
     from kvblocks.bench import fixtures
-    from kvblocks.bench.fixtures import ServiceError, spawn_serve, spawn_transformers_serve, wait_serve
+    from kvblocks.bench.fixtures import spawn_transformers_serve
+    from kvblocks.launch.service import ServiceError, spawn_serve, wait_serve
 
     try:
         path = models.resolve(args.model)

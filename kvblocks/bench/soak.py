@@ -35,8 +35,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kvblocks.bench.fixtures import RedisServer, Service, spawn_serve, wait_serve
 from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, ints
+from kvblocks.launch.redis_server import RedisServer
+from kvblocks.launch.service import Service, spawn_serve, wait_serve
 
 TENANTS = ("victim", "alpha", "beta", "flood", "attacker")
 MODEL = "unknown"  # what a request that names no model sends (sglang-router's placeholder): the served one

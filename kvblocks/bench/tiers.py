@@ -43,6 +43,8 @@ from kvblocks.bench.harness import (
 )
 from kvblocks.bench.redis import random_ids
 from kvblocks.errors import UserError
+from kvblocks.launch.redis_server import RedisServer
+from kvblocks.launch.service import ServiceError
 from kvblocks.spill.disk import DiskTier
 
 BENCHMARKS = ("ttft", "read", "hitrate", "restart")
@@ -150,8 +152,8 @@ def bench_ttft(
     gen_kv = KVCacheTrie.for_model(model, capacity_tokens=capacity)
     runner, greedy = CachedGenerator(model, tokenizer, gen_kv).runner, SamplingParams()
     try:
-        server = fixtures.RedisServer(workdir / "redis").start()
-    except fixtures.ServiceError as exc:
+        server = RedisServer(workdir / "redis").start()
+    except ServiceError as exc:
         raise UserError(str(exc)) from exc
     with server:
         tiers = {

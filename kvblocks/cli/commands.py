@@ -251,8 +251,9 @@ def half_refusal(args: argparse.Namespace, dtype: str) -> str | None:
 
 
 def packed_note(engine) -> str:
-    """The start line's word on the weights reordered for packed forwards (`--packed-weights`)."""
-    size = getattr(engine, "packed_weight_bytes", 0)  # a serial engine reorders none
+    """The start line's word on the weights reordered for packed forwards (`--packed-weights`), from
+    the engine's `Frontend` (a serial engine reorders none)."""
+    size = engine.packed_weight_bytes
     return f", reordered weights {size / 2**20:,.0f} MiB (--packed-weights)" if size else ""
 
 
@@ -531,6 +532,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--store-ttl must be positive, got {args.store_ttl:g}")
     from kvblocks import models
     from kvblocks.engine.batch import check_settings
+    from kvblocks.engine.frontend import Frontend
     from kvblocks.generate.grammar import GrammarLimits
     from kvblocks.server import ServerConfig, create_app, freeze_startup_objects
     from kvblocks.server.cost import CountCaps
@@ -643,7 +645,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             compile_timeout_s=args.grammar_timeout,
         ),
     )
-    app = create_app(engine, config)
+    frontend = Frontend(engine)
+    app = create_app(frontend, config)
     stats = cache.stats()
     print(
         f"kvblocks: serving {name} in {args.dtype} on http://{args.host}:{args.port} "
@@ -651,7 +654,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"{', redis ' + args.redis if args.redis else ''}{', draft ' + args.draft if args.draft else ''}"
         f"{', KV events on ' + args.kv_events_endpoint if args.kv_events_endpoint else ''}"
         f"{', API key required' if keys else ''}"
-        f"{packed_note(engine)})",
+        f"{packed_note(frontend)})",
         file=sys.stderr,
         flush=True,
     )
@@ -740,14 +743,7 @@ def _summary_line(s: dict) -> str:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser. Nothing here imports torch, so the HTTP-only commands (`stats`, `inspect`,
-    `explain`) start in well under a second; `bench` parses its own arguments when it runs (`cmd_bench`)."""
-    parser = argparse.ArgumentParser(
-        prog="kvblocks", description="Exact prefix-sharing KV cache for transformers"
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def _add_generate_parser(sub) -> None:
     g = sub.add_parser(
         "generate", help="generate text with prefix reuse", description="Generate text with prefix reuse."
     )
@@ -777,21 +773,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.set_defaults(func=cmd_generate)
 
-    sv = sub.add_parser(
-        "serve",
-        help="OpenAI-compatible HTTP server with prefix reuse",
-        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /metrics and cache inspection.",
-    )
-    add_model_args(sv)
-    add_draft_args(sv)
-    sv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    sv.add_argument(
+
+def _serve_access_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("access", "who may call the server and how it is named")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument(
         "--api-key",
         default=None,
         help="one admin key: require 'Authorization: Bearer KEY' (or set KVBLOCKS_API_KEY)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--api-keys",
         default=None,
         metavar="FILE",
@@ -799,20 +791,28 @@ def build_parser() -> argparse.ArgumentParser:
         'use and see only its tenant\'s cache; "role": "router" also reads load and metrics, "admin" '
         "everything (or set KVBLOCKS_API_KEYS_FILE)",
     )
-    sv.add_argument(
+    g.add_argument(
+        "--served-model-name", default=None, help="model id clients send (default: the model's name)"
+    )
+    g.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+
+
+def _serve_connection_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connections", "bodies, timeouts and connections")
+    g.add_argument(
         "--max-body-bytes",
         type=int,
         default=4 << 20,
         help="largest request body; larger ones get a 413 (default 4 MiB)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--read-timeout",
         type=float,
         default=30.0,
         metavar="SECONDS",
         help="a request body must arrive within this time, else 408 (default 30)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -821,7 +821,7 @@ def build_parser() -> argparse.ArgumentParser:
         "this long before the engine stops and the Redis writes are flushed (default 30); streams still "
         "running then end with a server_shutting_down error event",
     )
-    sv.add_argument(
+    g.add_argument(
         "--header-timeout",
         type=float,
         default=10.0,
@@ -829,7 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a request's headers must arrive within this long of the connection opening (or of the "
         "first byte after an idle keep-alive), else the connection is closed (default 10)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--keep-alive-timeout",
         type=float,
         default=30.0,
@@ -837,7 +837,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="an idle keep-alive connection is closed after this long (default 30; keep it above "
         "the clients' own pool expiry, httpx's is 5)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--max-connections",
         type=int,
         default=1024,
@@ -845,7 +845,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="connections served at once in all; one more gets a 503 with Retry-After and is "
         "closed (default 1024; 0: no cap, keep it below the process's open-file limit)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--max-connections-per-client",
         type=int,
         default=256,
@@ -854,74 +854,46 @@ def build_parser() -> argparse.ArgumentParser:
         "Behind a router or proxy every request comes from its address: raise this to "
         "--max-connections or set 0",
     )
-    sv.add_argument(
-        "--served-model-name", default=None, help="model id clients send (default: the model's name)"
-    )
-    sv.add_argument(
-        "--store-max-bytes-per-tenant",
-        type=int,
-        default=64 << 20,
-        metavar="BYTES",
-        help="bytes of stored /v1/responses one tenant may keep; its own oldest go first (default 64 MiB)",
-    )
-    sv.add_argument(
-        "--store-max-bytes",
-        type=int,
-        default=512 << 20,
-        metavar="BYTES",
-        help="bytes of stored /v1/responses all tenants may keep; the tenant most over its share of it "
-        "loses its oldest first (default 512 MiB)",
-    )
-    sv.add_argument(
-        "--store-ttl",
-        type=float,
-        default=3600.0,
-        metavar="SECONDS",
-        help="how long a stored /v1/responses entry is kept (default 3600)",
-    )
-    sv.add_argument(
+
+
+def _serve_browser_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("browsers (CORS)")
+    g.add_argument(
         "--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
         help="browser origins (e.g. https://app.example.com, or '*') allowed to call the server: CORS "
         "headers and preflights (default: none, the server sends no CORS headers)",
     )  # fmt: skip
-    sv.add_argument(
+    g.add_argument(
         "--allowed-methods", nargs="+", default=["GET", "POST", "DELETE", "OPTIONS"], metavar="METHOD",
         help="methods a browser origin may use (default GET POST DELETE OPTIONS)",
     )  # fmt: skip
-    sv.add_argument(
+    g.add_argument(
         "--allowed-headers", nargs="+", default=["*"], metavar="HEADER",
         help="request headers a browser origin may send (default: any)",
     )  # fmt: skip
-    sv.add_argument(
+    g.add_argument(
         "--allow-credentials", action="store_true",
         help="let browsers send cookies and HTTP auth with CORS requests (not needed for API keys)",
     )  # fmt: skip
-    sv.add_argument("--history-interval", type=float, default=5.0, metavar="SECONDS",
-                    help="seconds between the samples of /v1/cache/history (default 5)")  # fmt: skip
-    sv.add_argument("--history-window", type=float, default=6 * 3600, metavar="SECONDS",
-                    help="how far back /v1/cache/history reaches (default 6 h)")  # fmt: skip
-    sv.add_argument(
-        "--vllm-metrics",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also export /metrics under vLLM's names (vllm:prefix_cache_hits, vllm:num_requests_running, "
-        "...) with its model_name label and buckets, for dashboards and autoscalers made for vLLM (default on)",
-    )
-    sv.add_argument(
+
+
+def _serve_request_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("requests", "what a request gets when it does not say, and its KV blocks")
+    g.add_argument(
         "--default-max-tokens", type=int, default=256, help="max_tokens when a chat request omits it"
     )
-    sv.add_argument(
+    g.add_argument(
         "--lenient",
         action="store_true",
         help="ignore unknown request arguments with a logged warning instead of refusing them with a 400",
     )
-    sv.add_argument(
+    g.add_argument(
         "--tool-parser",
         default=None,
         choices=TOOL_PARSERS,
         help="how tool calls are written by the model (default: detected from its chat template)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--kv-mode",
         default="exact",
         choices=("exact", "blend", "concat"),
@@ -929,14 +901,14 @@ def build_parser() -> argparse.ArgumentParser:
         "kv_mode: exact (only as a prefix, output unchanged), blend (re-positioned, a share recomputed) "
         "or concat (re-positioned, nothing recomputed); docs/BLOCKS.md",
     )
-    sv.add_argument(
+    g.add_argument(
         "--blend-recompute",
         type=float,
         default=0.15,
         help="share of each block's tokens kv_mode blend recomputes when a request gives no "
         "blend_recompute (default 0.15)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--max-blocks",
         type=int,
         default=64,
@@ -944,7 +916,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV blocks (kvblocks_block parts, prompt_blocks with block: true) one request may mark "
         "(default 64); more is a 400 before the request is queued",
     )
-    sv.add_argument(
+    g.add_argument(
         "--max-block-tokens",
         type=int,
         default=None,
@@ -952,28 +924,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens all KV blocks of one request may hold together (default: the model's context); "
         "more is a 400 before the request is queued",
     )
-    sv.add_argument(
-        "--kv-events-endpoint",
-        default=None,
-        metavar="tcp://HOST:PORT",
-        help="publish KV events in vLLM's format (ZMQ PUB, msgpack) on this address, which the server "
-        "binds, for cache-aware routers (vllm-router --policy kv_aware --kv-event-source URL=ENDPOINT)",
-    )
-    sv.add_argument(
-        "--kv-events-replay-endpoint",
-        default=None,
-        metavar="tcp://HOST:PORT",
-        help="serve missed KV event batches on this address (vllm-router --kv-event-replay-source)",
-    )
-    sv.add_argument(
-        "--kv-event-block-size",
+    g.add_argument("--no-cache", action="store_true", help="no prefix reuse: prefill every prompt in full")
+
+
+def _serve_store_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("stored responses", "/v1/responses entries kept with store: true")
+    g.add_argument(
+        "--store-max-bytes-per-tenant",
         type=int,
-        default=16,
-        metavar="TOKENS",
-        help="tokens per block in KV events; match the router's --kv-event-block-size (default 16)",
+        default=64 << 20,
+        metavar="BYTES",
+        help="bytes of stored /v1/responses one tenant may keep; its own oldest go first (default 64 MiB)",
     )
-    sv.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
-    sv.add_argument(
+    g.add_argument(
+        "--store-max-bytes",
+        type=int,
+        default=512 << 20,
+        metavar="BYTES",
+        help="bytes of stored /v1/responses all tenants may keep; the tenant most over its share of it "
+        "loses its oldest first (default 512 MiB)",
+    )
+    g.add_argument(
+        "--store-ttl",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="how long a stored /v1/responses entry is kept (default 3600)",
+    )
+
+
+def _serve_batch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batching", "the packed engine's forwards")
+    g.add_argument(
         "--max-batch-size",
         type=int,
         default=None,
@@ -981,7 +963,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests per packed forward (continuous batching over the KV pool; default 16 where the model "
         "has a packed path, else 1); 1: one request per forward with a private cache each",
     )
-    sv.add_argument(
+    g.add_argument(
         "--max-batch-tokens",
         type=int,
         default=80,
@@ -989,7 +971,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per packed forward: decode tokens first, then prefill chunks (default 80: a short request "
         "waits at most about one short step behind a long prompt; larger prefills long prompts faster)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--full-batch-tokens",
         type=int,
         default=256,  # scheduler.FULL_BATCH_TOKENS (not imported: the CLI starts without torch)
@@ -998,7 +980,7 @@ def build_parser() -> argparse.ArgumentParser:
         "request can start then, so longer steps delay no first token and run the linear layers on more rows "
         "at once; at most --max-batch-tokens turns it off",
     )
-    sv.add_argument(
+    g.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -1009,7 +991,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the invariant one in blocks cut at fixed positions: --no-batch-invariant cuts exactly where the "
         "shared prompt ends, about 1.1-1.2x faster decode under agents sharing a long prompt)",
     )
-    sv.add_argument(
+
+
+def _serve_kernel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("kernels", "how the packed engine runs its layers")
+    g.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -1017,7 +1003,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(decode steps, short prompts) from CUDA graphs captured once per padded shape, instead of "
         "launching each kernel from Python (default on with --device cuda; refused elsewhere)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--packed-weights",
         choices=("all", "head", "none"),
         default="all",
@@ -1026,59 +1012,39 @@ def build_parser() -> argparse.ArgumentParser:
         "float32, 1.2x in bfloat16, at the cost of the linear weights' size in memory once more): all "
         "(default), head (the output head only) or none; the copy's size is printed at start",
     )
-    sv.add_argument(
+
+
+def _serve_limit_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("limits", "bounds on one request and on the queue; more is refused by name")
+    g.add_argument(
         "--max-waiting",
         type=int,
         default=1024,
         metavar="N",
         help="requests waiting for the engine, all tenants together; more get 429 with Retry-After (default 1024)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--max-waiting-per-tenant",
         type=int,
         default=256,
         metavar="N",
         help="requests one tenant may have waiting (a keys-file entry's max_waiting overrides it; default 256)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--max-prompts",
         type=int,
         default=128,
         metavar="N",
         help="prompts in one completions request; more is a 400 (default 128)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--max-branches",
         type=int,
         default=256,
         metavar="N",
         help="generations one request may start (prompts x best_of, or n); more is a 400 (default 256)",
     )
-    sv.add_argument(
-        "--max-schema-bytes",
-        type=int,
-        default=SCHEMA_BYTES,
-        metavar="N",
-        help="size of a response_format / text.format JSON schema (or the forced tools' schemas together) "
-        f"as JSON; more is a 400 before compiling (default {SCHEMA_BYTES})",
-    )
-    sv.add_argument(
-        "--max-schema-depth",
-        type=int,
-        default=SCHEMA_DEPTH,
-        metavar="N",
-        help="levels of such a schema: nesting plus $ref hops on its longest non-repeating path; more is "
-        f"a 400 before compiling (default {SCHEMA_DEPTH}, at most {MAX_SCHEMA_DEPTH})",
-    )
-    sv.add_argument(
-        "--grammar-timeout",
-        type=float,
-        default=GRAMMAR_TIMEOUT_S,
-        metavar="S",
-        help="seconds a grammar may take to compile; longer is a 400 naming the field "
-        f"(default {GRAMMAR_TIMEOUT_S:g})",
-    )
-    sv.add_argument(
+    g.add_argument(
         "--max-messages",
         type=int,
         default=2048,
@@ -1086,14 +1052,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="messages in one chat request (a Responses conversation included); more is a 400 (default "
         "2048, as OpenAI; at most 16384)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--max-input-items",
         type=int,
         default=2048,
         metavar="N",
         help="items in one /v1/responses input; more is a 400 (default 2048, at most 16384)",
     )
-    sv.add_argument(
+    g.add_argument(
         "--max-content-parts",
         type=int,
         default=8192,
@@ -1101,7 +1067,70 @@ def build_parser() -> argparse.ArgumentParser:
         help="content parts over all the messages or input items of one request; more is a 400 "
         "(default 8192)",
     )
-    sv.add_argument(
+
+
+def _serve_schema_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("structured output", "bounds on a JSON schema and its grammar")
+    g.add_argument(
+        "--max-schema-bytes",
+        type=int,
+        default=SCHEMA_BYTES,
+        metavar="N",
+        help="size of a response_format / text.format JSON schema (or the forced tools' schemas together) "
+        f"as JSON; more is a 400 before compiling (default {SCHEMA_BYTES})",
+    )
+    g.add_argument(
+        "--max-schema-depth",
+        type=int,
+        default=SCHEMA_DEPTH,
+        metavar="N",
+        help="levels of such a schema: nesting plus $ref hops on its longest non-repeating path; more is "
+        f"a 400 before compiling (default {SCHEMA_DEPTH}, at most {MAX_SCHEMA_DEPTH})",
+    )
+    g.add_argument(
+        "--grammar-timeout",
+        type=float,
+        default=GRAMMAR_TIMEOUT_S,
+        metavar="S",
+        help="seconds a grammar may take to compile; longer is a 400 naming the field "
+        f"(default {GRAMMAR_TIMEOUT_S:g})",
+    )
+
+
+def _serve_telemetry_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("telemetry", "history, metrics, KV events and traces")
+    g.add_argument("--history-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between the samples of /v1/cache/history (default 5)")  # fmt: skip
+    g.add_argument("--history-window", type=float, default=6 * 3600, metavar="SECONDS",
+                   help="how far back /v1/cache/history reaches (default 6 h)")  # fmt: skip
+    g.add_argument(
+        "--vllm-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also export /metrics under vLLM's names (vllm:prefix_cache_hits, vllm:num_requests_running, "
+        "...) with its model_name label and buckets, for dashboards and autoscalers made for vLLM (default on)",
+    )
+    g.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish KV events in vLLM's format (ZMQ PUB, msgpack) on this address, which the server "
+        "binds, for cache-aware routers (vllm-router --policy kv_aware --kv-event-source URL=ENDPOINT)",
+    )
+    g.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="serve missed KV event batches on this address (vllm-router --kv-event-replay-source)",
+    )
+    g.add_argument(
+        "--kv-event-block-size",
+        type=int,
+        default=16,
+        metavar="TOKENS",
+        help="tokens per block in KV events; match the router's --kv-event-block-size (default 16)",
+    )
+    g.add_argument(
         "--otlp-traces-endpoint",
         default=None,
         metavar="URL",
@@ -1109,15 +1138,49 @@ def build_parser() -> argparse.ArgumentParser:
         "request with queue, match, redis.fetch, prefill, decode and constrained_decoding children "
         "(needs pip install 'kvblocks[tracing]')",
     )
-    sv.add_argument("--no-cache", action="store_true", help="no prefix reuse: prefill every prompt in full")
+
+
+SERVE_GROUPS = (
+    _serve_access_args,
+    _serve_connection_args,
+    _serve_browser_args,
+    _serve_request_args,
+    _serve_store_args,
+    _serve_batch_args,
+    _serve_kernel_args,
+    _serve_limit_args,
+    _serve_schema_args,
+    _serve_telemetry_args,
+)
+
+
+def _add_serve_parser(sub) -> None:
+    sv = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with prefix reuse",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /metrics and cache inspection.",
+    )
+    add_model_args(sv)
+    add_draft_args(sv)
+    for add in SERVE_GROUPS:
+        add(sv)
     sv.set_defaults(func=cmd_serve)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser. Nothing here imports torch, so the HTTP-only commands (`stats`, `inspect`,
+    `explain`) start in well under a second; `bench` parses its own arguments when it runs (`cmd_bench`)."""
     from kvblocks.cli.client import add_inspect_parsers
     from kvblocks.cli.models import add_models_parser
 
+    parser = argparse.ArgumentParser(
+        prog="kvblocks", description="Exact prefix-sharing KV cache for transformers"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_generate_parser(sub)
+    _add_serve_parser(sub)
     add_inspect_parsers(sub)
     add_models_parser(sub)
-
     b = sub.add_parser(
         "bench",
         add_help=False,

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
-from kvblocks.engine.loop import Engine
+from kvblocks.engine.frontend import Frontend
 from kvblocks.generate import grammar, tools
 from kvblocks.server import (
     block_routes,
@@ -40,11 +40,11 @@ from kvblocks.telemetry.history import History, sample_of
 from kvblocks.telemetry.metrics import TenantHoldingsCollector
 
 
-def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+def create_app(engine: Frontend, config: ServerConfig) -> FastAPI:
     served = Served(engine, config)
     served.history = History(lambda: take_sample(served), config.history_interval_s, config.history_window_s)
     if config.vllm_metrics:
-        engine.metrics.export_vllm(config.model_name, lambda: running_waiting(engine), engine.generator.cache)
+        engine.metrics.export_vllm(config.model_name, lambda: running_waiting(engine), engine.cache)
     engine.metrics.register(TenantHoldingsCollector(lambda: holdings(served)))
 
     @asynccontextmanager
@@ -58,8 +58,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         # Once requests are done (drained, see `serving.DrainingServer`): stop the engine (closing
         # streams commits their tokens) and flush the spill tier's write queue.
         await run_in_threadpool(engine.stop)
-        if engine.generator.cache is not None:
-            await run_in_threadpool(engine.generator.cache.close)
+        if engine.cache is not None:
+            await run_in_threadpool(engine.cache.close)
         await run_in_threadpool(tracing.shutdown)  # exports the spans still buffered
 
     app = FastAPI(
@@ -97,7 +97,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
 
 def take_sample(served: Served) -> dict:
-    cache = served.cache
+    cache = served.engine.cache
     stats = None if cache is None else cache.stats()
     tenants = {} if cache is None else cache.tenant_counters()
     engine = served.engine
@@ -117,7 +117,7 @@ def holdings(served: Served) -> dict:
     }
 
 
-def running_waiting(engine: Engine) -> tuple[int, int]:
+def running_waiting(engine: Frontend) -> tuple[int, int]:
     load = engine.load()
     return load.running, load.waiting
 
@@ -154,16 +154,16 @@ def warm_up(served: Served) -> None:
     the prompt length bounds (a second more: every token is decoded once; the chat template's
     cost per message, by rendering a few messages) and the system
     fingerprint (a hash of the weights when there is no cache namespace to take it from)."""
-    tokenizer = served.gen.tokenizer
+    tokenizer = served.engine.tokenizer
     grammar.ll_tokenizer(tokenizer)
     tools.template_supports_tools(tokenizer)
     parser = tools.get_parser(served.config.tool_parser or tools.detect_parser(tokenizer))
 
     def render(messages: list[dict]) -> list[int]:
-        return served.gen.encode(tools.render_messages(tokenizer, messages, None, parser))
+        return served.engine.encode(tools.render_messages(tokenizer, messages, None, parser))
 
-    served.template_cost = measure(tokenizer, None if served.encoder_decoder else render)
-    served.prompt_chars = char_limit(served.template_cost.token_bytes, served.gen.max_context)
+    served.template_cost = measure(tokenizer, None if served.engine.encoder_decoder else render)
+    served.prompt_chars = char_limit(served.template_cost.token_bytes, served.engine.max_context)
     served.tokenizing_rate = tokenizing_rate(tokenizer)
     served.system_fingerprint()
 

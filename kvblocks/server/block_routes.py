@@ -43,15 +43,15 @@ async def store_block(request: Request):
     body = await parse_request(request, StoreBlockRequest, s.config.lenient)
     check_model(s, body.model)
     param = "text" if body.text is not None else "token_ids"
-    if s.encoder_decoder or s.cache is None:
-        why = "an encoder-decoder model" if s.encoder_decoder else "a server without a prefix cache"
+    if s.engine.encoder_decoder or s.engine.cache is None:
+        why = "an encoder-decoder model" if s.engine.encoder_decoder else "a server without a prefix cache"
         raise APIError(400, f"KV blocks cannot be stored on {why}", param=param)
     try:
-        s.gen.block_prefill()
+        s.engine.block_prefill()
     except ParamError as exc:
         raise APIError(400, str(exc), param=param) from exc
     if body.text is not None:
-        check_chars(s.prompt_chars, len(body.text), s.gen.max_context, param)
+        check_chars(s.prompt_chars, len(body.text), s.engine.max_context, param)
     salt = scope_of(request, body.cache_salt)
     content = body.text if body.text is not None else body.token_ids
     ids = await tokenizing(s.tokenize_gate, salt.tenant, kv_blocks.block_ids, s, content, param)

@@ -17,8 +17,6 @@ from starlette.concurrency import run_in_threadpool
 
 from kvblocks.blocks.explain import explain_blocks as block_explanation
 from kvblocks.blocks.segments import flatten
-from kvblocks.cache.explain import explain
-from kvblocks.cache.inspection import inspect_prefixes
 from kvblocks.engine.admission import QueueFullError
 from kvblocks.generate.params import GenerationParams
 from kvblocks.server import kv_blocks
@@ -102,7 +100,7 @@ async def generate_one(s: Served) -> str | None:
         if isinstance(item, BaseException) or item.result is not None:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(item))
 
-    ids = await tokenizing(s.tokenize_gate, HEALTH_TENANT, s.gen.encode, HEALTH_PROMPT)
+    ids = await tokenizing(s.tokenize_gate, HEALTH_TENANT, s.engine.encode, HEALTH_PROMPT)
     try:
         handle = s.engine.submit(ids, emit, params=GenerationParams(max_new_tokens=1, temperature=0.0))
     except QueueFullError as exc:
@@ -132,21 +130,16 @@ async def cache_stats(request: Request):
     if not who.admin:  # a tenant sees its own counters only, nothing of the others' traffic
         own = (
             None
-            if s.cache is None
-            else await run_in_threadpool(lambda: s.full_cache.stats(tenant=who.tenant))
+            if s.engine.cache is None
+            else await run_in_threadpool(lambda: s.engine.full_cache.stats(tenant=who.tenant))
         )
         return {"model": s.config.model_name, "tenant": who.tenant, "cache": own}
-    stats = None if s.cache is None else await run_in_threadpool(s.full_cache.stats)
-    spill = None if s.cache is None else s.cache.spill
+    stats = None if s.engine.cache is None else await run_in_threadpool(s.engine.full_cache.stats)
+    spill = None if s.engine.cache is None else s.engine.cache.spill
     return {
         "model": s.config.model_name,
         "uptime_s": time.time() - s.started,
-        "engine": {
-            "active": s.engine.active,
-            "queued": s.engine.queued,
-            "cuda_graphs": s.engine.graph_stats(),
-            "attention_kernel": s.engine.kernel_stats(),
-        },
+        "engine": s.engine.stats(),
         "cache": stats,
         # each spill tier, fastest first: name, health, used and capacity bytes, records
         "spill_tiers": None if spill is None else await run_in_threadpool(spill.tier_sizes),
@@ -172,7 +165,7 @@ async def cache_prefixes(
     max_nodes: Annotated[int, Query(ge=1, le=5000)] = 200,
 ):
     s, who = served(request), caller(request)
-    if s.cache is None:
+    if s.engine.cache is None:
         return {"prefixes": [], "tree": []}
     tenant = None if who.admin else who.tenant
 
@@ -180,7 +173,7 @@ async def cache_prefixes(
         # Built and serialised off the event loop (FastAPI's own encoder would run on it), with
         # the collector paused: see gc_paused.
         with gc_paused():
-            listed = inspect_prefixes(s.cache, s.gen.tokenizer, tenant, limit, tree, max_nodes)
+            listed = s.engine.inspect(tenant, limit, tree, max_nodes)
             return json.dumps(listed, ensure_ascii=False)
 
     return Response(await run_in_threadpool(listing), media_type="application/json")
@@ -197,25 +190,23 @@ async def cache_explain(request: Request):
     if body.messages is None:
         prompt = body.prompt
         if isinstance(prompt, str):
-            check_chars(s.prompt_chars, len(prompt), s.gen.max_context, "prompt")
+            check_chars(s.prompt_chars, len(prompt), s.engine.max_context, "prompt")
     else:
         chat_estimate(s, body)
         prompt = [{"role": m.role, "content": m.text()} for m in body.messages]
-    if s.encoder_decoder:
+    if s.engine.encoder_decoder:
         return await explain_seq2seq(s, request, body, prompt)
     try:
-        ids = await tokenizing(s.tokenize_gate, caller(request).tenant, s.gen.encode, prompt)
+        ids = await tokenizing(s.tokenize_gate, caller(request).tenant, s.engine.encode, prompt)
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt") from exc
-    if s.cache is None:
+    if s.engine.cache is None:
         raise APIError(400, "this server runs without a prefix cache")
     if body.decoder_prompt is not None:
         raise APIError(400, "decoder_prompt is for encoder-decoder models only", param="decoder_prompt")
     salt, everyone = scope_of(request, body.cache_salt), caller(request).admin
     result = await run_in_threadpool(
-        lambda: explain(
-            s.cache, s.gen.tokenizer, ids, salt=salt, all_tenants=everyone, prompt_logprobs=body.echo_logprobs
-        )
+        lambda: s.engine.explain(ids, salt=salt, all_tenants=everyone, prompt_logprobs=body.echo_logprobs)
     )
     return result.as_dict()
 
@@ -223,8 +214,8 @@ async def cache_explain(request: Request):
 async def explain_blocks(s: Served, request: Request, body: ExplainRequest) -> dict:
     """A prompt with KV blocks: the exact prefix explanation of its ids (tokenised segment by
     segment, as a request is), and per block what the block store holds and `kv_mode` would reuse."""
-    if s.encoder_decoder or s.cache is None:
-        why = "an encoder-decoder model" if s.encoder_decoder else "a server without a prefix cache"
+    if s.engine.encoder_decoder or s.engine.cache is None:
+        why = "an encoder-decoder model" if s.engine.encoder_decoder else "a server without a prefix cache"
         raise APIError(400, f"KV blocks cannot be explained on {why}", param="prompt_blocks")
     tokenize_gate, tenant = s.tokenize_gate, caller(request).tenant
     if body.messages is None:
@@ -233,13 +224,13 @@ async def explain_blocks(s: Served, request: Request, body: ExplainRequest) -> d
         chat_estimate(s, body)
         roles = [{"role": m.role} for m in body.messages]
         segments = await tokenizing(tokenize_gate, tenant, kv_blocks.marked_segments, s, body.messages, roles)
-    ids, spans = flatten(s.gen.tokenizer, segments)
+    ids, spans = flatten(s.engine.tokenizer, segments)
     mode, share = kv_blocks.kv_mode_of(s, body, True)
     salt, everyone = scope_of(request, body.cache_salt), caller(request).admin
 
     def both() -> dict:
-        exact = explain(s.cache, s.gen.tokenizer, ids, salt=salt, all_tenants=everyone)
-        per_block = block_explanation(s.cache, ids, spans, exact.cached_tokens, salt, mode, share)
+        exact = s.engine.explain(ids, salt=salt, all_tenants=everyone)
+        per_block = block_explanation(s.engine.cache, ids, spans, exact.cached_tokens, salt, mode, share)
         return exact.as_dict() | {"kv_mode": mode, "blend_recompute": share, "blocks": per_block}
 
     return await run_in_threadpool(both)
@@ -248,20 +239,22 @@ async def explain_blocks(s: Served, request: Request, body: ExplainRequest) -> d
 async def explain_seq2seq(s: Served, request: Request, body: ExplainRequest, prompt) -> dict:
     """An encoder-decoder request: whether its source's record is held (the encoder then does not
     run), and the decoder-prefix explanation under that source."""
-    if s.full_cache is None or body.messages is not None:
-        why = "this server runs without a prefix cache" if s.full_cache is None else "chat is not served"
+    if s.engine.full_cache is None or body.messages is not None:
+        why = (
+            "this server runs without a prefix cache" if s.engine.full_cache is None else "chat is not served"
+        )
         raise APIError(400, f"{why} (an encoder-decoder model: give 'prompt' and 'decoder_prompt')")
     try:
-        source = await tokenizing(s.tokenize_gate, caller(request).tenant, s.gen.encode_source, prompt)
-        ids = s.gen.encode(s.gen.decoder_ids(body.decoder_prompt or []))
+        source = await tokenizing(s.tokenize_gate, caller(request).tenant, s.engine.encode_source, prompt)
+        ids = s.engine.encode(s.engine.decoder_ids(body.decoder_prompt or []))
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt") from exc
-    scope = s.full_cache.scope(source, scope_of(request, body.cache_salt))
+    scope = s.engine.full_cache.scope(source, scope_of(request, body.cache_salt))
     everyone = caller(request).admin
     decoder = await run_in_threadpool(
-        lambda: explain(s.cache, s.gen.tokenizer, ids, salt=scope, all_tenants=everyone).as_dict()
+        lambda: s.engine.explain(ids, salt=scope, all_tenants=everyone).as_dict()
     )
-    held = s.full_cache.holds(source, scope)
+    held = s.engine.full_cache.holds(source, scope)
     return decoder | {"source": {"tokens": len(source), "cached": held, "encoder_would_run": not held}}
 
 

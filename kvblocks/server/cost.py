@@ -184,7 +184,7 @@ def chat_estimate(s: Served, body, param: str = "messages", items: int = 0) -> E
     Content characters count as `bounds.chat_chars` counts them; offered tools add their names and
     descriptions, which every rendering of them spells out. `items`: the Responses input items the
     messages came from."""
-    messages, caps, context = body.messages, s.config.caps, s.gen.max_context
+    messages, caps, context = body.messages, s.config.caps, s.engine.max_context
     check_counts(caps, len(messages), sum(len(m.parts()) for m in messages), param)
     chars = chat_chars(messages)
     offered = getattr(body, "tools", None) if getattr(body, "tool_choice", None) != "none" else None

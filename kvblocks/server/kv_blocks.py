@@ -58,12 +58,12 @@ def marked_segments(s: Served, chat: list[ChatMessage], messages: list[dict]) ->
         else {"role": raw["role"], "content": m.text()}
         for m, raw in zip(chat, messages)
     ]
-    if not getattr(s.gen.tokenizer, "chat_template", None):
+    if not getattr(s.engine.tokenizer, "chat_template", None):
         raise APIError(
             400, "this tokenizer has no chat template; use completions with prompt_blocks", param="messages"
         )
     try:
-        return checked(s, chat_blocks(s.gen.tokenizer, turns), "messages")
+        return checked(s, chat_blocks(s.engine.tokenizer, turns), "messages")
     except PromptError as exc:
         raise APIError(400, str(exc), param="messages") from exc
 
@@ -73,7 +73,7 @@ def completion_block_segments(s: Served, body: CompletionRequest | ExplainReques
     Without any `block: true` segment they are a plain prompt (one id segment)."""
     check_block_count(s, sum(p.block for p in body.prompt_blocks or []), "prompt_blocks")
     try:
-        ids, spans = flatten(s.gen.tokenizer, [_segment(p) for p in body.prompt_blocks or []])
+        ids, spans = flatten(s.engine.tokenizer, [_segment(p) for p in body.prompt_blocks or []])
     except PromptError as exc:
         raise APIError(400, str(exc), param="prompt_blocks") from exc
     return checked(s, segments_of(ids, spans), "prompt_blocks")
@@ -88,10 +88,10 @@ def checked(s: Served, segments: Segments, param: str) -> Segments:
     """`segments`, once their ids fit the vocabulary and the context (the generator's own checks) and
     their blocks' tokens the server's cap (`ServerConfig.max_block_tokens`)."""
     try:
-        s.gen.encode(flat(segments))
+        s.engine.encode(flat(segments))
     except ValueError as exc:
         raise APIError(400, str(exc), param=param) from exc
-    cap = s.config.max_block_tokens or s.gen.max_context
+    cap = s.config.max_block_tokens or s.engine.max_context
     tokens = sum(len(seg.content) for seg in segments if isinstance(seg, Block))
     if cap is not None and tokens > cap:
         raise APIError(
@@ -107,7 +107,7 @@ def block_ids(s: Served, content: str | list[int], param: str) -> list[int]:
     """A block to store ahead of use (`POST /v1/blocks`) as ids: text tokenised on its own, as in a
     prompt; within the vocabulary, the context and `ServerConfig.max_block_tokens` (`checked`)."""
     try:
-        ids, _ = flatten(s.gen.tokenizer, [Block(content)])
+        ids, _ = flatten(s.engine.tokenizer, [Block(content)])
     except PromptError as exc:
         raise APIError(400, str(exc), param=param) from exc
     checked(s, [Block(ids)], param)

@@ -34,6 +34,7 @@ from kvblocks.server.guard import Admission
 from kvblocks.server.openapi import answers, json_body
 from kvblocks.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvblocks.server.state import Served, caller, scope_of, served
+from kvblocks.server.streams import DONE, ChoiceStream, data_event
 
 router = APIRouter()
 SEED_SPACE = 1 << 64
@@ -122,7 +123,7 @@ async def completions(request: Request):
             segments = None
     else:
         check_fanout(s, len(split_prompts(body.prompt)), best_of)
-        encode = s.gen.encode_source if decoder is not None else None
+        encode = s.engine.encode_source if decoder is not None else None
         prompts = await encode_prompts(s, body.prompt, caller(request).tenant, encode)
     base = kv_blocks.with_kv_mode(s, sampling(s, body, 1), body, segments is not None)
     logprobs = body.logprobs
@@ -132,7 +133,7 @@ async def completions(request: Request):
     branches = []
     for p, ids in enumerate(prompts):
         limit = budget(
-            s, ids if decoder is None else [s.gen.start_id, *decoder], body.max_tokens, none_is_all=True
+            s, ids if decoder is None else [s.engine.start_id, *decoder], body.max_tokens, none_is_all=True
         )
         params = replace(base, max_new_tokens=limit, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         check_params(s, params)
@@ -192,14 +193,14 @@ def plan_chat(s: Served, body: ChatCompletionRequest, format_param: str = "respo
     choice = body.tool_choice if isinstance(body.tool_choice, str | None) else body.tool_choice.model_dump()
     if choice is not None and not tool_defs:
         raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
-    tokenizer, vocab = s.gen.tokenizer, s.gen.vocab_size
+    tokenizer, vocab = s.engine.tokenizer, s.engine.vocab_size
     parser = tools.get_parser(s.config.tool_parser or tools.detect_parser(tokenizer))
     offered = tool_defs if choice != "none" else []
     check_tool_schemas(offered, s.config.grammar, TOOL_PARAMETERS[format_param])  # before any work
 
     def render(upto: int) -> list[int]:
         try:
-            return s.gen.encode(tools.render_messages(tokenizer, messages[:upto], offered or None, parser))
+            return s.engine.encode(tools.render_messages(tokenizer, messages[:upto], offered or None, parser))
         except tools.ToolError as exc:
             raise APIError(400, str(exc), param="tools") from exc
         except ValueError as exc:
@@ -329,7 +330,7 @@ async def bounded_plan_chat(
 ) -> ChatPlan:
     """`plan_chat` once the messages could fit the context (`cost.chat_estimate`, which names
     `param`) and the tokenising gate gives `tenant` a place; `items`: the Responses input items."""
-    if s.encoder_decoder:
+    if s.engine.encoder_decoder:
         raise APIError(
             400,
             f"'{s.config.model_name}' is an encoder-decoder model: it serves /v1/completions (prompt = the "
@@ -345,12 +346,12 @@ async def bounded_plan_chat(
 def decoder_prompt(s: Served, body: CompletionRequest) -> list[int] | None:
     """An encoder-decoder model's decoder prefix ids (`decoder_prompt`, checked; [] when not given);
     None for a decoder-only model, which refuses the field."""
-    if not s.encoder_decoder:
+    if not s.engine.encoder_decoder:
         if body.decoder_prompt is not None:
             raise APIError(400, "decoder_prompt is for encoder-decoder models only", param="decoder_prompt")
         return None
     try:
-        return s.gen.encode(s.gen.decoder_ids(body.decoder_prompt or []))[1:]
+        return s.engine.encode(s.engine.decoder_ids(body.decoder_prompt or []))[1:]
     except ValueError as exc:
         raise APIError(400, f"decoder_prompt: {exc}", param="decoder_prompt") from exc
 
@@ -365,11 +366,11 @@ async def encode_prompts(s: Served, prompt, tenant: str, encode=None) -> list[li
     where = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
     for p, name in zip(prompts, where):
         if isinstance(p, str):
-            check_chars(s.prompt_chars, len(p), s.gen.max_context, name)
+            check_chars(s.prompt_chars, len(p), s.engine.max_context, name)
     out = []
     for p, name in zip(prompts, where):
         try:
-            out.append(await tokenizing(s.tokenize_gate, tenant, encode or s.gen.encode, p))
+            out.append(await tokenizing(s.tokenize_gate, tenant, encode or s.engine.encode, p))
         except ValueError as exc:
             raise APIError(400, f"{name}: {exc}", param=name) from exc
     return out
@@ -406,7 +407,7 @@ def params_or_400(**fields) -> GenerationParams:
 def check_params(s: Served, params: GenerationParams) -> None:
     """What this generator cannot honour (a speculative one: penalties), or ids outside the vocabulary."""
     try:
-        s.gen.check_params(params)
+        s.engine.check_params(params)
     except ParamError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
 
@@ -418,14 +419,16 @@ def with_seed(params: GenerationParams, i: int) -> GenerationParams:
 def budget(s: Served, ids: list[int], requested: int | None, none_is_all: bool = False) -> int:
     """Tokens a choice may generate: what was asked for, never past the model's context. None
     means up to the context limit (completions) or the server's default (chat)."""
-    room = (s.gen.max_context or 1 << 30) - len(ids)
+    room = (s.engine.max_context or 1 << 30) - len(ids)
     if requested is None:
-        return max(1, room if none_is_all and s.gen.max_context else min(room, s.config.default_max_tokens))
+        return max(
+            1, room if none_is_all and s.engine.max_context else min(room, s.config.default_max_tokens)
+        )
     if requested > room:
         raise APIError(
             400,
             f"max_tokens is {requested} but the prompt has {len(ids)} tokens and the model's context is "
-            f"{s.gen.max_context}; at most {room} tokens can be generated",
+            f"{s.engine.max_context}; at most {room} tokens can be generated",
             param="max_tokens",
         )
     return requested
@@ -448,8 +451,8 @@ def check_model(s: Served, name: str | None) -> None:
 
 def model_card(s: Served) -> dict:
     card = {"id": s.config.model_name, "object": "model", "created": int(s.started), "owned_by": "kvblocks"}
-    if s.gen.max_context:
-        card["max_model_len"] = s.gen.max_context
+    if s.engine.max_context:
+        card["max_model_len"] = s.engine.max_context
     return card
 
 
@@ -657,7 +660,7 @@ def best_candidates(branches: list[Branch], results: list[GenerationResult], n: 
 
 
 def token_text(s: Served, token: int) -> str:
-    return s.gen.tokenizer.decode([token], skip_special_tokens=False)
+    return s.engine.tokenizer.decode([token], skip_special_tokens=False)
 
 
 def chat_logprobs(s: Served, entries: list[TokenLogprob]) -> dict:
@@ -706,7 +709,7 @@ def chat_choice(s: Served, call: Call, branch: Branch, r: GenerationResult) -> d
 
 
 def completion_choice(s: Served, call: Call, branch: Branch, r: GenerationResult) -> dict:
-    prompt_text = s.gen.tokenizer.decode(r.prompt_ids, skip_special_tokens=False) if call.echo else ""
+    prompt_text = s.engine.tokenizer.decode(r.prompt_ids, skip_special_tokens=False) if call.echo else ""
     choice = {
         "index": branch.index,
         "text": prompt_text + r.text,
@@ -793,14 +796,10 @@ async def sse(
                 "completion_tokens": completion,
                 "total_tokens": prompt + completion,
             }
-        return "data: " + json.dumps(payload) + "\n\n"
+        return data_event(payload)
 
     tasks = [asyncio.create_task(pump(i)) for i in range(len(branches))]
-    tool_streams = {
-        i: tools.ToolStreamParser(call.plan.parser)
-        for i in range(len(branches))
-        if call.chat and call.plan.parser
-    }
+    choices = [ChoiceStream(call.plan.parser if call.chat else None) for _ in branches]
     results: list[GenerationResult | None] = [None] * len(branches)
     try:
         for b in branches:
@@ -813,7 +812,7 @@ async def sse(
                     }
                 )
             elif call.echo:
-                prompt_text = s.gen.tokenizer.decode(b.ids, skip_special_tokens=False)
+                prompt_text = s.engine.tokenizer.decode(b.ids, skip_special_tokens=False)
                 yield data(base | {"object": obj, "choices": [text_choice(b.index, prompt_text)]})
         open_streams = len(branches)
         while open_streams:
@@ -828,7 +827,8 @@ async def sse(
             b = branches[i]
             piece: Piece = item
             generated[i] += len(piece.token_ids)
-            finish = piece.result.finish_reason if piece.result is not None else None
+            added = choices[i].feed(piece)
+            finish = added.finish
             logprobs = None
             if b.params.logprobs is not None and piece.logprobs:
                 logprobs = (
@@ -838,21 +838,10 @@ async def sse(
                 )
             if call.chat:
                 delta: dict[str, Any] = {}
-                text = piece.text
-                if i in tool_streams:
-                    ts = tool_streams[i]
-                    text = ts.feed(piece.text)
-                    calls_delta = ts.call_deltas()
-                    if piece.result is not None:
-                        rest, calls = ts.finish(finish)
-                        text += rest
-                        calls_delta += ts.finish_deltas(calls)
-                        if calls and finish != "length":
-                            finish = "tool_calls"
-                    if calls_delta:
-                        delta["tool_calls"] = calls_delta
-                if text:
-                    delta["content"] = text
+                if added.calls:
+                    delta["tool_calls"] = added.calls
+                if added.text:
+                    delta["content"] = added.text
                 if "tool_calls" in delta and finish:  # the calls' last arguments, then the finish
                     yield data(
                         base | {"object": obj, "choices": [chunk_choice(b.index, delta, None, logprobs)]}
@@ -862,9 +851,9 @@ async def sse(
                     yield data(
                         base | {"object": obj, "choices": [chunk_choice(b.index, delta, finish, logprobs)]}
                     )
-            elif piece.text or finish or logprobs:
+            elif added.text or finish or logprobs:
                 yield data(
-                    base | {"object": obj, "choices": [text_choice(b.index, piece.text, finish, logprobs)]}
+                    base | {"object": obj, "choices": [text_choice(b.index, added.text, finish, logprobs)]}
                 )
             if piece.result is not None:
                 results[i] = piece.result
@@ -873,7 +862,7 @@ async def sse(
         if include_usage and all(r is not None for r in results):
             prompts = len({b.prompt for b in branches})
             yield data(base | {"object": obj, "choices": [], "usage": usage(results, prompts)})
-        yield "data: [DONE]\n\n"
+        yield DONE
     finally:  # no awaits here: when the client left, this runs inside a cancelled scope
         cancel_all(running)
         for t in tasks:

@@ -14,7 +14,6 @@ begins with the tokens the first request prefilled and generated: a trie hit by 
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -24,7 +23,6 @@ from fastapi import APIRouter, Query, Request
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
-from kvblocks.generate import tools
 from kvblocks.generate.generator import GenerationResult
 from kvblocks.server.cost import check_input_items
 from kvblocks.server.errors import APIError, parse_request, validate
@@ -55,6 +53,7 @@ from kvblocks.server.schemas import (
     ResponsesRequest,
 )
 from kvblocks.server.state import Served, scope_of, served
+from kvblocks.server.streams import ChoiceStream, EventStream
 
 router = APIRouter()
 ECHOED = {"instructions", "metadata", "tools", "text", "user"}  # request fields a response repeats
@@ -376,15 +375,8 @@ async def events(
     """The Responses stream: created, then each output item opened, filled by deltas and closed
     as the text arrives, then completed (or incomplete) with the same response object a
     non-streamed request returns."""
-    seq = 0
-
-    def event(kind: str, payload: dict) -> str:
-        nonlocal seq
-        seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1} | payload)}\n\n"
-
-    parser = call.plan.parser
-    ts = tools.ToolStreamParser(parser) if parser is not None else None
+    event = EventStream().event
+    choice = ChoiceStream(call.plan.parser)
     opened: dict[str, int] = {}  # item id -> output_index
     msg_id, text = f"msg_{call.id[5:]}", ""
     calls: dict[int, dict] = {}  # streamed call index -> its item
@@ -395,13 +387,8 @@ async def events(
         )
         result = None
         async for piece in running[0].events():
-            content, deltas = piece.text, []
-            if ts is not None:
-                content, deltas = ts.feed(piece.text), ts.call_deltas()
-                if piece.result is not None:
-                    rest, final_calls = ts.finish(piece.result.finish_reason)
-                    content += rest
-                    deltas += ts.finish_deltas(final_calls)
+            added = choice.feed(piece)
+            content, deltas = added.text, added.calls
             if content:
                 if msg_id not in opened:
                     opened[msg_id] = len(opened)

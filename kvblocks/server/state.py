@@ -1,4 +1,4 @@
-"""What every route shares, kept on `app.state.served`: the engine, its generator and cache, the config."""
+"""What every route shares, kept on `app.state.served`: the engine's front door (`Frontend`), the config."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 import kvblocks
-from kvblocks.cache.namespace import Scope, namespace_for
-from kvblocks.engine.loop import Engine
-from kvblocks.generate.generator import CachedGenerator
+from kvblocks.cache.namespace import Scope
+from kvblocks.engine.frontend import Frontend
 from kvblocks.generate.grammar import DEFAULT_LIMITS, GrammarLimits
 from kvblocks.server.auth import ApiKeys, Principal
 from kvblocks.server.bounds import MAX_TOKENIZING, FairGate
@@ -70,7 +69,7 @@ class Served:
     start-up; `tokenize_gate` bounds the tokenisations running at once, shares them fairly by
     tenant and charges each tenant's time in it to the engine's ledger, in tokens."""
 
-    engine: Engine
+    engine: Frontend
     config: ServerConfig
     started: float = field(default_factory=time.time)
     admission: Admission = field(default_factory=Admission)
@@ -91,39 +90,20 @@ class Served:
             lambda tenant, seconds: self.engine.ledger.charge(tenant, seconds * self.tokenizing_rate),
         )
 
-    @property
-    def gen(self) -> CachedGenerator:
-        return self.engine.generator
-
-    @property
-    def cache(self):
-        return self.engine.generator.cache
-
-    @property
-    def encoder_decoder(self) -> bool:
-        """Whether the served model is an encoder-decoder one: a completion's prompt is its source."""
-        return hasattr(self.gen, "encode_source")
-
-    @property
-    def full_cache(self):
-        """What the stats report and a flush empties: a seq2seq generator's whole cache (source
-        records, decoder trie, encoder work), else the trie."""
-        return getattr(self.gen, "seq2seq", None) or self.cache
-
     def system_fingerprint(self) -> str:
         """OpenAI's `system_fingerprint`: the model (the fingerprint of its config and weights that
         names its cache namespace, and its dtype) and the kvblocks version, hashed; the same across
         restarts of one build on one model. Without a cache it hashes the weights, so start-up
         (`warm_up`) computes it once."""
         if self.fingerprint is None:
-            namespace = getattr(self.cache, "namespace", None) or namespace_for(self.gen.model)
+            namespace = self.engine.namespace()
             identity = json.dumps([namespace.model, namespace.dtype, kvblocks.__version__])
             self.fingerprint = "fp_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
         return self.fingerprint
 
     def prefix_pins(self) -> PrefixPins | None:
-        if self.pins is None and self.cache is not None:
-            self.pins = PrefixPins(self.cache, self.tenant_weights())
+        if self.pins is None and self.engine.cache is not None:
+            self.pins = PrefixPins(self.engine.cache, self.tenant_weights())
         return self.pins
 
     def response_store(self) -> ResponseStore:

@@ -50,12 +50,12 @@ async def server_info(request: Request):
     """sglang's server info: the model's identity plus the limits a router may schedule by."""
     require_engine_view(request)
     s = served(request)
-    stats = None if s.cache is None else await run_in_threadpool(s.cache.stats)
-    spill = None if s.cache is None else s.cache.spill
+    stats = None if s.engine.cache is None else await run_in_threadpool(s.engine.cache.stats)
+    spill = None if s.engine.cache is None else s.engine.cache.spill
     return identity(s) | {
         "version": __version__,
         "dp_size": 1,
-        "context_length": s.gen.max_context,
+        "context_length": s.engine.max_context,
         "max_running_requests": s.engine.max_active,
         "max_total_tokens": None if stats is None else stats["capacity_tokens"],
         "prefix_cache": None
@@ -72,24 +72,24 @@ async def server_info(request: Request):
 @router.get("/get_model_info")
 async def model_info(request: Request):
     s = served(request)
-    config = s.gen.model.config
+    info = s.engine.info
     return identity(s) | {
         "is_generation": True,
-        "model_type": getattr(config, "model_type", None),
-        "architectures": list(getattr(config, "architectures", None) or []),
-        "max_model_len": s.gen.max_context,
+        "model_type": info.model_type,
+        "architectures": list(info.architectures),
+        "max_model_len": s.engine.max_context,
     }
 
 
 def identity(s: Served) -> dict:
     """The name clients send as `model`, where the weights and the tokenizer were loaded from, and
     the dtype the model runs in (`--dtype auto` decides it per machine)."""
-    model = s.gen.model
+    info = s.engine.info
     return {
         "served_model_name": s.config.model_name,
-        "model_path": getattr(model, "name_or_path", "") or model.config._name_or_path,
-        "tokenizer_path": s.gen.tokenizer.name_or_path,
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "model_path": info.path,
+        "tokenizer_path": info.tokenizer_path,
+        "dtype": info.dtype,
     }
 
 
@@ -123,16 +123,16 @@ async def flush_cache(
         raise APIError(
             403, "flushing the cache needs an admin key", type_="permission_error", code="admin_only"
         )
-    if s.cache is None:
+    if s.engine.cache is None:
         raise APIError(400, "this server runs without a prefix cache")
-    stack = s.cache.spill
+    stack = s.engine.cache.spill
     if (spill or tier is not None) and stack is None:
         param = "spill" if tier is None else "tier"
         raise APIError(400, "this server has no spill tier to flush (it runs without --redis)", param=param)
     if tier is not None and tier not in [t.name for t in stack.tiers]:
         names = ", ".join(t.name for t in stack.tiers)
         raise APIError(400, f"this server has no spill tier named {tier!r} (it has: {names})", param="tier")
-    flushed = 0 if tier is not None else await run_in_threadpool(s.full_cache.clear)
+    flushed = 0 if tier is not None else await run_in_threadpool(s.engine.full_cache.clear)
     deleted = None
     if spill or tier is not None:
         try:
@@ -141,7 +141,7 @@ async def flush_cache(
             raise APIError(400, str(exc), param="spill" if tier is None else "tier") from exc
         except RuntimeError as exc:
             raise APIError(503, str(exc), type_="server_error", code="spill_unavailable") from exc
-    stats = await run_in_threadpool(s.cache.stats)
+    stats = await run_in_threadpool(s.engine.cache.stats)
     where = "spill" if tier is None else tier
     return {
         "message": f"flushed {flushed} tokens"
@@ -166,11 +166,11 @@ async def tokenize(request: Request):
     check_model(s, body.model)
     if body.messages is None:
         if body.add_special_tokens is False:
-            check_chars(s.prompt_chars, len(body.prompt), s.gen.max_context, "prompt")
+            check_chars(s.prompt_chars, len(body.prompt), s.engine.max_context, "prompt")
             ids = await tokenizing(
                 s.tokenize_gate,
                 caller(request).tenant,
-                lambda: s.gen.tokenizer(body.prompt, add_special_tokens=False)["input_ids"],
+                lambda: s.engine.tokenizer(body.prompt, add_special_tokens=False)["input_ids"],
             )
         else:
             ids = (await encode_prompts(s, body.prompt, caller(request).tenant))[0]
@@ -178,8 +178,8 @@ async def tokenize(request: Request):
         refuse_chat_options(body)
         chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
         ids = (await bounded_plan_chat(s, chat, tenant=caller(request).tenant)).ids
-    strs = s.gen.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-    return {"count": len(ids), "max_model_len": s.gen.max_context, "tokens": ids, "token_strs": strs}
+    strs = s.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": s.engine.max_context, "tokens": ids, "token_strs": strs}
 
 
 def refuse_chat_options(body: TokenizeRequest) -> None:
@@ -207,12 +207,12 @@ async def detokenize(request: Request):
     s = served(request)
     body = await parse_request(request, DetokenizeRequest, s.config.lenient)
     check_model(s, body.model)
-    bad = next((t for t in body.tokens if t >= s.gen.vocab_size), None)
+    bad = next((t for t in body.tokens if t >= s.engine.vocab_size), None)
     if bad is not None:
         raise APIError(
-            400, f"token id {bad} is outside the vocabulary [0, {s.gen.vocab_size})", param="tokens"
+            400, f"token id {bad} is outside the vocabulary [0, {s.engine.vocab_size})", param="tokens"
         )
-    return {"prompt": await run_in_threadpool(s.gen.tokenizer.decode, body.tokens)}
+    return {"prompt": await run_in_threadpool(s.engine.tokenizer.decode, body.tokens)}
 
 
 @router.post(
