@@ -11,6 +11,10 @@ without otherwise (they are optional so a tier needs no more than the Protocol):
 - `bind_demote(fn)`: the tier evicts by its own size bound and calls `fn(items)` with the
   (key, value)s it evicted, outside its locks; under write-back the stack writes them one tier down;
 - `records() -> int`: how many records it holds, for `kvblocks stats` and `/metrics`;
+- `discard(keys) -> int`: `delete` for records the codec refused (the disk tier counts them as
+  damaged files);
+- `needs_verified_records: bool`: the tier leaves damage inside a value to the codec (the disk tier),
+  so the stack refuses a codec that does not verify its records (the LMCache format);
 - `server_warnings() -> list[str]`: deployment problems worth a line at start;
 - `shared: bool`: other processes restore from this tier (Redis; a disk two servers share): KV
   events report chunks evicted from the device as still stored there;
