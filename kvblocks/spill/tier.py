@@ -53,8 +53,8 @@ class Tier(Protocol):
         ...
 
     def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[bytes | None]:
-        """Each key's value, reading at most `limits[i]` bytes of it; None where absent. Raises
-        TierUnavailable."""
+        """Each key's value, reading at most `limits[i]` bytes of it; None where absent. A value is
+        bytes or a read-only bytes-like view (the host tier's pinned records). Raises TierUnavailable."""
         ...
 
     def put(self, items: Sequence[tuple[str, bytes]]) -> int:
