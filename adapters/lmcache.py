@@ -190,7 +190,7 @@ class LMCacheCodec:
         """Write a value into per-layer `[n, 2, H, D]` `out`; VerificationError if it cannot be this chunk."""
         heads, dim = uniform_shape(layout)
         n = len(tokens)
-        if not isinstance(raw, bytes) or len(raw) != n * layout.token_bytes():
+        if not isinstance(raw, bytes | memoryview) or len(raw) != n * layout.token_bytes():
             raise VerificationError("value size does not match the layout")
         blob = torch.frombuffer(bytearray(raw), dtype=layout.dtype).view(
             2, len(layout.layers), n, heads * dim

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from redis_server import module_redis_server, redis_server, redis_url  # noqa: F401  (fixtures)
 
 from kvblocks.generate.text import IdTokenizer  # noqa: F401  (the tests import it from here)
 

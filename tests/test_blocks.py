@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from conftest import IdTokenizer, tiny_llama
-from redis_server import RedisServer, RedisUnavailable, unavailable
+from redis_server import start_redis
 
 from kvblocks import Block, CachedGenerator, GenerationParams, KVCacheTrie, ParamError
 from kvblocks.adapters import hf
@@ -203,10 +203,7 @@ def test_a_model_without_rope_is_refused_by_name_in_blend_and_concat():
 def test_a_block_is_shared_across_two_tries_through_one_redis(model, tmp_path):
     from kvblocks import RedisTier
 
-    try:
-        server = RedisServer(tmp_path / "redis").start()
-    except RedisUnavailable as e:
-        unavailable(str(e))
+    server = start_redis(tmp_path / "redis")
     try:
         writer = generator(model, spill=RedisTier(server.url, chunk_tokens=8))
         first = run(writer, rag("AB"), kv_mode="concat")

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from conftest import IdTokenizer, tiny_llama
-from redis_server import RedisServer, RedisUnavailable, unavailable
+from redis_server import start_redis
 
 from kvblocks import Block, CachedGenerator, KVCacheTrie, RedisTier
 from kvblocks.blocks.explain import explain_blocks
@@ -69,10 +69,7 @@ def test_reused_block_tokens_are_counted_by_the_tier_their_kv_came_from(model):
 
 
 def test_block_tokens_fetched_from_redis_are_counted_as_redis(model, tmp_path):
-    try:
-        server = RedisServer(tmp_path / "redis").start()
-    except RedisUnavailable as e:
-        unavailable(str(e))
+    server = start_redis(tmp_path / "redis")
     try:
         writer = generator(model, spill=RedisTier(server.url, chunk_tokens=8))
         run(writer, rag("AB"), kv_mode="concat")

@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import IdTokenizer
-from redis_server import RedisServer, RedisUnavailable, unavailable
 from test_batch_engine import run_all, workload
 from tiny_models import VOCAB, random_ids, tiny_model
 from transformers import DynamicCache
@@ -182,17 +181,6 @@ def _packed(model, attention: str | None = None, graphs: bool | None = None) -> 
 
 def _one_at_a_time(model) -> Engine:
     return Engine(CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, capacity_tokens=2048)))
-
-
-@pytest.fixture
-def redis_url(tmp_path):
-    server = RedisServer(tmp_path / "redis")
-    try:
-        server.start()
-    except RedisUnavailable as exc:
-        unavailable(str(exc))
-    yield server.url
-    server.stop()
 
 
 @torch.inference_mode()

@@ -1,5 +1,6 @@
-"""DiskTier alone: framing, each kind of damage, eviction by size, the index rebuilt at start, two
-processes on one directory, and a disk that is full, read-only or gone."""
+"""DiskTier alone: framing, each kind of damage (a flipped value through the codec above it), eviction by
+size, the index rebuilt at start, two processes on one directory, and a disk that is full, read-only or
+gone."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from conftest import IdTokenizer, tiny_llama
 
+from kvblocks import CachedGenerator, KVCacheTrie
 from kvblocks.spill import disk
 from kvblocks.spill.disk import FRAME, DiskTier
+from kvblocks.spill.stack import TierStack
 from kvblocks.spill.tier import Tier
 
 KEY = "kvblocks:ns0:{:04d}"
@@ -83,9 +88,9 @@ def damage_flip_frame(path: Path, other: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def damage_flip_digest(path: Path, other: Path) -> None:
+def damage_flip_key(path: Path, other: Path) -> None:
     data = bytearray(path.read_bytes())
-    data[20] ^= 0x80
+    data[20] ^= 0x80  # a byte of the key after the frame
     path.write_bytes(bytes(data))
 
 
@@ -106,15 +111,16 @@ def damage_appended(path: Path, other: Path) -> None:
     [
         damage_truncate,
         damage_torn_empty,
-        damage_flip_value,
         damage_flip_frame,
-        damage_flip_digest,
+        damage_flip_key,
         damage_foreign_key,
         damage_foreign_program,
         damage_appended,
     ],
 )
 def test_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path, damage):
+    """Damage to the frame or the key, or a file of another size or program: the tier's own check.
+    A bit flipped inside a value is the codec's (the next test)."""
     tier = DiskTier(tmp_path, 1 << 20)
     a, b = KEY.format(1), KEY.format(2)
     tier.put([(a, value(1))])
@@ -127,6 +133,51 @@ def test_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path, damage):
     c = tier.counters()
     assert (c["damaged_deleted"], c["misses"], c["files"]) == (1, 1, 1), c
     assert tier.used_bytes() == other.stat().st_size
+
+
+CHUNK = 8
+SECRET = b"a disk-tier test secret"
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_bit_flipped_value_is_refused_by_the_codec_counted_and_deleted_by_the_tier(tmp_path, secret):
+    """The frame does not checksum the value: the record's own checksum (or seal) catches the flip,
+    the stack counts a miss and the tier deletes the file, counting it as damaged."""
+    model, tokenizer = tiny_llama(seed=0), IdTokenizer()
+    text = " ".join(str(t) for t in np.random.default_rng(3).integers(0, 128, 80))
+    plain = CachedGenerator(model, tokenizer, None).generate(text, max_new_tokens=2).token_ids
+    tier = DiskTier(tmp_path, 1 << 30)
+    stack = TierStack([tier], chunk_tokens=CHUNK, secret=secret)
+    cache = KVCacheTrie.for_model(model, capacity_tokens=1000, spill=stack)
+    try:
+        assert CachedGenerator(model, tokenizer, cache).generate(text, max_new_tokens=2).token_ids == plain
+        assert stack.flush()
+        ns, ids = cache.namespace.key, np.array(tokenizer(text)["input_ids"])
+        key = stack.key(ns, stack.codec.chunk_hashes(ns, ids, CHUNK)[3])
+        path = tier.path(key)
+        data = bytearray(path.read_bytes())
+        data[-50] ^= 0x04  # inside the record's KV (or its ciphertext)
+        path.write_bytes(bytes(data))
+        cache.clear()
+        again = CachedGenerator(model, tokenizer, cache).generate(text, max_new_tokens=2)
+        assert again.token_ids == plain and again.cached_tokens == 3 * CHUNK  # the run ends before it
+        assert stack.flush()
+        s = cache.stats()
+        assert (s["disk_verify_failures"], s["disk_deleted_invalid"], s["disk_damaged_deleted"]) == (
+            1,
+            1,
+            1,
+        ), s
+        assert path.read_bytes() != bytes(data)  # deleted, then written again whole by write-through
+    finally:
+        cache.close()
+
+
+def test_the_stack_refuses_a_format_without_verification_over_the_disk_tier(tmp_path):
+    from kvblocks.adapters.lmcache import LMCacheCodec
+
+    with pytest.raises(ValueError, match="disk tier relies on kvblocks' own records"):
+        TierStack([DiskTier(tmp_path, 1 << 20)], codec=LMCacheCodec("org/model", redis_is_trusted=True))
 
 
 def test_eviction_keeps_the_size_bound_and_drops_the_least_recently_used(tmp_path):
@@ -369,7 +420,7 @@ def test_eviction_hands_whole_records_to_the_tier_below(tmp_path):
     for i in range(3):
         tier.put([(KEY.format(i), value(i))])
     assert demoted == [(KEY.format(0), value(0))]
-    damage_flip_value(only_by_key(tmp_path, tier, KEY.format(1)), tmp_path)
+    damage_flip_frame(only_by_key(tmp_path, tier, KEY.format(1)), tmp_path)
     tier.put([(KEY.format(3), value(3))])  # evicts 1, whose file is damaged: nothing goes down
     assert demoted == [(KEY.format(0), value(0))] and tier.counters()["evictions"] == 2
 
@@ -397,3 +448,21 @@ def test_a_slow_read_is_cut_at_the_budget_and_the_run_read_so_far_is_kept(tmp_pa
     assert out[:2] == [value(0), value(1)] and out[2:] == [None, None]  # 60 ms > 50 ms: cut after two
     assert tier.counters()["read_budget_cuts"] == 1
     assert len(record_files(tmp_path)) == 4  # cut records stay: they are not damaged
+
+
+def test_a_hit_reorders_in_memory_and_its_mtime_is_written_lazily_first_chunk_latest(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, touch_interval_s=3600.0)
+    keys = [KEY.format(i) for i in range(3)]
+    tier.put([(k, value(i)) for i, k in enumerate(keys)])
+    paths = [tier.path(k) for k in keys]
+    for i, path in enumerate(paths):
+        os.utime(path, (1000 + i, 1000 + i))
+    assert tier.get(keys[:2], [5000, 5000]) == [value(0), value(1)]
+    assert [p.stat().st_mtime for p in paths] == [1000, 1001, 1002]  # the read path wrote nothing
+    assert list(tier.index.lru)[-2:] == [tier.path(k).stem for k in (keys[1], keys[0])]
+    tier.close()
+    m0, m1, m2 = (p.stat().st_mtime_ns for p in paths)
+    assert m0 > m1 > 1002 * 10**9 and m2 == 1002 * 10**9  # a run's first chunk ends the most recent
+    eager = DiskTier(tmp_path, 1 << 20, touch_interval_s=0.0)
+    eager.get([keys[2]], [5000])
+    assert paths[2].stat().st_mtime_ns > m0  # past the interval, the next hit writes them

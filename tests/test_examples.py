@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from redis_server import RedisServer, RedisUnavailable, unavailable
 from server_proc import start_server, stop_cleanly, tiny_model_dir
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -67,14 +66,8 @@ def check_agents_share_the_prompt(turns: dict, agents: int, first_may_hit: bool 
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    try:
-        server.start()
-    except RedisUnavailable as exc:
-        unavailable(str(exc))
-    yield server.url
-    server.stop()
+def redis_url(module_redis_server):
+    return module_redis_server.url
 
 
 @pytest.fixture(scope="module")

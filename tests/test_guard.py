@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from redis_server import RedisServer, RedisUnavailable, unavailable
+from redis_server import start_redis
 from server_proc import make_tiny_model_dir, scrape, start_server, stop_cleanly, tiny_model_dir
 
 MODEL = "tiny"
@@ -112,10 +112,7 @@ def test_a_non_streaming_client_that_leaves_is_cancelled_within_a_step(slow_serv
 
 
 def test_serve_warns_once_that_redis_without_a_secret_is_trusted_and_unbounded(tmp_path):
-    try:
-        redis = RedisServer(tmp_path / "redis").start()
-    except RedisUnavailable as exc:
-        unavailable(str(exc))
+    redis = start_redis(tmp_path / "redis")
     try:
         redis.client().config_set("maxmemory", 0)
         server = start_server("--model", str(tiny_model_dir()), "--redis", redis.url)

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import IdTokenizer, tiny_llama
-from redis_server import RedisServer, RedisUnavailable, unavailable
 
 from kvblocks import CachedGenerator, KVCacheTrie
 from kvblocks.adapters.lmcache import (
@@ -222,16 +221,6 @@ def test_rejected_values_are_never_deleted_they_may_belong_to_the_fleet():
 
 
 # ---- as a tier, against a real Redis ---------------------------------------------------------
-
-
-@pytest.fixture
-def redis_url(tmp_path):
-    try:
-        server = RedisServer(tmp_path / "redis").start()
-    except RedisUnavailable as exc:
-        unavailable(str(exc))
-    yield server.url
-    server.stop()
 
 
 def generate(model, tier, ids):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import IdTokenizer, tiny_llama
-from redis_server import LocalCluster, RedisServer, RedisUnavailable, free_port, unavailable
+from redis_server import LocalCluster, RedisServer, free_port, start_redis, started
 
 import kvblocks
 from kvblocks import CachedGenerator, KVCacheTrie
@@ -43,18 +43,9 @@ TOKENIZER = IdTokenizer()
 # ---- servers ---------------------------------------------------------------------------------
 
 
-def started(server: RedisServer | LocalCluster):
-    try:
-        return server.start()
-    except RedisUnavailable as exc:
-        unavailable(str(exc))
-
-
 @pytest.fixture
-def server(tmp_path):
-    srv = started(RedisServer(tmp_path / "redis"))
-    yield srv
-    srv.stop()
+def server(redis_server):
+    return redis_server
 
 
 @pytest.fixture
@@ -161,7 +152,7 @@ print(json.dumps(runs))
 @pytest.fixture(scope="module")
 def process_b(model, tmp_path_factory):
     """This process caches a prompt; a fresh OS process then runs it in float32 and float64."""
-    srv = started(RedisServer(tmp_path_factory.mktemp("redis")))
+    srv = start_redis(tmp_path_factory.mktemp("redis"))
     try:
         text = prompt(1)
         tier = RedisTier(srv.url, **FAST)
@@ -270,7 +261,7 @@ def test_unreachable_cluster_is_a_miss_not_an_error(model, tiers):
 
 
 def test_ttl_s_puts_an_expiry_on_every_written_key_and_defaults_to_a_day(model, tmp_path, tiers):
-    srv = started(RedisServer(tmp_path / "redis", unix_socket=True))
+    srv = start_redis(tmp_path / "redis", unix_socket=True)
     try:
         client = srv.client()
         with_ttl = trie(model, tiers(srv.url, ttl_s=30))

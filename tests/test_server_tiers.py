@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-from redis_server import RedisServer, RedisUnavailable, unavailable
 from server_proc import scrape, start_server, stop_cleanly, tiny_model_dir
 
 from kvblocks.cli.commands import main
@@ -27,13 +26,8 @@ PROMPT = " ".join(f"w{i}" for i in range(40))
 
 
 @pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    try:
-        server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    except RedisUnavailable as exc:
-        unavailable(str(exc))
-    yield server
-    server.stop()
+def redis(module_redis_server):
+    return module_redis_server
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import IdTokenizer, tiny_llama
-from redis_server import RedisServer, RedisUnavailable, unavailable
 
 from kvblocks import CachedGenerator, KVCacheTrie
 from kvblocks.spill.host import HostTier
@@ -31,13 +30,8 @@ TOKENIZER = IdTokenizer()
 
 
 @pytest.fixture
-def server(tmp_path):
-    try:
-        srv = RedisServer(tmp_path / "redis").start()
-    except RedisUnavailable as exc:
-        unavailable(str(exc))
-    yield srv
-    srv.stop()
+def server(redis_server):
+    return redis_server
 
 
 @pytest.fixture

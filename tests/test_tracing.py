@@ -16,7 +16,6 @@ import pytest
 import torch
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from redis_server import RedisServer, RedisUnavailable, unavailable
 from server_proc import start_server, stop_cleanly, tiny_model_dir
 from tiny_models import tiny_model
 
@@ -54,13 +53,8 @@ def exporter():
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    try:
-        server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    except RedisUnavailable as exc:
-        unavailable(str(exc))
-    yield server.url
-    server.stop()
+def redis_url(module_redis_server):
+    return module_redis_server.url
 
 
 def run(engine: BatchEngine, params: GenerationParams, salt=None) -> None:

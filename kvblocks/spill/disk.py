@@ -1,23 +1,25 @@
 """DiskTier: sealed spill records in files under one directory, bounded by size, kept across restarts.
 
-One record is one file, `DIR/<h[:2]>/<h>.kvb` where `h` is a hash of its key: a key never becomes a
-path. A file is a small frame around the record the stack's codec made (`FRAME`: magic, version, key
-length, value length, xxh3 of key and value, the key's hash) plus the key itself, so the tier checks
-its own framing before the codec checks the record: a torn, truncated, bit-flipped or foreign file
-(another key's file copied over, another program's) is a counted miss and is deleted, never returned.
+One record is one file (`spill.disk_files`: its name is a hash of the key, never the key): a small
+frame, the key, then the record as the stack's codec made it. The tier checks the frame (a whole
+file of this format, holding this key); the codec checks the record, an xxh3 of its payload or, with
+a secret, an AES-GCM seal, so a torn, truncated, bit-flipped or foreign file (another key's file
+copied over, another program's) is a counted miss and is deleted, never returned as KV: the frame's
+damage by the tier as it reads (`damaged_deleted`), the record's by the stack, which counts a
+verification failure and hands the key back to `discard` (counted there too). The tier therefore
+holds only records of a codec that verifies them (`needs_verified_records`; the stack checks).
 
 Writes go to a temporary name in the same directory and are renamed over the final one, so a reader
 (this process or another server sharing the directory) sees a whole file or none. Files are not
 fsynced by default: a killed process loses nothing already renamed, and what a power loss tears is
-caught by the frame like any other damage, so durability would buy a cache nothing (`fsync=True`
-makes every write durable, at the cost BENCHMARKS.md measures).
+caught like any other damage, so durability would buy a cache nothing (`fsync=True` makes every
+write durable, at the cost BENCHMARKS.md measures).
 
-The size bound is kept by an in-memory index (file name -> bytes, least recently used first) that is
-built at start by listing the directory (a restart keeps the cache) and rebuilt every
-`rescan_interval_s` by the writer, which is how two processes on one directory learn of each other's
-files: between rescans each may overshoot by what the other wrote. A hit also touches the file's
-mtime, so a restart and the other process order files by their last use too. A run of chunks is
-touched last-first: a chunk is worth nothing without the ones before it, so the tail goes first.
+The size bound is kept by an index (`spill.disk_index`: file name -> bytes, least recently used
+first) built at start by listing the directory and rebuilt every `rescan_interval_s` by the writer,
+which is how two processes on one directory learn of each other's files: between rescans each may
+overshoot by what the other wrote. A hit reorders the index in memory; the files' mtimes, which order
+them for a restart and for the other process, follow at most every `touch_interval_s` and at close.
 
 Files are the owner's alone (0600, directories 0700): without a secret a record holds the prompt's
 token ids in the clear. A full disk (ENOSPC, EDQUOT, EFBIG), a read-only one (EROFS, EACCES) or a
@@ -28,58 +30,54 @@ reads go on.
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
 import io
 import os
-import re
-import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-import xxhash
-
+from kvblocks.spill.disk_files import (
+    FRAME,
+    degraded_reason,
+    file_name,
+    frame,
+    overhead,
+    parse,
+    read_record,
+    record_path,
+    scan_keys,
+    temp_path,
+    write_file,
+)
+from kvblocks.spill.disk_index import DiskIndex
 from kvblocks.spill.tier import TierHealth, TierUnavailable
 
-MAGIC = b"KVBD"
-VERSION = 1
-# magic, version, key length, value length, xxh3-64 of key + value, blake2b-128 of the key
-FRAME = struct.Struct("<4sHHQQ16s")
-MAX_KEY_BYTES = 1024
-SUFFIX = ".kvb"
-_RECORD = re.compile(r"[0-9a-f]{32}\.kvb")
-_FANOUT = re.compile(r"[0-9a-f]{2}")
-_TEMP = re.compile(r"\.([0-9a-f]{32})\.(\d+)\.([0-9a-f]{8})\.tmp")
-# A temporary file this old is a crashed writer's (a write takes milliseconds).
-STALE_TEMP_S = 60.0
-# Errors that mean the disk cannot take writes now; anything else an OSError says is a failed write.
-FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
+__all__ = ["FRAME", "DiskTier", "write_file"]
 
-
-def key_hash(key: str) -> bytes:
-    return hashlib.blake2b(key.encode(), digest_size=16).digest()
-
-
-def digest(key: bytes, value: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(value, seed=xxhash.xxh3_64_intdigest(key))
-
-
-def frame(key: str, value: bytes) -> bytes:
-    """The frame and key that precede `value` in its file."""
-    k = key.encode()
-    if len(k) > MAX_KEY_BYTES:
-        raise ValueError(f"a disk tier key is at most {MAX_KEY_BYTES} bytes, got {len(k)}")
-    return FRAME.pack(MAGIC, VERSION, len(k), len(value), digest(k, value), key_hash(key)) + k
+COUNTERS = (
+    "hits",
+    "misses",
+    "read_file_bytes",
+    "written_file_bytes",
+    "written_files",
+    "evictions",
+    "damaged_deleted",
+    "write_failures",
+    "write_skipped_degraded",
+    "rescans",
+    "stale_temps_deleted",
+    "read_budget_cuts",
+)
 
 
 class DiskTier:
     """A `Tier` of files under `directory`, at most `capacity_bytes` of them (frames included)."""
 
     name = "disk"
+    # Damage inside a value is the codec's to catch (see the module doc): the stack refuses a codec
+    # that does not verify its records over this tier.
+    needs_verified_records = True
 
     def __init__(
         self,
@@ -90,6 +88,7 @@ class DiskTier:
         retry_interval_s: float = 30.0,
         rescan_interval_s: float = 60.0,
         read_budget_s: float = 0.5,
+        touch_interval_s: float = 10.0,
     ) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"the disk tier's size must be positive, got {capacity_bytes}")
@@ -101,30 +100,13 @@ class DiskTier:
         # A lookup runs while a request is admitted: like Redis's reply timeout, a slow disk may hold it
         # at most this long; the run read by then is used and the rest is computed (`read_budget_cuts`).
         self.read_budget_s = read_budget_s
-        self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recent first
-        self._used = 0
-        self._counts = dict.fromkeys(
-            (
-                "hits",
-                "misses",
-                "read_file_bytes",
-                "written_file_bytes",
-                "written_files",
-                "evictions",
-                "damaged_deleted",
-                "write_failures",
-                "write_skipped_degraded",
-                "rescans",
-                "stale_temps_deleted",
-                "read_budget_cuts",
-            ),
-            0,
-        )
+        self._lock = threading.Lock()  # the counters'
+        self._counts = dict.fromkeys(COUNTERS, 0)
         self._health = TierHealth("ok")
         self._blocked_until = 0.0
         self._demote: Callable[[list[tuple[str, bytes]]], None] | None = None
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.index = DiskIndex(self.root, capacity_bytes, touch_interval_s)
         self.rescan()
 
     def bind_demote(self, demote: Callable[[list[tuple[str, bytes]]], None]) -> None:
@@ -144,15 +126,16 @@ class DiskTier:
                 continue
             except OSError as exc:
                 raise TierUnavailable(f"disk tier at {self.root}: {exc}") from exc
-            overhead = FRAME.size + len(key.encode())
-            out.append(size - overhead if size > overhead else -1)
+            extra = overhead(key)
+            out.append(size - extra if size > extra else -1)
         return out
 
     def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[bytes | None]:
         """Every file is opened and its read-ahead asked for first, so a cold run's reads reach the
-        device together rather than one file after another; then each is read and checked."""
+        device together rather than one file after another; then each is read and its frame checked."""
         deadline = time.monotonic() + self.read_budget_s
-        files = [self._open(key) for key in keys]
+        names = [file_name(key) for key in keys]
+        files = [self._open(name) for name in names]
         out: list[bytes | None] = [None] * len(keys)
         try:
             for i, (key, f, limit) in enumerate(zip(keys, files, limits)):
@@ -164,72 +147,59 @@ class DiskTier:
             for f in files:
                 if f is not None:
                     f.close()
-        hit = [self._name(k) for k, v in zip(keys, out) if v is not None]
-        now = time.time()
-        with self._lock:
-            for name in reversed(hit):  # the first chunk of a run ends most recent
-                self._index.move_to_end(name)
-        for name in hit:  # other processes and a restart see the use too
-            with contextlib.suppress(OSError):  # read-only, or deleted since: recency is a hint
-                os.utime(self._file(name), (now, now))
+        hit = [name for name, v in zip(names, out) if v is not None]
+        self.index.hit(hit)
         self._count(hits=len(hit), misses=len(keys) - len(hit))
         return out
 
     def put(self, items: Sequence[tuple[str, bytes]]) -> int:
         """Write each record (evicting the least recently used first); returns the bytes written.
         While the disk is full or read-only nothing is written (counted, never raised); a directory
-        deleted under the tier is recreated. Files another process wrote since the last rescan enter
-        the index at the least recent end, so each process evicts the other's unused files first."""
+        deleted under the tier is recreated."""
         if not self.root.is_dir():
             self._recreate()
-        if time.time() - self._rescanned > self.rescan_interval_s:
+        if time.time() - self.index.rescanned > self.rescan_interval_s:
             self.rescan()
         written = 0
         for i, (key, value) in enumerate(reversed(items)):  # the first chunk of a run ends most recent
             if time.monotonic() < self._blocked_until:
                 self._count(write_skipped_degraded=len(items) - i)
                 break
-            head = frame(key, value)
+            head = frame(key, len(value))
             size = len(head) + len(value)
             if size > self.capacity:
                 self._count(write_failures=1)
                 continue
-            name = self._name(key)
+            name = file_name(key)
             self._make_room(name, size)
             if self._write(name, head, value):
-                with self._lock:
-                    self._used += size - self._index.pop(name, 0)
-                    self._index[name] = size
+                self.index.added(name, size)
                 written += size
         self._count(written_file_bytes=written)
+        self.index.persist()
         return written
 
     def delete(self, keys: Sequence[str]) -> int:
-        return sum(self._unlink(self._name(k)) for k in keys)
+        return sum(self.index.unlink(file_name(k)) for k in keys)
+
+    def discard(self, keys: Sequence[str]) -> int:
+        """Delete records the codec refused (damage inside a value): counted as damaged files."""
+        deleted = self.delete(keys)
+        self._count(damaged_deleted=deleted)
+        return deleted
 
     def scan(self, prefix: str) -> Iterator[str]:
         """Keys of the records in the directory that start with `prefix` (reads each file's frame)."""
-        for sub in self._subdirs():
-            for entry in _entries(sub):
-                if not _RECORD.fullmatch(entry.name):
-                    continue
-                try:
-                    with open(entry.path, "rb") as f:
-                        head = f.read(FRAME.size + MAX_KEY_BYTES)
-                except OSError:
-                    continue
-                key = _framed_key(head)
-                if key is not None and key.startswith(prefix) and self._name(key) == entry.name[:-4]:
-                    yield key
+        return scan_keys(self.root, prefix)
 
     def used_bytes(self) -> int:
-        return self._used
+        return self.index.used()
 
     def capacity_bytes(self) -> int | None:
         return self.capacity
 
     def records(self) -> int:
-        return len(self._index)
+        return len(self.index)
 
     def health(self) -> TierHealth:
         if not self.root.is_dir():
@@ -240,37 +210,19 @@ class DiskTier:
 
     def counters(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._counts) | {"files": len(self._index), "used_bytes": self._used}
+            counts = dict(self._counts)
+        return counts | {"files": len(self.index), "used_bytes": self.index.used()}
 
     def close(self) -> None:
-        """Nothing is buffered: every record is in its file, or was never written."""
+        """Every record is in its file, or was never written; the hits' recency goes to the mtimes."""
+        self.index.persist(force=True)
 
     # ---- index ---------------------------------------------------------------------------
 
     def rescan(self) -> None:
-        """Rebuild the index from the directory (least recently modified first) and delete stale
-        temporary files; recency this process saw since the last rescan is kept."""
-        found = []
-        now = time.time()
-        for sub in self._subdirs():
-            for entry in _entries(sub):
-                try:
-                    st = entry.stat()
-                except OSError:  # deleted by another process since the listing
-                    continue
-                if _RECORD.fullmatch(entry.name):
-                    found.append((st.st_mtime, entry.name[:-4], st.st_size))
-                elif (m := _TEMP.fullmatch(entry.name)) and _stale(int(m.group(2)), now - st.st_mtime):
-                    with contextlib.suppress(OSError):  # gone already, or read-only
-                        os.unlink(entry.path)
-                        self._count(stale_temps_deleted=1)
-        with self._lock:
-            seen = {name: i for i, name in enumerate(self._index)}
-            found.sort(key=lambda f: (seen.get(f[1], -1), f[0]))
-            self._index = OrderedDict((name, size) for _, name, size in found)
-            self._used = sum(self._index.values())
-            self._counts["rescans"] += 1
-        self._rescanned = now
+        """Rebuild the index from the directory and delete stale temporary files (`DiskIndex.rescan`)."""
+        deleted = self.index.rescan()
+        self._count(rescans=1, stale_temps_deleted=deleted)
 
     def _recreate(self) -> None:
         """The directory was deleted under the tier: its files went with it."""
@@ -282,62 +234,22 @@ class DiskTier:
 
     def _make_room(self, name: str, size: int) -> None:
         evicted = []
-        while True:
-            with self._lock:
-                if self._used - self._index.get(name, 0) + size <= self.capacity or not self._index:
-                    break
-                victim = next(iter(self._index))
-                if victim == name:
-                    self._index.move_to_end(name)
-                    continue
-            record = self._load(victim) if self._demote is not None else None
-            if self._unlink(victim):
+        while (victim := self.index.victim(name, size)) is not None:
+            record = read_record(record_path(self.root, victim), victim) if self._demote is not None else None
+            if self.index.unlink(victim):
                 self._count(evictions=1)
                 if record is not None:
                     evicted.append(record)
         if evicted:
             self._demote(evicted)
 
-    def _load(self, name: str) -> tuple[str, bytes] | None:
-        """The (key, value) a file holds, when its frame is whole and names the file."""
-        try:
-            with open(self._file(name), "rb", buffering=0) as f:
-                data = f.read()
-        except OSError:
-            return None
-        key = _framed_key(data[: FRAME.size + MAX_KEY_BYTES])
-        if key is None or self._name(key) != name:
-            return None
-        k = key.encode()
-        parsed = _parse(data[: FRAME.size + len(k)], k, len(data))
-        value = data[FRAME.size + len(k) :]
-        return None if parsed is None or digest(k, value) != parsed[1] else (key, value)
-
-    def _unlink(self, name: str, inode: int | None = None) -> bool:
-        """Remove `name` from the index and the directory; with `inode`, only if the file is still
-        that one (another process may have renamed a good record over a damaged one)."""
-        with self._lock:
-            self._used -= self._index.pop(name, 0)
-        path = self._file(name)
-        try:
-            if inode is not None and os.stat(path).st_ino != inode:
-                return False
-            os.unlink(path)
-            return True
-        except FileNotFoundError:
-            return False
-        except OSError:  # read-only: the file stays, and the next rescan counts it again
-            return False
-
     # ---- files ---------------------------------------------------------------------------
 
-    def _open(self, key: str) -> io.FileIO | None:
-        name = self._name(key)
+    def _open(self, name: str) -> io.FileIO | None:
         try:
-            f = open(self._file(name), "rb", buffering=0)  # noqa: SIM115 (`get` closes it)
+            f = open(record_path(self.root, name), "rb", buffering=0)  # noqa: SIM115 (`get` closes it)
         except FileNotFoundError:  # never written, evicted, or deleted by another process
-            with self._lock:
-                self._used -= self._index.pop(name, 0)
+            self.index.forget(name)
             return None
         except OSError:
             return None
@@ -346,40 +258,33 @@ class DiskTier:
         return f
 
     def _read(self, key: str, f: io.FileIO | None, limit: int) -> bytes | None:
+        """At most `limit` bytes of `key`'s value from its open file, when its frame is whole; the
+        value is read straight into the one bytes object returned (no copy after the kernel's)."""
         if f is None:
             return None
-        name = self._name(key)
         try:
             st = os.fstat(f.fileno())
             k = key.encode()
-            head = f.read(FRAME.size + len(k))
-            parsed = _parse(head, k, st.st_size)
-            if parsed is None:
-                self._damaged(name, st.st_ino)
+            length = parse(f.read(FRAME.size + len(k)), k, st.st_size)
+            if length is None:
+                self._damaged(file_name(key), st.st_ino)
                 return None
-            length, expected = parsed
             value = f.read(min(length, limit))
         except OSError:
             return None
         if len(value) < min(length, limit):  # truncated since fstat
-            self._damaged(name, st.st_ino)
+            self._damaged(file_name(key), st.st_ino)
             return None
-        if len(value) == length and digest(k, value) != expected:
-            self._damaged(name, st.st_ino)
-            return None
-        with self._lock:
-            if name not in self._index:  # written by another process since the last rescan
-                self._index[name] = st.st_size
-                self._used += st.st_size
+        self.index.found(file_name(key), st.st_size)
         self._count(read_file_bytes=len(value))
         return value
 
     def _damaged(self, name: str, inode: int) -> None:
-        self._count(damaged_deleted=int(self._unlink(name, inode)))
+        self._count(damaged_deleted=int(self.index.unlink(name, inode)))
 
     def _write(self, name: str, head: bytes, value: bytes) -> bool:
-        path = self._file(name)
-        temp = path.with_name(f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        path = record_path(self.root, name)
+        temp = temp_path(path, name)
         try:
             try:
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -403,93 +308,16 @@ class DiskTier:
         """A write failed: a full or read-only disk (or one whose directory cannot be recreated)
         blocks writes for `retry_interval_s`; the first write after that is the probe."""
         self._count(write_failures=1)
-        if exc.errno in FULL:
-            reason = f"disk full ({errno.errorcode.get(exc.errno, exc.errno)}): writes stopped"
-        elif exc.errno in READ_ONLY:
-            reason = f"{self.root} is read-only: writes stopped"
-        elif not self.root.is_dir():
-            reason = f"{self.root} is gone and cannot be recreated"
-        else:
-            return
-        self._health = TierHealth("degraded", reason)
-        self._blocked_until = time.monotonic() + self.retry_interval_s
-
-    def _name(self, key: str) -> str:
-        return key_hash(key).hex()
-
-    def _file(self, name: str) -> Path:
-        return self.root / name[:2] / (name + SUFFIX)
+        reason = degraded_reason(exc, self.root)
+        if reason:
+            self._health = TierHealth("degraded", reason)
+            self._blocked_until = time.monotonic() + self.retry_interval_s
 
     def path(self, key: str) -> Path:
         """The file that holds (or would hold) `key`'s record."""
-        return self._file(self._name(key))
-
-    def _subdirs(self) -> Iterator[str]:
-        for entry in _entries(self.root):
-            if _FANOUT.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                yield entry.path
+        return record_path(self.root, file_name(key))
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, d in deltas.items():
                 self._counts[name] += d
-
-
-def write_file(fd: int, head: bytes, value: bytes, fsync: bool) -> None:
-    """Write a whole file and close it (the seam where tests make the disk full). A short write
-    (a size limit reached) is retried, and the retry raises what stopped it."""
-    try:
-        for data in (memoryview(head), memoryview(value)):
-            while data:
-                data = data[os.write(fd, data) :]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _parse(head: bytes, key: bytes, file_size: int) -> tuple[int, int] | None:
-    """(value length, digest) when `head` frames a value of `key` and the file holds all of it."""
-    if len(head) != FRAME.size + len(key):
-        return None
-    magic, version, key_len, length, digest, hashed = FRAME.unpack_from(head)
-    if (magic, version, key_len) != (MAGIC, VERSION, len(key)) or head[FRAME.size :] != key:
-        return None
-    if hashed != hashlib.blake2b(key, digest_size=16).digest() or file_size != len(head) + length:
-        return None
-    return length, digest
-
-
-def _framed_key(head: bytes) -> str | None:
-    if len(head) < FRAME.size:
-        return None
-    magic, version, key_len, *_ = FRAME.unpack_from(head)
-    if (magic, version) != (MAGIC, VERSION) or len(head) < FRAME.size + key_len:
-        return None
-    try:
-        return head[FRAME.size : FRAME.size + key_len].decode()
-    except UnicodeDecodeError:
-        return None
-
-
-def _entries(path: str | Path) -> list[os.DirEntry]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _stale(pid: int, age_s: float) -> bool:
-    """A temporary file is a crashed writer's when it is old or its process is gone."""
-    if age_s > STALE_TEMP_S:
-        return True
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False

@@ -2,12 +2,16 @@
 below it (disk, Redis), for a server whose device is not the CPU.
 
 It holds the same records, under the same keys, as every other tier (the stack encodes and verifies
-them above it), least recently used first out by bytes within `capacity_bytes`. What it evicts
-goes to the stack's demotion hook (`bind_demote`): under write-back the next tier down receives it.
-The device side of the copies is the stack's: chunks leaving the device are copied into pinned host
-buffers asynchronously (a CUDA event orders the writer after the copy), and a hit decodes into a
-pinned staging buffer that is copied up with `non_blocking`, so the copy overlaps what the engine
-does next.
+them above it), least recently used first out by bytes within `capacity_bytes` (`spill.lru`, the
+disk tier's order too). What it evicts goes to the stack's demotion hook (`bind_demote`): under
+write-back the next tier down receives it.
+
+On CUDA each record is kept in a pinned host tensor (`pin_memory`, on by default where CUDA is
+available) and a hit hands back a view of it, no copy; the copies to and from the device are the
+stack's (`spill.transfer`): chunks leaving the device are copied into pinned buffers asynchronously
+on a side stream (an event orders the writer after the copy), and a hit decodes into a pinned
+staging buffer copied up `non_blocking` on that stream, which the current stream waits for. Without
+CUDA nothing is pinned (pinning needs its driver): records are ordinary bytes.
 
 On a CPU-only server the device pool already is host memory: `kvblocks serve` refuses
 `--host-cache-size` there; the class itself works on any device (the tests run it on the CPU).
@@ -16,10 +20,13 @@ On a CPU-only server the device pool already is host memory: `kvblocks serve` re
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
+import torch
+
+from kvblocks.spill.lru import BytesLRU
 from kvblocks.spill.tier import TierHealth
+from kvblocks.spill.transfer import pinned_copy
 
 Demote = Callable[[list[tuple[str, bytes]]], None]
 
@@ -29,12 +36,16 @@ class HostTier:
 
     name = "host"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"the host tier needs a positive size in bytes, got {capacity_bytes}")
-        self._capacity = int(capacity_bytes)
-        self._records: OrderedDict[str, bytes] = OrderedDict()
-        self._used = 0
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        elif pin_memory and not torch.cuda.is_available():
+            raise ValueError("the host tier pins its records only where CUDA is available")
+        self.pin_memory = pin_memory
+        self._lru = BytesLRU(int(capacity_bytes))
+        self._records: dict[str, bytes | torch.Tensor] = {}
         self._lock = threading.Lock()
         self._demote: Demote | None = None
         self._counts = {"evictions": 0, "evicted_bytes": 0, "refused_too_large": 0}
@@ -45,34 +56,37 @@ class HostTier:
 
     def sizes(self, keys: Sequence[str]) -> list[int]:
         with self._lock:
-            return [len(self._records.get(k, b"")) for k in keys]
+            return [self._lru.size(k) for k in keys]
 
     def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+        """Each record (a read-only view of its pinned tensor when pinned), cut to its limit."""
+        out: list = []
         with self._lock:
             for key, limit in zip(keys, limits):
-                value = self._records.get(key)
-                if value is not None:
-                    self._records.move_to_end(key)
-                    value = value if len(value) <= limit else value[:limit]
-                out.append(value)
+                record = self._records.get(key)
+                if record is not None:
+                    self._lru.touch([key])
+                    record = _view(record)
+                    record = record if len(record) <= limit else record[:limit]
+                out.append(record)
         return out
 
     def put(self, items: Sequence[tuple[str, bytes]]) -> int:
         written, evicted = 0, []
+        stored = [(key, self._store(value)) for key, value in items if len(value) <= self._lru.capacity]
         with self._lock:
-            for key, value in items:
-                if len(value) > self._capacity:
-                    self._counts["refused_too_large"] += 1
-                    continue
-                self._used -= len(self._records.pop(key, b""))
-                while self._used + len(value) > self._capacity:
-                    old_key, old = self._records.popitem(last=False)
-                    self._used -= len(old)
-                    evicted.append((old_key, old))
-                self._records[key] = bytes(value)
-                self._used += len(value)
-                written += len(value)
+            self._counts["refused_too_large"] += len(items) - len(stored)
+            for key, record in stored:
+                size = _nbytes(record)
+                self._records.pop(key, None)
+                self._lru.pop(key)
+                while not self._lru.fits(size):
+                    old = self._lru.victim()
+                    self._lru.pop(old)
+                    evicted.append((old, _view(self._records.pop(old))))
+                self._records[key] = record
+                self._lru.add(key, size)
+                written += size
             self._counts["evictions"] += len(evicted)
             self._counts["evicted_bytes"] += sum(len(v) for _, v in evicted)
         if evicted and self._demote is not None:
@@ -83,9 +97,8 @@ class HostTier:
         deleted = 0
         with self._lock:
             for key in keys:
-                value = self._records.pop(key, None)
-                if value is not None:
-                    self._used -= len(value)
+                if self._records.pop(key, None) is not None:
+                    self._lru.pop(key)
                     deleted += 1
         return deleted
 
@@ -95,10 +108,10 @@ class HostTier:
         return iter(keys)
 
     def used_bytes(self) -> int:
-        return self._used
+        return self._lru.used
 
     def capacity_bytes(self) -> int | None:
-        return self._capacity
+        return self._lru.capacity
 
     def records(self) -> int:
         return len(self._records)
@@ -113,4 +126,17 @@ class HostTier:
     def close(self) -> None:
         with self._lock:
             self._records.clear()
-            self._used = 0
+            self._lru.reset(())
+
+    def _store(self, value: bytes) -> bytes | torch.Tensor:
+        """What the tier keeps of `value`: a pinned copy, or the bytes themselves."""
+        return pinned_copy(value) if self.pin_memory else bytes(value)
+
+
+def _nbytes(record: bytes | torch.Tensor) -> int:
+    return record.numel() if isinstance(record, torch.Tensor) else len(record)
+
+
+def _view(record: bytes | torch.Tensor) -> bytes | memoryview:
+    """The record's bytes; a pinned tensor's as a read-only view (it keeps the tensor alive)."""
+    return memoryview(record.numpy()).toreadonly() if isinstance(record, torch.Tensor) else record

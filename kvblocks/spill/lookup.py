@@ -3,8 +3,9 @@
 Each tier in order is asked for the longest run of chunks continuing what the levels above found:
 one `sizes` call finds the consecutive chunks present with the size a record must have, one `get`
 (bounded by that size) fetches them, and each is verified into rows of a host buffer (pinned when
-the device is a GPU, so the copy up is asynchronous). A value of the wrong size or type is refused
-unread, one that fails verification ends the run; either is counted and deleted from its tier.
+the device is a GPU, so the copy up is asynchronous, on a side stream: `spill.transfer`). A value
+of the wrong size or type is refused unread, one that fails verification ends the run; either is
+counted and deleted from its tier.
 A tier that is down is skipped (counted), one that fails is marked down: a miss, never an error.
 A recurrent model's state snapshot at a chunk end is found the same way, the furthest wins.
 """
@@ -21,6 +22,7 @@ from kvblocks.cache.layout import KVLayout, StateLayout
 from kvblocks.spill.records import ChunkCodec, VerificationError
 from kvblocks.spill.tier import TierUnavailable
 from kvblocks.spill.tier_counters import TierSlot
+from kvblocks.spill.transfer import is_cuda, upload
 from kvblocks.spill.writer import Confirmed
 
 # (tier slot, key, counter) -> count a refused record and delete it from that tier
@@ -103,12 +105,7 @@ class Lookup:
         if done == 0:
             return None
         kv = [_join([p[layer] for p in parts]) for layer in range(len(parts[0]))]
-        return Fetched(
-            first * c,
-            done * c,
-            [None if t is None else t.to(self.device, non_blocking=True) for t in kv],
-            tiers,
-        )
+        return Fetched(first * c, done * c, upload(kv, self.device), tiers)
 
     def _run(self, slot: TierSlot, t: Target) -> tuple[list[torch.Tensor | None], list[tuple[str, bytes]]]:
         """The verified run `slot`'s tier holds of `t`: its KV rows and its (key, record)s."""
@@ -132,7 +129,7 @@ class Lookup:
             return [], []
         # Chunks decode straight into their rows of one tensor per layer; the run ends before the
         # first chunk that fails verification.
-        restored = self.layout.empty(run * c, pin_memory=_is_cuda(self.device))
+        restored = self.layout.empty(run * c, pin_memory=is_cuda(self.device))
         found: list[tuple[str, bytes]] = []
         for i, raw in enumerate(values):
             if raw is None or len(raw) != lengths[i]:  # replaced since `sizes` answered: next lookup sees it
@@ -252,8 +249,3 @@ def _join(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     if parts[0] is None:
         return None
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _is_cuda(device: torch.device | None) -> bool:
-    """Restores into a GPU decode into pinned host buffers, so the copy up is asynchronous."""
-    return device is not None and device.type == "cuda"

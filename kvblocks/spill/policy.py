@@ -20,7 +20,8 @@ import torch
 
 from kvblocks.spill.records import ChunkCodec
 from kvblocks.spill.tier_counters import TierSlot
-from kvblocks.spill.writer import Confirmed, Job, Writer, copy_event, to_host
+from kvblocks.spill.transfer import offload
+from kvblocks.spill.writer import Confirmed, Job, Writer
 
 # --write-policy's names (HiCache's) -> the short names `write_mode` has always used
 WRITE_POLICIES = {"write-through": "through", "write-back": "back"}
@@ -87,11 +88,11 @@ class WritePolicy:
             return
         hashes = self.codec.chunk_hashes(namespace_key, ids[: last * c], c)
         for k in range(first, last):
-            kv = [to_host(t) for t in read(k * c, (k + 1) * c)]
+            kv, ready = offload(read(k * c, (k + 1) * c), self.device)  # pinned, async on a GPU
             tokens = ids[k * c : (k + 1) * c].copy()
             record = (self.codec.key(namespace_key, hashes[k]), namespace_key, tokens, kv)
             nbytes = sum(t.nbytes for t in kv if t is not None)
-            self.writer.enqueue(Job("record", (0,), record, ready=copy_event(self.device), nbytes=nbytes))
+            self.writer.enqueue(Job("record", (0,), record, ready=ready, nbytes=nbytes))
 
     def reject(self, slot: TierSlot, key: str, counter: str) -> None:
         """Count a refused value and delete it: its key fixes format version, namespace and tokens,

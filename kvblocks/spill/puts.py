@@ -41,8 +41,9 @@ class Puts:
             (items,) = job.args
             written = slot.tier.put(items)
             slot.count(**{job.counter: len(items)}, written_bytes=written)
-        elif job.kind == "delete":
-            slot.count(deleted_invalid=slot.tier.delete(list(job.args)))
+        elif job.kind == "delete":  # records refused by verification: a tier may count them (`discard`)
+            remove = getattr(slot.tier, "discard", slot.tier.delete)
+            slot.count(deleted_invalid=remove(list(job.args)))
         else:
             raise ValueError(f"unknown write job {job.kind!r}")
 

@@ -78,6 +78,13 @@ class TierStack:
             raise ValueError(f"a tier stack needs one or more tiers with distinct names, got {names}")
         self.chunk_tokens, self.key_prefix, self.retry_interval_s = chunk_tokens, key_prefix, retry_interval_s
         self.codec = codec or NativeCodec(key_prefix, None if secret is None else Sealer(secret))
+        if not isinstance(self.codec, NativeCodec) and any(
+            getattr(t, "needs_verified_records", False) for t in tiers
+        ):
+            raise ValueError(
+                "the disk tier relies on kvblocks' own records (checksummed or sealed) to catch damage "
+                "inside a value; another format cannot be stored there"
+            )
         for warning in (getattr(t, "trust_warning", "") for t in tiers):
             if warning and not self.codec.authenticated:
                 log.warning(warning)

@@ -11,6 +11,10 @@ without otherwise (they are optional so a tier needs no more than the Protocol):
 - `bind_demote(fn)`: the tier evicts by its own size bound and calls `fn(items)` with the
   (key, value)s it evicted, outside its locks; under write-back the stack writes them one tier down;
 - `records() -> int`: how many records it holds, for `kvblocks stats` and `/metrics`;
+- `discard(keys) -> int`: `delete` for records the codec refused (the disk tier counts them as
+  damaged files);
+- `needs_verified_records: bool`: the tier leaves damage inside a value to the codec (the disk tier),
+  so the stack refuses a codec that does not verify its records (the LMCache format);
 - `server_warnings() -> list[str]`: deployment problems worth a line at start;
 - `shared: bool`: other processes restore from this tier (Redis; a disk two servers share): KV
   events report chunks evicted from the device as still stored there;
@@ -49,8 +53,8 @@ class Tier(Protocol):
         ...
 
     def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[bytes | None]:
-        """Each key's value, reading at most `limits[i]` bytes of it; None where absent. Raises
-        TierUnavailable."""
+        """Each key's value, reading at most `limits[i]` bytes of it; None where absent. A value is
+        bytes or a read-only bytes-like view (the host tier's pinned records). Raises TierUnavailable."""
         ...
 
     def put(self, items: Sequence[tuple[str, bytes]]) -> int:

@@ -25,8 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from kvblocks.spill.tier import TierUnavailable
 from kvblocks.spill.tier_counters import TierSlot
 
@@ -44,7 +42,7 @@ class Job:
     targets: tuple[int, ...]  # indexes of the tiers it writes into
     args: tuple
     counter: str = "written_chunks"  # raw jobs: promoted_chunks or demoted_chunks
-    ready: Any = field(default=None)  # a CUDA event the job waits on (its device-to-host copy)
+    ready: Any = field(default=None)  # a CUDA event the job waits on (its copy off the device)
     nbytes: int = 0  # what it holds in host memory until it runs
 
 
@@ -203,23 +201,3 @@ class Writer:
 
 def _for(job: Job, target: int) -> Job:
     return Job(job.kind, (target,), job.args, job.counter, nbytes=job.nbytes)
-
-
-def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A host copy of `t`: on a GPU into pinned memory, asynchronously (see `copy_event`)."""
-    if t is None:
-        return None
-    if t.device.type != "cuda":
-        return t.to("cpu", copy=True)
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
-
-
-def copy_event(device: torch.device | None) -> Any:
-    """A CUDA event recorded after `to_host`'s copies were queued (None off a GPU)."""
-    if device is None or device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
