@@ -6,7 +6,7 @@ admission.py  the waiting room: per-tenant lines, bounds, weighted fair order
 scheduler.py  who runs and which tokens each feeds this step (no tensors); preemption victims
 slots.py      each running sequence's KV slots over the prefix cache (reserve, commit, complete)
 sequence.py   a request on the packed path: tokens, slots, output state
-model_runner.py  the packed forward (`paged.py` is its attention); serial.py the one-request path
+model_runner.py  a step's packed forward (`attention/` reads the KV); serial.py the one-request path
 speculative.py   draft/verify rounds inside the packed forward; postprocess.py logits to pieces
 report.py     metrics and trace spans; batch.py `BatchEngine`, the loop with the packed runner
 """

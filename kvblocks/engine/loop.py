@@ -3,7 +3,7 @@
 Every forward pass runs on the engine thread, so two requests never race on the model. Submitted
 requests wait in the `WaitingRoom` (bounded per tenant and in total; a full room refuses with
 `QueueFullError`). Each step admits from it, then schedules → runs → postprocesses the packed batch
-(`Scheduler`, `PackedRunner`, the per-token rule) and advances the requests on the serial runner
+(`Scheduler`, `StepForward`, the per-token rule) and advances the requests on the serial runner
 one stream step each. `Engine(generator)` is this loop with the serial runner alone; `BatchEngine`
 is the same loop with a packed runner.
 
@@ -27,7 +27,7 @@ from kvblocks.cache.trie import PoolFullError
 from kvblocks.engine import speculative
 from kvblocks.engine.admission import LimitsOf, QueueFullError, RoomLimits, WaitingRoom, no_limits
 from kvblocks.engine.ledger import TenantLedger
-from kvblocks.engine.model_runner import Batch, PackedRunner
+from kvblocks.engine.model_runner import Batch, StepForward
 from kvblocks.engine.postprocess import Postprocessor
 from kvblocks.engine.promotion import BlockPromotions
 from kvblocks.engine.report import Reporter, trace_ended, trace_submitted
@@ -54,7 +54,7 @@ class Engine:
         limits: RoomLimits | None = None,
         limits_of: LimitsOf = no_limits,
         *,
-        packed: tuple[PackedRunner, BatchLimits] | None = None,
+        packed: tuple[StepForward, BatchLimits] | None = None,
     ) -> None:
         self.generator = generator
         self.cache = generator.cache
@@ -74,7 +74,7 @@ class Engine:
         block_chunk = (packed[1] if packed is not None else BatchLimits()).max_batch_tokens
         self.serial = SerialRunner(generator, self.report, max_active, block_chunk, self.ledger.charge)
         self.promotions = BlockPromotions(generator, self.metrics, block_chunk, self.ledger.charge)
-        self.runner: PackedRunner | None = None
+        self.runner: StepForward | None = None
         self.scheduler: Scheduler | None = None
         self.rounds = generator if isinstance(generator, speculative.Rounds) else None
         if packed is not None:
@@ -140,7 +140,7 @@ class Engine:
     def graph_stats(self) -> dict | None:
         """The packed runner's CUDA-graph counters (`GraphedForwards.stats`); None where its forwards
         replay no graphs (serial engine, CPU, batch-invariant, other attention modes, --no-cuda-graphs)."""
-        graphs = self.runner.paged.graphs if self.runner is not None else None
+        graphs = self.runner.packed.graphs if self.runner is not None else None
         return graphs.stats() if graphs is not None else None
 
     def kernel_stats(self) -> dict | None:
@@ -148,8 +148,8 @@ class Engine:
         (`kvblocks.engine.kernel`), and if not, why; None for the serial engine."""
         if self.runner is None:
             return None
-        paged = self.runner.paged
-        return {"in_use": paged.direct, "reason": paged.direct_reason}
+        attention = self.runner.packed.attention
+        return {"in_use": attention.direct, "reason": attention.direct_reason}
 
     @property
     def _running(self) -> list[Sequence]:

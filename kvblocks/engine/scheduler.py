@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from kvblocks.cache.radix import common_prefix_len
 from kvblocks.cache.trie import PoolFullError
-from kvblocks.engine import paged
 from kvblocks.engine.admission import WaitingRoom
 from kvblocks.engine.report import trace_admitted
 from kvblocks.engine.request import Request
@@ -39,6 +38,13 @@ LOOK = 32  # waiting requests per tenant that admission considers each step (nev
 
 Fail = Callable[[Sequence, BaseException, str], None]
 Plan = Callable[[Sequence, int, int, list[tuple[Sequence, int]]], int]
+
+
+def chunk_ends(start: int, stop: int, chunk: int) -> list[int]:
+    """Where a prompt computed from `start` to `stop` is cut in batch-invariant mode: at every
+    multiple of `chunk` and at `stop`, the same cuts whatever `start` is (a query row then always
+    reads the same keys, however the budget falls)."""
+    return [*range((start // chunk + 1) * chunk, stop, chunk), stop]
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +310,7 @@ class Scheduler:
             left -= 1
         if not self.limits.invariant or left <= budget:
             return min(left, budget)
-        cuts = paged.chunk_ends(s.computed, len(s.sequence), self.limits.chunk)
+        cuts = chunk_ends(s.computed, len(s.sequence), self.limits.chunk)
         reachable = [end for end in cuts if end - s.computed <= budget]
         return reachable[-1] - s.computed if reachable else 0
 
