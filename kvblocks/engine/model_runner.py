@@ -8,7 +8,6 @@ scheduling or caching policy.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -16,10 +15,8 @@ import torch
 from kvblocks.engine import speculative
 from kvblocks.engine.attention.batch import Segment
 from kvblocks.engine.attention.forward import PackedForward
-from kvblocks.engine.scheduler import chunk_ends
+from kvblocks.engine.scheduler import Batch, Failure, chunk_ends
 from kvblocks.engine.sequence import Sequence
-
-Batch = list[tuple[Sequence, int]]
 
 
 class StepForward:
@@ -57,10 +54,10 @@ class StepForward:
     def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
         return self.packed.forward(segments)
 
-    def run(self, batch: Batch, fail: Callable[[Sequence, BaseException, str], None]) -> list:
+    def run(self, batch: Batch) -> list[torch.Tensor | Failure]:
         """Each sequence's output logits (every row of a speculative round, the last one otherwise).
         When the packed forward fails, each sequence runs alone so that the fault fails only the one
-        it belongs to (`fail`, None in its place); the others go on."""
+        it belongs to (its `Failure` in its place); the others go on."""
         if not batch:
             return []
         segments = [self.segments(s, n) for s, n in batch]
@@ -68,18 +65,16 @@ class StepForward:
             outputs = self.forward([seg for group in segments for seg in group])
         except Exception as exc:
             if len(batch) == 1:
-                fail(batch[0][0], exc, "forward")
-                return [None]
-            return [self._alone(s, group, fail) for (s, _), group in zip(batch, segments)]
+                return [Failure(batch[0][0], exc, "forward")]
+            return [self._alone(s, group) for (s, _), group in zip(batch, segments)]
         ends = itertools.accumulate(len(group) for group in segments)
         return [outputs[end - 1] for end in ends]
 
-    def _alone(self, s: Sequence, segments: list[Segment], fail) -> torch.Tensor | None:
+    def _alone(self, s: Sequence, segments: list[Segment]) -> torch.Tensor | Failure:
         try:
             return self.forward(segments)[-1]
         except Exception as exc:
-            fail(s, exc, "forward")
-            return None
+            return Failure(s, exc, "forward")
 
     def segments(self, s: Sequence, n: int) -> list[Segment]:
         """The segments of `n` tokens of `s`; the last one's logits are its output."""
