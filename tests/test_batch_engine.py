@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from tiny_models import VOCAB, tiny_model
 
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie
-from kvblocks.engine import paged
+from kvblocks.engine.attention import strategy
 from kvblocks.engine.batch import BatchEngine
 from kvblocks.engine.loop import Engine
 
@@ -177,7 +177,7 @@ def test_batch_invariant_mode_gives_each_request_the_bits_it_gets_alone(arch, at
     step) and together (shared prefixes hit, prompts cut by a small budget among decodes). The
     default attention is the invariant cascade, here with blocks of 64, 32 and 16 positions so that these
     prompts have blocks read in place (a stored prefix) and gathered (a request's own)."""
-    monkeypatch.setattr(paged, "CASCADE_BLOCKS", (64, 32, 16))
+    monkeypatch.setattr(strategy, "CASCADE_CUTS", (64, 32, 16))
     model = tiny_model(arch, dtype)
     prompts = [p * 3 for p in workload(seed=8)]  # 27 to 80 tokens: several 16-token chunks each
     params = GenerationParams(max_new_tokens=8, logprobs=3)
@@ -194,7 +194,7 @@ def test_batch_invariant_mode_gives_each_request_the_bits_it_gets_alone(arch, at
             join_min_tokens=4,
             attention=attention,
         )
-        assert (engine.runner.paged.cascade_blocks is None) == (attention == "per-segment")
+        assert (engine.runner.packed.attention.cuts is None) == (attention == "per-segment")
         return engine.start()
 
     def bits(results: list[dict]) -> list:
@@ -371,7 +371,7 @@ def test_bad_settings_and_unsupported_models_are_refused():
             CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, 64)), attention="flash"
         )
     bloom = tiny_model("bloom")
-    with pytest.raises(ValueError, match=r"kvblocks\.engine\.paged supports"):
+    with pytest.raises(ValueError, match=r"kvblocks\.engine\.attention supports"):
         BatchEngine(CachedGenerator(bloom, IdTokenizer(), KVCacheTrie.for_model(bloom, 64)))
 
 

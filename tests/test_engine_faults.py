@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from test_batch_engine import no_leaks, run_all, workload
 from tiny_models import VOCAB, tiny_model
 
-import kvblocks.engine.batch as batch_engine
 import kvblocks.generate.decoding as decoding
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie, Scope
+from kvblocks.engine.attention.probes import MIN_ROWS
 from kvblocks.engine.batch import BatchEngine
 from kvblocks.engine.loop import Engine, EngineError
 from kvblocks.generate.params import ConstraintError
@@ -163,7 +163,7 @@ def test_a_fault_in_any_phase_fails_only_its_request(model, phase, victim, batch
             assert engine.health_problem() is None
         finally:
             engine.stop()
-        scratch = batch_engine.paged.MIN_ROWS - 1 if invariant else 0
+        scratch = MIN_ROWS - 1 if invariant else 0
         no_leaks(cache, scratch)
 
 

@@ -21,18 +21,19 @@ from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie
 from kvblocks.adapters import hf
 from kvblocks.cache.layout import KVLayout
 from kvblocks.cache.pool import KVPool
-from kvblocks.engine import graphs, paged
+from kvblocks.engine import graphs
+from kvblocks.engine.attention.batch import Segment
+from kvblocks.engine.attention.forward import PackedForward, graphs_default
 from kvblocks.engine.batch import BatchEngine
 from kvblocks.engine.graphs import GraphedForwards, Layout, bucket
 from kvblocks.engine.loop import Engine
-from kvblocks.engine.paged import PagedRunner, Segment
 
 # families whose attention the static layout covers; the others window or soft-cap their scores
 PLAIN = ["llama", "qwen2", "qwen3", "phi3", "gpt2", "gpt_neox", "opt"]
 MASKED = ["mistral", "gemma2", "gemma3"]
 
 
-def graphed(runner: PagedRunner, **kwargs) -> GraphedForwards:
+def graphed(runner: PackedForward, **kwargs) -> GraphedForwards:
     """Give `runner` graphed forwards without capture, over a scratch slot of its pool; by default
     every layout is taken from its first forward."""
     kwargs = {"capture_after": 1} | kwargs
@@ -77,7 +78,7 @@ def _schedule_against_solo(arch: str, monkeypatch) -> dict:
     within 1e-10 of its solo run in float64. Returns the graphed forwards' stats."""
     model = tiny_model(arch, torch.float64)
     made = []
-    monkeypatch.setattr(paged.PagedRunner, "forward", _graphed_forward(made))
+    monkeypatch.setattr(PackedForward, "forward", _graphed_forward(made))
     ps = prompts()
     rows, tokens = packed(model, ps, "per-segment")
     for i, p in enumerate(ps):
@@ -89,8 +90,8 @@ def _schedule_against_solo(arch: str, monkeypatch) -> dict:
 
 
 def _graphed_forward(made: list):
-    """`PagedRunner.forward` that first gives its runner graphed forwards (kept in `made`)."""
-    original = paged.PagedRunner.forward
+    """`PackedForward.forward` that first gives its runner graphed forwards (kept in `made`)."""
+    original = PackedForward.forward
 
     def forward(self, segments):
         if self.graphs is None:
@@ -107,7 +108,7 @@ def test_padding_rows_write_only_the_scratch_slot_and_padding_keys_are_never_rea
     pools = [KVPool(layout, 1024, "cpu") for _ in range(2)]
     for t, u in zip(*(p.layers for p in pools)):
         u.copy_(t.normal_())  # padding keys read the scratch slot: its garbage must not reach a row
-    runner, eager = (PagedRunner(model, p, cascade=False) for p in pools)
+    runner, eager = (PackedForward(model, p, attention="per-segment") for p in pools)
     forwards = graphed(runner)
     eager.pool.alloc(1)  # the same slots on both pools
     rng = np.random.default_rng(4)
@@ -135,11 +136,11 @@ def _same_slots(pools: list[KVPool], n: int) -> np.ndarray:
     return got[0]
 
 
-def _llama_runner(**kwargs) -> tuple[PagedRunner, GraphedForwards, np.ndarray]:
+def _llama_runner(**kwargs) -> tuple[PackedForward, GraphedForwards, np.ndarray]:
     """A float32 llama's runner with graphed forwards (`graphed(**kwargs)`) and 1,200 slots of its pool."""
     model = tiny_model("llama", torch.float32)
     pool = KVPool(KVLayout(torch.float32, tuple(hf.describe_layers(model))), 2048, "cpu")
-    runner = PagedRunner(model, pool, cascade=False)
+    runner = PackedForward(model, pool, attention="per-segment")
     return runner, graphed(runner, **kwargs), pool.alloc(1200)
 
 
@@ -164,13 +165,13 @@ def test_cuda_graphs_are_refused_off_cuda_and_in_batch_invariant_mode():
     model = tiny_model("llama", torch.float32)
     pool = KVPool(KVLayout(torch.float32, tuple(hf.describe_layers(model))), 256, "cpu")
     with pytest.raises(ValueError, match="CUDA graphs run on a CUDA device"):
-        PagedRunner(model, pool, cuda_graphs=True)
+        PackedForward(model, pool, cuda_graphs=True)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         GraphedForwards(model, pool, 0, capture=True)
-    assert PagedRunner(model, pool).graphs is None  # off by default on a CPU
-    assert not paged.graphs_default(torch.device("cuda"), invariant=True)
-    assert not paged.graphs_default(torch.device("cuda"), invariant=False, grouped=False)
-    assert paged.graphs_default(torch.device("cuda"), invariant=False)
+    assert PackedForward(model, pool).graphs is None  # off by default on a CPU
+    assert not graphs_default(torch.device("cuda"), invariant=True)
+    assert not graphs_default(torch.device("cuda"), invariant=False, grouped=False)
+    assert graphs_default(torch.device("cuda"), invariant=False)
 
 
 def test_batch_engine_through_graphed_forwards_gives_one_request_at_a_time_tokens():
@@ -182,7 +183,7 @@ def test_batch_engine_through_graphed_forwards_gives_one_request_at_a_time_token
     trie = KVCacheTrie.for_model(model, capacity_tokens=1024)
     engine = BatchEngine(CachedGenerator(model, IdTokenizer(), trie), max_batch_size=4, max_batch_tokens=24)
     scratch = trie.reserve(1)
-    runner = engine.runner.paged
+    runner = engine.runner.packed
     runner.graphs = GraphedForwards(model, trie.pool, int(scratch[0]), capture=False, capture_after=1)
     engine.start()
     try:
@@ -256,7 +257,7 @@ def test_speculative_rounds_through_graphed_forwards_match_the_one_request_path(
     one = Engine(generator(KVCacheTrie.for_model(model, capacity_tokens=4096))).start()
     trie = KVCacheTrie.for_model(model, capacity_tokens=1024)
     batched = BatchEngine(generator(trie), max_batch_size=6, max_batch_tokens=80)
-    runner = batched.runner.paged
+    runner = batched.runner.packed
     runner.graphs = GraphedForwards(model, trie.pool, int(trie.reserve(1)[0]), capture=False, capture_after=1)
     batched.start()
     try:

@@ -17,7 +17,8 @@ from kvblocks.adapters import hf
 from kvblocks.cache.layout import KVLayout
 from kvblocks.cache.pool import KVPool
 from kvblocks.engine import head
-from kvblocks.engine.paged import PagedRunner, Segment
+from kvblocks.engine.attention.batch import Segment
+from kvblocks.engine.attention.forward import PackedForward
 
 pytestmark = pytest.mark.skipif(not head.available(), reason="this torch has no oneDNN linear")
 
@@ -118,7 +119,7 @@ def test_packed_runner_logits_match_a_runner_without_the_packed_head(invariant):
     prompts = [rng.integers(1, VOCAB, n).tolist() for n in (9, 14, 20)]
     out = {}
     for packed in (True, False):
-        runner = PagedRunner(model, pool, invariant=invariant, packed_weights=packed)
+        runner = PackedForward(model, pool, invariant=invariant, packed_weights="all" if packed else "none")
         assert (runner.head is not None) is packed
         segments = [Segment(p, pool.alloc(len(p)), keep=len(p)) for p in prompts]
         out[packed] = runner.forward(segments)
@@ -172,8 +173,8 @@ def test_a_bfloat16_packed_step_is_batch_invariant_and_greedy_equal_to_the_plain
     pool = KVPool(layout, 512, "cpu")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, VOCAB, n).tolist() for n in (9, 14, 20)]
-    runner = PagedRunner(model, pool, invariant=True, chunk=8)
-    plain = PagedRunner(model, pool, invariant=True, chunk=8, packed_weights=False)
+    runner = PackedForward(model, pool, invariant=True, chunk=8)
+    plain = PackedForward(model, pool, invariant=True, chunk=8, packed_weights="none")
     assert runner.head is not None and plain.head is None
     slots = [pool.alloc(len(p)) for p in prompts]
     together = runner.forward([Segment(p, s, keep=len(p)) for p, s in zip(prompts, slots)])
@@ -188,13 +189,13 @@ def test_packed_weights_choose_every_layer_the_head_only_or_none_and_say_what_th
     model = tiny_model("qwen2")
     layout = KVLayout(torch.float32, tuple(hf.describe_layers(model)))
     pool = KVPool(layout, 256, "cpu")
-    every = PagedRunner(model, pool, invariant=True, chunk=8, packed_weights="all").head
-    only = PagedRunner(model, pool, invariant=True, chunk=8, packed_weights="head").head
+    every = PackedForward(model, pool, invariant=True, chunk=8, packed_weights="all").head
+    only = PackedForward(model, pool, invariant=True, chunk=8, packed_weights="head").head
     assert isinstance(every, head.PackedLinears) and isinstance(only, head.PackedHead)
-    assert PagedRunner(model, pool, invariant=True, chunk=8, packed_weights="none").head is None
+    assert PackedForward(model, pool, invariant=True, chunk=8, packed_weights="none").head is None
     weight = model.get_output_embeddings().weight
     assert only.nbytes == weight.numel() * weight.element_size()
     linears = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert only.nbytes < every.nbytes <= linears
     with pytest.raises(ValueError, match="packed_weights must be one of all, head, none"):
-        PagedRunner(model, pool, invariant=True, chunk=8, packed_weights="some")
+        PackedForward(model, pool, invariant=True, chunk=8, packed_weights="some")

@@ -16,8 +16,12 @@ from tiny_models import tiny_model
 from kvblocks.adapters import hf
 from kvblocks.cache.layout import KVLayout
 from kvblocks.cache.pool import KVPool
-from kvblocks.engine import kernel, paged
-from kvblocks.engine.paged import PagedRunner, Segment
+from kvblocks.engine import kernel
+from kvblocks.engine.attention.batch import PackedBatch, Segment
+from kvblocks.engine.attention.cascade import Cascade
+from kvblocks.engine.attention.direct import direct_refusal
+from kvblocks.engine.attention.fixed_cuts import FixedCuts, FixedCutsPlan
+from kvblocks.engine.attention.forward import PackedForward
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -146,21 +150,21 @@ def _runner_pool(model, capacity=256):
 def test_packed_forwards_use_the_kernel_for_short_segments_and_gather_for_prefill_chunks():
     model = tiny_model("llama", torch.float64)
     pool = _runner_pool(model)
-    runner = PagedRunner(model, pool)
-    assert runner.direct and runner.direct_reason is None
+    runner = PackedForward(model, pool)
+    assert runner.attention.direct and runner.attention.direct_reason is None
     shared = pool.alloc(40)
     long = Segment(list(range(1, 31)), np.concatenate([shared, pool.alloc(30)]))  # a 30-token chunk
     short = Segment([5, 6], np.concatenate([shared, pool.alloc(2)]))
     # the short segment's keys all go to the kernel (the shared run once per group), the chunk's to the
     # cascade plan (its shared run read in place by the fused kernel, its own keys gathered) ...
-    batch = paged.PagedBatch(pool, [long, short], cascade_min=runner.cascade_min, direct=True)
+    batch = PackedBatch(pool, [long, short], Cascade(runner.attention.min_run, direct=True))
     assert batch.direct.groups == 1 and list(batch.direct.arrays[2]) == list(shared)
     assert [p.rows for p in batch.cascade.runs] == [slice(0, 30)]
     assert [own.segments for own in batch.cascade.own] == [1]
     # ... and batch-invariant, the same, the chunk's to the blocks plan
-    batch = paged.PagedBatch(pool, [long, short], cascade_blocks=[32, 16], direct=True)
+    batch = PackedBatch(pool, [long, short], FixedCuts(direct=True, sizes=[32, 16]))
     assert batch.direct.groups == 1 and list(batch.direct.arrays[2]) == list(shared)
-    assert isinstance(batch.cascade, paged.Blocks) and batch.cascade.plain == [0]  # it spans a cut
+    assert isinstance(batch.cascade, FixedCutsPlan) and batch.cascade.plain == [0]  # it spans a cut
 
 
 def test_where_the_kernel_cannot_be_built_packed_forwards_gather_and_say_why(monkeypatch, tmp_path):
@@ -170,10 +174,10 @@ def test_where_the_kernel_cannot_be_built_packed_forwards_gather_and_say_why(mon
     assert kernel.library() is None
     assert "could not build or load the kernel: false failed" in kernel.reason()
     model = tiny_model("llama", torch.float32)
-    runner = PagedRunner(model, _runner_pool(model))
-    assert not runner.direct and "false failed" in runner.direct_reason
+    runner = PackedForward(model, _runner_pool(model))
+    assert not runner.attention.direct and "false failed" in runner.attention.direct_reason
     with pytest.raises(NotImplementedError, match="the attention kernel cannot be used: could not build"):
-        PagedRunner(model, _runner_pool(model), direct=True)
+        PackedForward(model, _runner_pool(model), direct=True)
     monkeypatch.setattr(kernel, "_state", {})
     monkeypatch.setenv(kernel.ENV, "0")
     assert kernel.library() is None and kernel.reason() == "KVBLOCKS_KERNEL=0"
@@ -187,12 +191,14 @@ def test_where_the_kernel_cannot_be_built_packed_forwards_gather_and_say_why(mon
 def test_the_kernel_is_refused_by_name_where_it_does_not_apply():
     model = tiny_model("llama", torch.float32)
     pool = KVPool(KVLayout(torch.bfloat16, tuple(hf.describe_layers(model))), 64, "cpu")
-    assert "over a pool of their dtype (model torch.float32, pool torch.bfloat16)" in paged.direct_refusal(
+    assert "over a pool of their dtype (model torch.float32, pool torch.bfloat16)" in direct_refusal(
         model, pool
     )
-    runner = PagedRunner(model, _runner_pool(model), cascade=False)
-    assert not runner.direct and runner.direct_reason == "it serves cascade attention only"
-    assert not PagedRunner(model, _runner_pool(model), direct=False).direct
+    runner = PackedForward(model, _runner_pool(model), attention="per-segment")
+    assert (
+        not runner.attention.direct and runner.attention.direct_reason == "it serves cascade attention only"
+    )
+    assert not PackedForward(model, _runner_pool(model), direct=False).attention.direct
 
 
 def test_kvblocks_stats_shows_whether_the_kernel_is_in_use():

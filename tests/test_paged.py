@@ -1,4 +1,4 @@
-"""Packed forwards over the pool (kvblocks.engine.paged) equal one request at a time with a DynamicCache.
+"""Packed forwards over the pool (kvblocks.engine.attention) equal one request at a time with a DynamicCache.
 
 Three requests run as a mixed schedule: a prompt prefilled in two chunks, a prompt that shares
 the first prompt's leading tokens by pointing at its slots (computed in the same forward), a third
@@ -19,8 +19,11 @@ from kvblocks.adapters.hf_trie import KVCacheTrie
 from kvblocks.cache.layout import KVLayout
 from kvblocks.cache.pool import KVPool
 from kvblocks.cache.trie import PoolFullError
-from kvblocks.engine import paged
-from kvblocks.engine.paged import PagedRunner, Segment
+from kvblocks.engine.attention import dispatch
+from kvblocks.engine.attention.batch import PackedBatch, Segment
+from kvblocks.engine.attention.cascade import Cascade
+from kvblocks.engine.attention.forward import PackedForward
+from kvblocks.engine.attention.per_segment import stacked_bias, stacked_heads_attention
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gpt2", "gpt_neox", "opt"]
 DECODE = 4
@@ -52,10 +55,10 @@ def solo(model, ids: list[int]) -> tuple[list[torch.Tensor], list[int]]:
 # CPU default) cutting runs of 4 slots or more, so the shared 6-token prefix is read as a shared run,
 # its short segments attended in place by the CPU kernel (the default where it builds) or gathered
 MODES = {
-    "per-segment": {"cascade": False},
-    "grouped": {"grouped": True},
-    "cascade": {"cascade": True, "cascade_min": 4},
-    "cascade-gathered": {"cascade": True, "cascade_min": 4, "direct": False},
+    "per-segment": {"attention": "per-segment"},
+    "grouped": {"attention": "grouped"},
+    "cascade": {"attention": "cascade", "cascade_min": 4},
+    "cascade-gathered": {"attention": "cascade", "cascade_min": 4, "direct": False},
 }
 
 
@@ -65,7 +68,7 @@ def packed(
     """The same requests through packed forwards, mixing chunks, shared slots and decodes, with the
     attention of `MODES[mode]`."""
     pool = KVPool(KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))), 256, "cpu")
-    runner = PagedRunner(model, pool, **MODES[mode])
+    runner = PackedForward(model, pool, **MODES[mode])
     first, second, third = ps
     slots = [pool.alloc(len(first)), None, pool.alloc(len(third))]
     slots[1] = np.concatenate([slots[0][:6], pool.alloc(len(second) - 6)])  # the shared prefix's slots
@@ -133,7 +136,7 @@ def test_requests_sharing_a_prefix_attend_it_in_one_run_and_get_their_solo_logit
     prefix = rng.integers(0, VOCAB, 12).tolist()
     ps = [prefix + rng.integers(0, VOCAB, n).tolist() for n in (3, 5, 1, 8)]
     pool = KVPool(KVLayout(torch.float64, tuple(hf.describe_layers(model))), 128, "cpu")
-    runner = PagedRunner(model, pool, cascade=True, cascade_min=4)
+    runner = PackedForward(model, pool, attention="cascade", cascade_min=4)
     shared = pool.alloc(len(prefix))
     runner.forward([Segment(prefix, shared)])
     pool.alloc(1)  # no request's own slots continue the prefix's run (the trie's own tokens would)
@@ -141,13 +144,13 @@ def test_requests_sharing_a_prefix_attend_it_in_one_run_and_get_their_solo_logit
     outs = runner.forward([Segment(p[len(prefix) :], s) for p, s in zip(ps, slots)])
 
     def one_run(segments: list[Segment]) -> None:
-        batch = paged.PagedBatch(pool, segments, cascade_min=4)
+        batch = PackedBatch(pool, segments, Cascade(4))
         assert [r.rows for r in batch.cascade.runs] == [slice(0, len(ps))]  # one run: every request's row
 
     decode_against_solo(model, runner, ps, slots, outs, one_run)
 
 
-def decode_against_solo(model, runner: PagedRunner, ps, slots, outs, check=None) -> None:
+def decode_against_solo(model, runner: PackedForward, ps, slots, outs, check=None) -> None:
     """From each request's prompt logits `outs`, `DECODE - 1` packed greedy steps of all of them
     (new slots from the runner's pool, `check(segments)` before each); every logit row and token
     equals the request alone (`solo`) within 1e-10."""
@@ -169,8 +172,8 @@ def decode_against_solo(model, runner: PagedRunner, ps, slots, outs, check=None)
 
 def test_ordinary_forwards_are_unchanged_after_install():
     model, twin = tiny_model("llama", torch.float32), tiny_model("llama", torch.float32)
-    paged.install(model)
-    paged.install(model)  # idempotent
+    dispatch.install(model)
+    dispatch.install(model)  # idempotent
     assert model.config._attn_implementation == "kvblocks_paged_sdpa"
     ids = torch.tensor([prompts()[0]])
     with torch.inference_mode():
@@ -181,12 +184,12 @@ def test_ordinary_forwards_are_unchanged_after_install():
 
 def test_unsupported_models_and_bad_segments_are_refused():
     bloom = tiny_model("bloom")
-    assert not paged.supports(bloom) and not paged.supports(tiny_model("falcon"))
+    assert not dispatch.supports(bloom) and not dispatch.supports(tiny_model("falcon"))
     with pytest.raises(NotImplementedError, match="model type 'bloom'"):
-        paged.install(bloom)
+        dispatch.install(bloom)
     model = tiny_model("llama", torch.float64)
     pool = KVPool(KVLayout(torch.float64, tuple(hf.describe_layers(model))), 16, "cpu")
-    runner = PagedRunner(model, pool)
+    runner = PackedForward(model, pool)
     with pytest.raises(ValueError, match="at least one segment"):
         runner.forward([])
     with pytest.raises(ValueError, match="a slot for each position"):
@@ -201,7 +204,7 @@ def test_windowed_layers_never_read_slots_before_their_window():
     model = tiny_model("mistral", torch.float64)
     ids = prompts()[0]
     pool = KVPool(KVLayout(torch.float64, tuple(hf.describe_layers(model))), 64, "cpu")
-    runner = PagedRunner(model, pool)
+    runner = PackedForward(model, pool)
     slots = pool.alloc(len(ids) + 1)
     first = runner.forward([Segment(ids, slots[: len(ids)])])[0][-1]
     token = int(first.argmax())
@@ -223,7 +226,7 @@ def kv_of(model, cache, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_a_request_computed_in_pool_slots_passes_to_the_trie_without_a_copy():
     model = tiny_model("llama", torch.float64)
     trie = KVCacheTrie.for_model(model, capacity_tokens=96)
-    runner = PagedRunner(model, trie.pool)
+    runner = PackedForward(model, trie.pool)
     first, second, _ = prompts()
     slots = trie.reserve(len(first) + 1)
     token = int(runner.forward([Segment(first, slots[:-1])])[0][-1].argmax())
@@ -256,7 +259,7 @@ def test_a_request_computed_in_pool_slots_passes_to_the_trie_without_a_copy():
 def test_adopting_tokens_another_request_stored_frees_the_duplicate_slots():
     model = tiny_model("llama", torch.float64)
     trie = KVCacheTrie.for_model(model, capacity_tokens=64)
-    runner = PagedRunner(model, trie.pool)
+    runner = PackedForward(model, trie.pool)
     ids = prompts()[2]
     a, b = trie.reserve(len(ids)), trie.reserve(len(ids))
     runner.forward([Segment(ids, a), Segment(ids, b)])  # the same prompt computed twice at once
@@ -274,7 +277,7 @@ def test_reserve_evicts_what_it_may_and_refuses_what_is_locked():
     trie = KVCacheTrie.for_model(model, capacity_tokens=32)
     ids = prompts()[0]
     slots = trie.reserve(len(ids))
-    PagedRunner(model, trie.pool).forward([Segment(ids, slots)])
+    PackedForward(model, trie.pool).forward([Segment(ids, slots)])
     trie.adopt(ids, slots, 0)
     assert len(trie.reserve(20)) == 20  # evicts 8 of the 20 resident tokens
     assert trie.stats()["evicted_tokens"] == 8
@@ -296,10 +299,8 @@ def test_stacked_query_heads_attend_as_grouped_query_attention():
     expected = torch.nn.functional.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, scale=0.5, enable_gqa=True
     )[0].transpose(0, 1)
-    stacked = paged._stacked_heads_attention(q, k, v, mask.repeat(groups, 1), 0.5, groups)
+    stacked = stacked_heads_attention(q, k, v, mask.repeat(groups, 1), 0.5, groups)
     assert torch.allclose(stacked, expected, atol=1e-12, rtol=0)
-    bias = paged.stacked_bias(mask, groups, torch.float64)  # what a GPU forward passes, made once
+    bias = stacked_bias(mask, groups, torch.float64)  # what a GPU forward passes, made once
     assert bias.shape == (groups * n, length) and bias.stride(0) % 8 == 0
-    assert torch.allclose(
-        paged._stacked_heads_attention(q, k, v, bias, 0.5, groups), expected, atol=1e-12, rtol=0
-    )
+    assert torch.allclose(stacked_heads_attention(q, k, v, bias, 0.5, groups), expected, atol=1e-12, rtol=0)

@@ -1,4 +1,4 @@
-"""Cascade attention's plan and its exactness where the batched own-key calls pad (kvblocks.engine.paged).
+"""Cascade attention's plan and its exactness where the batched own-key calls pad (kvblocks.engine.attention).
 
 Requests share a stored prefix (one run of pool slots) and have own keys of different lengths and
 different numbers of new tokens: the plan batches own keys by width with bounded padding, reads the
@@ -16,8 +16,15 @@ from tiny_models import VOCAB, tiny_model
 from kvblocks.adapters import hf
 from kvblocks.cache.layout import KVLayout
 from kvblocks.cache.pool import KVPool
-from kvblocks.engine import paged
-from kvblocks.engine.paged import PagedRunner, Segment
+from kvblocks.engine import kernel
+from kvblocks.engine.attention import strategy
+from kvblocks.engine.attention.batch import PackedBatch, Segment
+from kvblocks.engine.attention.cascade import Cascade
+from kvblocks.engine.attention.fixed_cuts import FixedCuts
+from kvblocks.engine.attention.forward import PackedForward
+from kvblocks.engine.attention.fused import attend, fused
+from kvblocks.engine.attention.probes import probe_blocks_invariance
+from kvblocks.engine.scheduler import chunk_ends
 
 
 @pytest.fixture(autouse=True, params=["kernel", "gathered"])
@@ -25,9 +32,9 @@ def keys_read(request, monkeypatch):
     """Every test twice: short segments attended in place by the CPU kernel (the default where it
     builds), and every segment by the cascade plans over gathered keys (where it does not)."""
     if request.param == "gathered":
-        monkeypatch.setattr(paged, "direct_refusal", lambda model, pool: "gathered (test)")
+        monkeypatch.setattr(strategy, "direct_refusal", lambda model, pool: "gathered (test)")
     else:
-        assert paged.kernel.library() is not None, paged.kernel.reason()
+        assert kernel.library() is not None, kernel.reason()
     return request.param
 
 
@@ -50,7 +57,7 @@ def test_own_keys_are_batched_by_width_with_padding_at_most_twofold():
     slots = _shared_slots(pool, 40, own)
     widths = [1, 1, 1, 1, 2]
     segments = [Segment([1] * w, s) for w, s in zip(widths, slots)]
-    plan = paged.PagedBatch(pool, segments, cascade_min=32).cascade
+    plan = PackedBatch(pool, segments, Cascade(32)).cascade
     assert [r.keys for r in plan.runs] == [slice(int(slots[0][0]), int(slots[0][0]) + 40)]
     assert plan.plain == []
     batches = sorted((o.width, o.segments, o.length) for o in plan.own)
@@ -62,7 +69,7 @@ def test_masks_are_made_once_per_forward_for_every_layer():
     model = tiny_model("llama", torch.float64)
     pool = _pool(model)
     slots = _shared_slots(pool, 40, [2, 3])
-    plan = paged.PagedBatch(pool, [Segment([1], s) for s in slots], cascade_min=32).cascade
+    plan = PackedBatch(pool, [Segment([1], s) for s in slots], Cascade(32)).cascade
     (own,) = plan.own
     bias = own.bias(2, torch.float64)
     assert bias is own.bias(2, torch.float64)
@@ -77,7 +84,7 @@ def test_uneven_own_keys_and_widths_give_each_request_its_solo_logits_in_float64
     prefix = rng.integers(0, VOCAB, 10).tolist()
     ps = [prefix + rng.integers(0, VOCAB, n).tolist() for n in (1, 2, 7, 13, 4)]
     pool = _pool(model)
-    runner = PagedRunner(model, pool, cascade=True, cascade_min=4)
+    runner = PackedForward(model, pool, attention="cascade", cascade_min=4)
     slots = _shared_slots(pool, len(prefix), [len(p) - len(prefix) for p in ps])
     runner.forward([Segment(prefix, slots[0][: len(prefix)])])
     outs = runner.forward([Segment(p[len(prefix) :], s) for p, s in zip(ps, slots)])
@@ -94,11 +101,11 @@ def test_a_request_alone_reads_its_stored_prefix_in_place_and_gets_its_solo_logi
     prefix = rng.integers(0, VOCAB, 40).tolist()
     prompt = prefix + rng.integers(0, VOCAB, 6).tolist()
     pool = _pool(model)
-    runner = PagedRunner(model, pool, cascade=True, cascade_min=32)
+    runner = PackedForward(model, pool, attention="cascade", cascade_min=32)
     (slots,) = _shared_slots(pool, len(prefix), [len(prompt) - len(prefix)])
     runner.forward([Segment(prefix, slots[: len(prefix)])])
     segment = Segment(prompt[len(prefix) :], slots)
-    plan = paged.PagedBatch(pool, [segment], cascade_min=32).cascade
+    plan = PackedBatch(pool, [segment], Cascade(32)).cascade
     assert [r.keys for r in plan.runs] == [slice(int(slots[0]), int(slots[0]) + len(prefix))]
     assert plan.plain == [] and [o.length for o in plan.own] == [6]
     (logits,) = runner.forward([segment])
@@ -115,21 +122,21 @@ def test_the_matrix_product_attention_used_off_the_cpu_equals_the_cpu_flash_kern
     bias = torch.zeros(2, 1, 6, 11, dtype=torch.float64)
     bias[0, 0, :, 7:] = float("-inf")
     for mask in (None, bias):
-        flash_out, flash_lse = paged._fused(q, k, v, 0.3, mask)[:2]
-        out, lse = paged._attend(q, k.transpose(-1, -2), v, 0.3, mask)
+        flash_out, flash_lse = fused(q, k, v, 0.3, mask)[:2]
+        out, lse = attend(q, k.transpose(-1, -2), v, 0.3, mask)
         assert torch.allclose(out, flash_out, atol=1e-12, rtol=0)
         assert torch.allclose(lse, flash_lse, atol=1e-12, rtol=0)
 
 
-def _invariant(model, pool: KVPool) -> PagedRunner:
+def _invariant(model, pool: KVPool) -> PackedForward:
     """A batch-invariant runner whose cascade cuts blocks of 64, 32 and 16 positions (prompt chunk 16)."""
-    return PagedRunner(model, pool, invariant=True, chunk=16, cascade_blocks=(64, 32, 16))
+    return PackedForward(model, pool, invariant=True, chunk=16, cascade_cuts=(64, 32, 16))
 
 
-def _prefill(runner: PagedRunner, ids: list[int], slots: np.ndarray, begin: int = 0) -> torch.Tensor:
+def _prefill(runner: PackedForward, ids: list[int], slots: np.ndarray, begin: int = 0) -> torch.Tensor:
     """`ids[begin:]` in chunks cut at multiples of 16, as the batch-invariant engine cuts prompts;
     the logits of the last chunk."""
-    for end in paged.chunk_ends(begin, len(ids), 16):
+    for end in chunk_ends(begin, len(ids), 16):
         (logits,) = runner.forward([Segment(ids[begin:end], slots[:end])])
         begin = end
     return logits
@@ -143,7 +150,7 @@ def test_the_invariant_plan_cuts_blocks_at_fixed_positions_and_reads_stored_runs
     own = [pool.alloc(n) for n in (2, 30)]
     slots = [np.concatenate([stored, own[0]]), np.concatenate([stored[:40], own[1]])]
     segments = [Segment([1], slots[0]), Segment([1], slots[1]), Segment([1, 2], slots[0], keep=2)]
-    plan = paged.PagedBatch(pool, segments, cascade_blocks=(32, 16)).cascade
+    plan = PackedBatch(pool, segments, FixedCuts(sizes=(32, 16))).cascade
     first = int(stored[0])
     # request 0 (new token at 71): 32-blocks [0, 32) [32, 64), both in its stored run, read in place,
     # then its tail [64, 72) padded to 16; request 1 (new token at 69): [0, 32) in place, with request
@@ -157,14 +164,14 @@ def test_the_invariant_plan_cuts_blocks_at_fixed_positions_and_reads_stored_runs
     assert plan.plain == [2] and plan.depth == 2  # a speculative round keeps its own call
     # new token at 90, stored run to 70: the 16-block [64, 80) is gathered in the tail's call
     mixed = np.concatenate([stored, pool.alloc(21)])
-    plan = paged.PagedBatch(pool, [Segment([1], mixed)], cascade_blocks=(32, 16)).cascade
+    plan = PackedBatch(pool, [Segment([1], mixed)], FixedCuts(sizes=(32, 16))).cascade
     assert plan.private == [] and plan.depth == 3
     ((call, rows, target),) = plan.tails
     assert (call.segments, call.length, rows, target.tolist()) == (2, 16, 1, [2])  # fold 2 of 1 row
     assert call.allowed[0, 0].tolist() == [True] * 11 + [False] * 5 and call.allowed[1].all()
     # a prompt's last token (89) in one run of slots: 32-blocks to 64, then a 16-block, all in place
     run = pool.alloc(90)
-    late = paged.PagedBatch(pool, [Segment([1], run)], cascade_blocks=(32, 16)).cascade
+    late = PackedBatch(pool, [Segment([1], run)], FixedCuts(sizes=(32, 16))).cascade
     runs = {
         (part.keys.start - int(run[0]), part.keys.stop - int(run[0]), n, fold) for part, n, fold in late.runs
     }
@@ -197,8 +204,7 @@ def test_a_row_has_the_same_bits_read_in_place_alone_or_gathered_in_a_batch():
     alone = pool.alloc(len(prompt) + 1)
     _prefill(runner, prompt, alone)
     assert (
-        paged.PagedBatch(pool, [Segment([7], alone)], cascade_blocks=runner.cascade_blocks).cascade.private
-        == []
+        PackedBatch(pool, [Segment([7], alone)], FixedCuts(sizes=runner.attention.cuts)).cascade.private == []
     )
     (ref,) = runner.forward([Segment([7], alone)])
     scattered = np.concatenate([pool.alloc(2)[:1] for _ in range(len(prompt) + 1)])
@@ -208,31 +214,33 @@ def test_a_row_has_the_same_bits_read_in_place_alone_or_gathered_in_a_batch():
     for s, n in zip(others, (3, 25)):
         runner.forward([Segment(rng.integers(0, VOCAB, n).tolist(), s)])
     segments = [Segment([5], others[0]), Segment([7], scattered), Segment([9], others[1])]
-    plan = paged.PagedBatch(pool, segments, cascade_blocks=runner.cascade_blocks).cascade
+    plan = PackedBatch(pool, segments, FixedCuts(sizes=runner.attention.cuts)).cascade
     assert plan.runs and sum(own.segments for own, _ in plan.private) >= 2
     assert torch.equal(runner.forward(segments)[1], ref)
     # read in place together with a 16-token prefill chunk over the same stored blocks: the shared
     # calls have 2 x 16 + 2 query rows, which the kernel would split 32 + 2 without padding
     chunk = Segment(rng.integers(0, VOCAB, 16).tolist(), np.concatenate([alone[:64], pool.alloc(16)]))
-    plan = paged.PagedBatch(pool, [chunk, Segment([7], alone)], cascade_blocks=runner.cascade_blocks).cascade
+    plan = PackedBatch(pool, [chunk, Segment([7], alone)], FixedCuts(sizes=runner.attention.cuts)).cascade
     assert [part.rows for part, _, _ in plan.runs] == [slice(0, 17)]
     assert torch.equal(runner.forward([chunk, Segment([7], alone)])[1], ref)
 
 
 def test_what_the_invariant_cascade_relies_on_holds_on_this_cpu(monkeypatch):
-    assert paged.probe_blocks_invariance("cpu", torch.float32)
-    assert paged.probe_blocks_invariance("cpu", torch.float64)
-    assert paged.probe_blocks_invariance("cpu", torch.float32, 16)  # the tiny models' head dim
+    assert probe_blocks_invariance("cpu", torch.float32)
+    assert probe_blocks_invariance("cpu", torch.float64)
+    assert probe_blocks_invariance("cpu", torch.float32, 16)  # the tiny models' head dim
     model = tiny_model("llama", torch.float32)
     pool = _pool(model)
-    assert PagedRunner(model, pool, invariant=True, chunk=64).cascade_blocks == [2048, 256, 64]
-    assert PagedRunner(model, pool, invariant=True, chunk=48, cascade=False).cascade_blocks is None
-    assert PagedRunner(model, pool, invariant=True, chunk=48).cascade_blocks == [2304, 288, 96]
-    assert PagedRunner(model, pool, invariant=True, chunk=40).cascade_blocks == [2240, 320, 80]
-    rounded = PagedRunner(model, pool, invariant=True, chunk=16, cascade_blocks=(48, 32))
-    assert rounded.cascade_blocks == [64, 32]
+    assert PackedForward(model, pool, invariant=True, chunk=64).attention.cuts == [2048, 256, 64]
+    assert (
+        PackedForward(model, pool, invariant=True, chunk=48, attention="per-segment").attention.cuts is None
+    )
+    assert PackedForward(model, pool, invariant=True, chunk=48).attention.cuts == [2304, 288, 96]
+    assert PackedForward(model, pool, invariant=True, chunk=40).attention.cuts == [2240, 320, 80]
+    rounded = PackedForward(model, pool, invariant=True, chunk=16, cascade_cuts=(48, 32))
+    assert rounded.attention.cuts == [64, 32]
     # where the probe fails, invariant mode keeps one call per request and refuses cascade by name
-    monkeypatch.setattr(paged, "probe_blocks_invariance", lambda device, dtype, dim: False)
-    assert PagedRunner(model, pool, invariant=True, chunk=64).cascade_blocks is None
+    monkeypatch.setattr(strategy, "probe_blocks_invariance", lambda device, dtype, dim: False)
+    assert PackedForward(model, pool, invariant=True, chunk=64).attention.cuts is None
     with pytest.raises(NotImplementedError, match="batch-invariant cascade attention"):
-        PagedRunner(model, pool, invariant=True, chunk=64, cascade=True)
+        PackedForward(model, pool, invariant=True, chunk=64, attention="cascade")

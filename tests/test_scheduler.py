@@ -19,11 +19,11 @@ from kvblocks.generate.text import IdTokenizer, StopTextAssembler
 
 
 def scheduler(room: WaitingRoom | None = None, **limits) -> Scheduler:
+    """A scheduler over a pool large enough that every step's slots are reserved without preemption."""
     model = tiny_model("llama", torch.float32)
-    slots = SlotManager(KVCacheTrie.for_model(model, capacity_tokens=256))
-    failed = []
+    slots = SlotManager(KVCacheTrie.for_model(model, capacity_tokens=4096))
     room = room if room is not None else WaitingRoom()
-    return Scheduler(room, slots, BatchLimits(**limits), lambda s, exc, phase: failed.append(exc))
+    return Scheduler(room, slots, BatchLimits(**limits), sequences=lambda request: request.sequence)
 
 
 class Clock:
@@ -47,32 +47,28 @@ def sequence(
     return s
 
 
-def everything(s, take, budget, batch) -> int:
-    return take
-
-
 def test_decodes_come_first_then_the_shortest_prefill_under_the_budget():
     sched = scheduler(max_batch_tokens=10, chunk=64)
     decode, short, long = sequence(8, 8, generated=1), sequence(6), sequence(40)
     sched.running = [long, short, decode]
-    assert sched.schedule(everything) == [(decode, 1), (short, 6), (long, 3)]
+    assert sched.schedule().batch == [(decode, 1), (short, 6), (long, 3)]
 
 
 def test_a_first_token_one_short_step_away_holds_long_prefills_back_a_bounded_number_of_steps():
     sched = scheduler(max_batch_tokens=100, chunk=4, max_wait_steps=2)
     near, long = sequence(3), sequence(NEAR + 20)
     sched.running = [long, near]
-    assert sched.schedule(everything) == [(near, 3)]
+    assert sched.schedule().batch == [(near, 3)]
     near.computed = 0  # still one short step away: the long prefill sits out its second step
-    assert sched.schedule(everything) == [(near, 3)]
-    assert (long, NEAR + 20) in sched.schedule(everything)  # its third step it runs anyway
+    assert sched.schedule().batch == [(near, 3)]
+    assert (long, NEAR + 20) in sched.schedule().batch  # its third step it runs anyway
 
 
 def test_a_full_batch_with_nobody_waiting_takes_the_full_batch_budget():
     sched = scheduler(max_batch_size=2, max_batch_tokens=10, full_batch_tokens=30, chunk=64)
     decode, long = sequence(8, 8, generated=1), sequence(40)
     sched.running = [long, decode]
-    assert sched.schedule(everything) == [(decode, 1), (long, 29)]
+    assert sched.schedule().batch == [(decode, 1), (long, 29)]
     sched.running = [long]  # a free place: a request may arrive and want its first token soon
     assert sched.budget() == 10
     sched.running = [long, decode]
@@ -114,7 +110,7 @@ def test_a_flooders_prefill_is_bounded_by_its_share_while_another_tenant_waits()
     decode = sequence(8, 8, generated=1, tenant="flood")
     sched.running = [*flood, decode]
     sched.room.put_all("victim", [sequence(20, tenant="victim").request])
-    batch = sched.schedule(everything)
+    batch = sched.schedule().batch
     assert batch == [(decode, 1), (flood[0], 39)]  # half of what the decode leaves
     assert sum(n for s, n in batch if s.request.tenant == "flood" and s.left > 1) <= 79 // 2
 
@@ -124,14 +120,14 @@ def test_a_flooder_alone_takes_the_whole_budget():
     flood = [sequence(200, tenant="flood", admitted_at=i) for i in range(2)]
     sched.running = list(flood)
     sched.room.put_all("flood", [sequence(20, tenant="flood").request])  # its own line is no one else
-    assert sched.schedule(everything) == [(flood[0], 80)]
+    assert sched.schedule().batch == [(flood[0], 80)]
 
 
 def test_a_victims_prefill_runs_beside_the_flooders_share():
     sched = scheduler(max_batch_tokens=80, chunk=8)
     flood, victim = sequence(200, tenant="flood"), sequence(300, tenant="victim", admitted_at=1)
     sched.running = [flood, victim]
-    assert sorted(sched.schedule(everything), key=lambda b: b[0].request.tenant) == [
+    assert sorted(sched.schedule().batch, key=lambda b: b[0].request.tenant) == [
         (flood, 40),
         (victim, 40),
     ]
@@ -144,7 +140,7 @@ def test_weights_set_the_prefill_shares():
     gold, bronze = sequence(200, tenant="gold"), sequence(200, tenant="bronze")
     sched.running = [gold, bronze]
     assert sched.prefill_shares(80) == {"gold": 60, "bronze": 20}
-    assert sorted(n for _, n in sched.schedule(everything)) == [20, 60]
+    assert sorted(n for _, n in sched.schedule().batch) == [20, 60]
 
 
 def test_a_tenant_served_moments_ago_still_bounds_the_flooder_and_later_does_not():
@@ -154,9 +150,9 @@ def test_a_tenant_served_moments_ago_still_bounds_the_flooder_and_later_does_not
     flood = sequence(400, tenant="flood")
     sched.running = [flood]
     room.ledger.charge("victim", 5)  # its reply just ended; its next request is moments away
-    assert sched.schedule(everything) == [(flood, 40)]
+    assert sched.schedule().batch == [(flood, 40)]
     clock.now += RECENT_S + 0.1
-    assert sched.schedule(everything) == [(flood, 80)]
+    assert sched.schedule().batch == [(flood, 80)]
 
 
 def test_each_step_charges_its_tokens_to_the_tenant_they_were_for():
@@ -164,7 +160,7 @@ def test_each_step_charges_its_tokens_to_the_tenant_they_were_for():
         WaitingRoom(ledger=TenantLedger(clock=Clock())), max_batch_tokens=80, chunk=8
     )  # no decay
     sched.running = [sequence(30, tenant="a"), sequence(8, 8, generated=1, tenant="b")]
-    sched.schedule(everything)
+    sched.schedule()
     assert sched.room.ledger.work("a") == pytest.approx(30, rel=1e-3)
     assert sched.room.ledger.work("b") == pytest.approx(1, rel=1e-3)
 
@@ -188,9 +184,9 @@ def test_a_victims_first_token_does_not_wait_behind_a_flooders_short_prompts():
     victim = sequence(300, computed=299, tenant="victim", admitted_at=2)  # its prompt cached but one
     sched.running = [short, victim, decode]
     sched.room.ledger.charge("flood", 5000)
-    assert sched.schedule(everything) == [(decode, 1), (victim, 1)]
+    assert sched.schedule().batch == [(decode, 1), (victim, 1)]
     victim.out.generated.append(1)  # its first token came: the flooder's prompt goes on
-    assert (short, 30) in sched.schedule(everything)
+    assert (short, 30) in sched.schedule().batch
 
 
 # ---- the step in flight while a lighter tenant waits on it (issue 41's fairness target) ---------------
@@ -222,13 +218,13 @@ def test_a_flooders_step_is_one_cut_while_a_lighter_tenant_waits_on_it_and_its_f
     sched.room.ledger.charge("flood", 5000)
     sched.room.ledger.charge("victim", 20)  # its last reply just ended; the next request is moments away
     for _ in range(3):  # the flooder's steps while the victim is between requests
-        batch = sched.schedule(everything)
+        batch = sched.schedule().batch
         assert 0 < prefill_of(batch, "flood") <= CHUNK
         for s, n in batch:
             s.computed += n
     victim = sequence(300, computed=299, tenant="victim", admitted_at=9)  # a cached prompt but one token
     sched.running.append(victim)
-    batch = sched.schedule(everything)
+    batch = sched.schedule().batch
     assert (victim, 1) in batch and prefill_of(batch, "flood") == 0  # its first token: the next step
 
 
@@ -236,11 +232,11 @@ def test_a_flooder_alone_or_beside_an_equal_one_keeps_its_whole_share():
     sched = server_defaults()
     flood = sequence(400, tenant="flood")
     sched.running = [flood]
-    assert sched.schedule(everything) == [(flood, 80)]  # nobody else: the whole budget
+    assert sched.schedule().batch == [(flood, 80)]  # nobody else: the whole budget
     other = sequence(400, tenant="other", admitted_at=1)
     sched.running = [flood, other]
     sched.room.ledger.charge("other", sched.room.ledger.work("flood"))
-    assert [n for _, n in sched.schedule(everything)] == [32, 32]  # both prefilling: half each, in cuts
+    assert [n for _, n in sched.schedule().batch] == [32, 32]  # both prefilling: half each, in cuts
 
 
 def test_the_lighter_tenant_keeps_its_share_beside_a_heavier_ones_decodes():
@@ -249,7 +245,7 @@ def test_the_lighter_tenant_keeps_its_share_beside_a_heavier_ones_decodes():
     victim = sequence(300, tenant="victim", admitted_at=1)  # a long new prompt, not a first token near
     sched.running = [decode, victim]
     sched.room.ledger.charge("flood", 5000)
-    assert sched.schedule(everything) == [(decode, 1), (victim, 32)]  # its half, in cuts: not one cut
+    assert sched.schedule().batch == [(decode, 1), (victim, 32)]  # its half, in cuts: not one cut
 
 
 def test_the_cpu_engine_bounds_a_contended_step_to_one_cut_and_the_limits_default_does_not():

@@ -16,13 +16,15 @@ from kvblocks.adapters import hf
 from kvblocks.bench import stepprofile
 from kvblocks.cache.layout import KVLayout
 from kvblocks.cache.pool import KVPool
-from kvblocks.engine.paged import PagedRunner, Segment, attention_clock
+from kvblocks.engine.attention.batch import Segment
+from kvblocks.engine.attention.dispatch import attention_clock
+from kvblocks.engine.attention.forward import PackedForward
 
 
 def test_a_packed_step_splits_into_attention_matmul_and_the_rest():
     model = tiny_model("llama", torch.float32)
     pool = KVPool(KVLayout(torch.float32, tuple(hf.describe_layers(model))), 128, "cpu")
-    runner = PagedRunner(model, pool)
+    runner = PackedForward(model, pool)
     segments = [Segment([3, 4, 5], pool.alloc(3)), Segment([6], pool.alloc(1))]
     profile = stepprofile.profile_step(lambda: runner.forward(segments), repeats=3)
     assert profile.seconds > 0
@@ -51,7 +53,7 @@ def test_step_flops_count_every_linear_weight_twice_per_row():
 def test_the_attention_clock_adds_up_packed_attention_calls_on_its_thread_only():
     model = tiny_model("llama", torch.float32)
     pool = KVPool(KVLayout(torch.float32, tuple(hf.describe_layers(model))), 128, "cpu")
-    runner = PagedRunner(model, pool)
+    runner = PackedForward(model, pool)
     segments = [Segment([3, 4, 5], pool.alloc(3)), Segment([6], pool.alloc(1))]
     with attention_clock() as spent:
         start = time.process_time()

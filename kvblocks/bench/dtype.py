@@ -2,7 +2,7 @@
 
 The measurements behind `--dtype auto` (`kvblocks.models.default_dtype`): the model loaded in both
 dtypes, each over a pool of its own dtype, through the batch-invariant packed runner the server
-runs on CPU (`PagedRunner(invariant=True, chunk=CHUNK)`).
+runs on CPU (`PackedForward(invariant=True, chunk=CHUNK)`).
 
 - decode: B requests each hold a C-token context; one timed run is one decode step for all of them
   (one packed forward), then the same for a single request (padded to `MIN_ROWS` rows).
@@ -77,12 +77,12 @@ def _runner(model, capacity: int):
     from kvblocks.adapters import hf
     from kvblocks.cache.layout import KVLayout
     from kvblocks.cache.pool import KVPool
-    from kvblocks.engine.paged import PagedRunner
+    from kvblocks.engine.attention.forward import PackedForward
     from kvblocks.engine.scheduler import CHUNK
 
     pool = KVPool(KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))), capacity, "cpu")
     with torch.inference_mode():
-        return PagedRunner(model, pool, invariant=True, chunk=CHUNK), pool
+        return PackedForward(model, pool, invariant=True, chunk=CHUNK), pool
 
 
 class Decoding:
@@ -90,8 +90,8 @@ class Decoding:
     more token for each of them in one packed forward."""
 
     def __init__(self, model, prompts: list[list[int]], steps: int) -> None:
-        from kvblocks.engine.paged import Segment, chunk_ends
-        from kvblocks.engine.scheduler import CHUNK
+        from kvblocks.engine.attention.batch import Segment
+        from kvblocks.engine.scheduler import CHUNK, chunk_ends
 
         self.segment = Segment
         capacity = sum(len(p) + steps + 2 for p in prompts) + 16
@@ -132,8 +132,8 @@ def decode(loaded: dict, b: int, args: argparse.Namespace, opts: BenchOptions, p
 
 
 def prefill(loaded: dict, args: argparse.Namespace, opts: BenchOptions, params: dict) -> Report:
-    from kvblocks.engine.paged import Segment, chunk_ends
-    from kvblocks.engine.scheduler import CHUNK
+    from kvblocks.engine.attention.batch import Segment
+    from kvblocks.engine.scheduler import CHUNK, chunk_ends
 
     vocab = next(iter(loaded.values())).config.vocab_size
     prompt = np.random.default_rng(1).integers(vocab // 8, vocab // 2, args.prompt).tolist()

@@ -522,7 +522,7 @@ def _peak(device: torch.device) -> int:
 
 
 def invariance(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
-    from kvblocks.engine import paged
+    from kvblocks.engine.attention.probes import probe_row_invariance
 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -534,9 +534,9 @@ def invariance(model, args: argparse.Namespace, opts: BenchOptions) -> Report:
     kind = str(dtype).removeprefix("torch.")
     title = f"Batch invariance in {kind}: {args.alone} requests alone vs in a batch of {batch}"
     report = Report("gpu-invariance", title, {"requests": args.alone, "batch": batch, "reply": args.reply})
-    row_invariant = paged.probe_row_invariance(device, dtype, model.config.hidden_size)
+    row_invariant = probe_row_invariance(device, dtype, model.config.hidden_size)
     report.notes = [
-        f"paged.probe_row_invariance({device.type}, {dtype}) = {row_invariant}",
+        f"probe_row_invariance({device.type}, {dtype}) = {row_invariant}",
         "the pool cleared before each lone request and before the batch; flips: first differing step and "
         "the lone run's top-2 log-probability margin there",
     ]

@@ -1,7 +1,7 @@
 """`kvblocks bench packed`: the paged, batched engine against one request at a time and the ideal.
 
 - decode: B requests each hold a C-token context. One timed run is one decode step for all of
-  them: one packed forward (`kvblocks.engine.paged.PagedRunner`: every request's next token in one `[1, B]`
+  them: one packed forward (`kvblocks.engine.attention.forward.PackedForward`: every request's next token in one `[1, B]`
   sequence, attention per request through its pool slots) or B forwards of one token each on the
   request's own `DynamicCache` (what `Engine` does). Both greedy-decode the same tokens; the suite
   checks that the token streams are identical.
@@ -89,7 +89,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         "packed",
         run,
         help="decode throughput: one packed forward over the pool vs one forward per request",
-        description="Decode steps of B requests as one packed forward (kvblocks.engine.paged) vs one at a time.",
+        description="Decode steps of B requests as one packed forward (kvblocks.engine.attention) vs one at a time.",
         model=True,
         only=BENCHMARKS,
         options=OPTIONS,
@@ -123,7 +123,8 @@ class DecodeBoth:
         from kvblocks.adapters import hf
         from kvblocks.cache.layout import KVLayout
         from kvblocks.cache.pool import KVPool
-        from kvblocks.engine.paged import PagedRunner, Segment
+        from kvblocks.engine.attention.batch import Segment
+        from kvblocks.engine.attention.forward import PackedForward
         from kvblocks.engine.scheduler import CHUNK
 
         self.model, self.segment = model, Segment
@@ -131,10 +132,10 @@ class DecodeBoth:
             KVLayout(next(model.parameters()).dtype, tuple(hf.describe_layers(model))), capacity, "cpu"
         )
         self.runners = {
-            PACKED: PagedRunner(model, self.pool),
-            PER_SEGMENT: PagedRunner(model, self.pool, cascade=False),
-            INVARIANT: PagedRunner(model, self.pool, invariant=True, chunk=CHUNK),
-            GATHERED: PagedRunner(model, self.pool, invariant=True, chunk=CHUNK, direct=False),
+            PACKED: PackedForward(model, self.pool),
+            PER_SEGMENT: PackedForward(model, self.pool, attention="per-segment"),
+            INVARIANT: PackedForward(model, self.pool, invariant=True, chunk=CHUNK),
+            GATHERED: PackedForward(model, self.pool, invariant=True, chunk=CHUNK, direct=False),
         }
         common = self.pool.alloc(shared)
         if shared:
@@ -238,12 +239,16 @@ def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
     ]
     report.notes = [
         "tokens/s: " + ", ".join(f"{name} {b / report.median(name):.1f}" for name in (*both.runners, SOLO)),
-        "packed = kvblocks.engine.paged.PagedRunner (K/V written to and read from pool slots; cascade "
-        "attention: the shared run read once for every request; batch-invariant: cut into blocks at fixed "
+        "packed = kvblocks.engine.attention.forward.PackedForward (K/V written to and read from pool slots; cascade "
+        "attention: the shared run read once for every request; batch-invariant: cut into pieces at fixed "
         "positions, each read once for every request that holds it); one at a time = a transformers "
         "DynamicCache per request, one forward per token",
         "CPU attention kernel (kvblocks.engine.kernel): "
-        + ("in use" if both.runners[PACKED].direct else f"off: {both.runners[PACKED].direct_reason}"),
+        + (
+            "in use"
+            if both.runners[PACKED].attention.direct
+            else f"off: {both.runners[PACKED].attention.direct_reason}"
+        ),
     ]
     if args.profile:
         profile_checks(report, model, both, b, PACKED)

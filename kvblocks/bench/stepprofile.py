@@ -1,6 +1,6 @@
 """Where a forward's time goes, and how close it runs to the machine's matrix-product peak.
 
-`profile_step` times a step (CPU clock, median of a few runs) with `paged.attention_clock` open,
+`profile_step` times a step (CPU clock, median of a few runs) with `dispatch.attention_clock` open,
 which adds up the CPU time of every packed attention call, Python included:
 - attention: that share of the step ("gather + attend": gathers, fused calls, merges, and the
   Python that plans and drives them), measured without a profiler.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvblocks.engine.paged import ATTENTION_RANGE, attention_clock
+from kvblocks.engine.attention.dispatch import ATTENTION_RANGE, attention_clock
 
 MATMUL_OPS = frozenset(
     {

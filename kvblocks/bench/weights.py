@@ -4,7 +4,7 @@ At the sizes people deploy, a decode step is mostly reading weights: every linea
 once per step, whatever the batch. This suite measures
 - the machine's memory bandwidth on the current thread count: a STREAM-like read (`sum` of a float32
   tensor far larger than the caches) and copy, median of several runs;
-- a batch decode step of the packed engine (`PagedRunner`, batch-invariant as the server runs it) in
+- a batch decode step of the packed engine (`PackedForward`, batch-invariant as the server runs it) in
   each asked dtype, on the weights as the engine packs them (reordered once for oneDNN,
   `kvblocks.engine.head`) and as `nn.Linear` keeps them: achieved weight bandwidth = bytes of the
   linear layers' weights read per step / step time, against the measured read bandwidth;
@@ -172,7 +172,7 @@ class Step:
         from kvblocks.adapters import hf
         from kvblocks.cache.layout import KVLayout
         from kvblocks.cache.pool import KVPool
-        from kvblocks.engine.paged import Segment
+        from kvblocks.engine.attention.batch import Segment
 
         dtype = next(model.parameters()).dtype
         self.pool = KVPool(
@@ -191,10 +191,12 @@ class Step:
         self.segments = [Segment([int(rng.integers(vocab // 8, vocab // 2))], s) for s in self.slots]
 
     def runner(self, model, packed: bool):
-        from kvblocks.engine.paged import PagedRunner
+        from kvblocks.engine.attention.forward import PackedForward
         from kvblocks.engine.scheduler import CHUNK
 
-        return PagedRunner(model, self.pool, invariant=True, chunk=CHUNK, packed_weights=packed)
+        return PackedForward(
+            model, self.pool, invariant=True, chunk=CHUNK, packed_weights="all" if packed else "none"
+        )
 
     def step(self, runner) -> Callable[[], None]:
         return lambda: runner.forward(self.segments)
@@ -255,7 +257,7 @@ def step_report(args: argparse.Namespace, opts: BenchOptions, dtype: str, read_b
         f"weight bytes read per step = every linear layer's weight and bias, the output head once "
         f"({nbytes / 1e6:,.0f} MB); achieved = those bytes / the step's median time; measured read "
         f"bandwidth {read_bw:.1f} GB/s (the memory report)",
-        f"the step: `PagedRunner(invariant=True)` (the server's default on CPU) over {args.requests} "
+        f"the step: `PackedForward(invariant=True)` (the server's default on CPU) over {args.requests} "
         f"segments of one new token, each attending {args.context} positions of random K/V; the "
         "output head runs on the last row of each (logits_to_keep)",
         "reordered: "

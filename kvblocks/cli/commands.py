@@ -218,7 +218,8 @@ def half_refusal(args: argparse.Namespace, dtype: str) -> str | None:
     from transformers import AutoConfig
 
     from kvblocks import models
-    from kvblocks.engine import paged
+    from kvblocks.engine.attention.dispatch import SUPPORTED
+    from kvblocks.engine.attention.probes import probe_blocks_invariance, probe_row_invariance
 
     if args.device.split(":")[0] != "cpu":
         return f"is not exact on {args.device}: a request's rows differ alone and in a batch (BENCHMARKS.md, GPU)"
@@ -236,16 +237,14 @@ def half_refusal(args: argparse.Namespace, dtype: str) -> str | None:
     except (OSError, ValueError, models.ModelLoadError):
         return None  # the model load reports it
     kind = getattr(config, "model_type", None)
-    if kind not in paged.SUPPORTED:
+    if kind not in SUPPORTED:
         return f"is exact only in the batch-invariant packed engine, which model type '{kind}' has no path to"
     torch.set_num_threads(max(1, args.threads))  # the probes see the server's kernels
     half, width = models.DTYPES[dtype], config.hidden_size
     dim = getattr(config, "head_dim", None) or width // config.num_attention_heads
-    if not (
-        paged.probe_row_invariance("cpu", half, width) and paged.probe_blocks_invariance("cpu", half, dim)
-    ):
+    if not (probe_row_invariance("cpu", half, width) and probe_blocks_invariance("cpu", half, dim)):
         return (
-            "is not batch-invariant on this CPU (paged.probe_row_invariance / probe_blocks_invariance fail)"
+            "is not batch-invariant on this CPU (probes.probe_row_invariance / probe_blocks_invariance fail)"
         )
     return None
 
@@ -272,8 +271,8 @@ def build_engine(args: argparse.Namespace, gen, keys=None):
     """`BatchEngine` where the packed path serves the model (unless --max-batch-size 1), else `Engine`
     (one request per forward); when a batch size was asked for and cannot be had, a line on stderr
     says why. Its waiting room takes the --max-waiting bounds and the keys file's tenant limits."""
-    from kvblocks.engine import paged
     from kvblocks.engine.admission import RoomLimits, no_limits
+    from kvblocks.engine.attention.dispatch import supports
     from kvblocks.engine.loop import Engine
 
     room = {
@@ -286,7 +285,7 @@ def build_engine(args: argparse.Namespace, gen, keys=None):
     why = None
     if gen.cache is None:
         why = "--no-cache"
-    elif not paged.supports(gen.model):
+    elif not supports(gen.model):
         why = f"model type '{gen.model.config.model_type}' has no packed attention path yet"
     if why is not None:
         if args.max_batch_size is not None:  # asked for, not the default

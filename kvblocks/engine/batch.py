@@ -1,6 +1,6 @@
 """The batched engine: `Engine`'s loop with the packed runner (continuous batching over the KV pool).
 
-Each loop step is one packed forward (`kvblocks.engine.paged`) over every running request: decode
+Each loop step is one packed forward (`kvblocks.engine.attention`) over every running request: decode
 tokens first, then chunks of prefill, under `max_batch_tokens`, for at most `max_batch_size`
 requests (`Scheduler`). A request's KV lives in the trie's pool (`SlotManager`); with a generator
 that runs speculative rounds, each step of a request is a draft/verify round (`speculative`).
@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from kvblocks.engine import paged, speculative
+from kvblocks.engine import speculative
 from kvblocks.engine.admission import LimitsOf, RoomLimits, no_limits
+from kvblocks.engine.attention.dispatch import supports
+from kvblocks.engine.attention.forward import graphs_default, scratch_slots
 from kvblocks.engine.loop import Engine
-from kvblocks.engine.model_runner import PackedRunner
+from kvblocks.engine.model_runner import StepForward
 from kvblocks.engine.scheduler import CHUNK, BatchLimits
 from kvblocks.generate.generator import CachedGenerator
 from kvblocks.telemetry.metrics import Metrics
@@ -74,9 +76,9 @@ class BatchEngine(Engine):
         packed_weights: str = "all",
     ) -> None:
         cache = generator.cache
-        if cache is None or not paged.supports(generator.model):
+        if cache is None or not supports(generator.model):
             raise ValueError(
-                "the batched engine needs a prefix cache and a model kvblocks.engine.paged supports"
+                "the batched engine needs a prefix cache and a model kvblocks.engine.attention supports"
             )
         check_settings(max_batch_size, max_batch_tokens, invariant, chunk)
         if not (isinstance(generator, speculative.Rounds) or decodes_per_token(generator)):
@@ -84,10 +86,10 @@ class BatchEngine(Engine):
                 f"the batched engine runs per-token decoding or speculative rounds, not {type(generator)}"
             )
         if cuda_graphs is None:  # on CUDA with its default attention (`kvblocks.engine.graphs`)
-            cuda_graphs = paged.graphs_default(cache.pool.device, invariant, attention in (None, "grouped"))
-        need = paged.scratch_slots(invariant, cuda_graphs)
+            cuda_graphs = graphs_default(cache.pool.device, invariant, attention in (None, "grouped"))
+        need = scratch_slots(invariant, cuda_graphs)
         scratch = cache.reserve(need) if need else None  # held for the engine's life
-        runner = PackedRunner(
+        runner = StepForward(
             generator.model, cache.pool, invariant, chunk, scratch, attention, cuda_graphs, packed_weights
         )
         batch = BatchLimits(
@@ -104,7 +106,7 @@ class BatchEngine(Engine):
             # flight: while a lighter tenant waits on the step, a busier one's prefill is one chunk of it
             chunk if cache.pool.device.type == "cpu" else 0,
         )
-        head = runner.paged.head
+        head = runner.packed.head
         # what the weights reordered for the packed forwards cost beside the model's own (`--packed-weights`)
         self.packed_weight_bytes = 0 if head is None else head.nbytes
         super().__init__(generator, metrics, max_active, limits, limits_of, packed=(runner, batch))

@@ -14,7 +14,7 @@ rows of logits kept per segment; a forward is padded to its layout's bucket:
 - the batch to `G` segments: padding segments read the scratch slot alone.
 
 Attention in a graph is one SDPA call per layer over `[G, Hkv, groups * W, L]` (the query heads that
-share a K/V head stacked along the rows, as `paged._grouped_attention` does), its additive mask built
+share a K/V head stacked along the rows, as `attention.grouped.grouped_attention` does), its additive mask built
 once per replay from the rows' and keys' positions, inside the graph; the rest of the model runs as
 it is. Buckets: `W` and `G` powers of two (`G` multiples of 8 above 8), `L` multiples of `KEY_STEP`.
 A forward runs eagerly instead (returns None) when its layout would pad to more than
@@ -46,7 +46,7 @@ from kvblocks.cache.pool import KVPool
 
 log = logging.getLogger(__name__)
 
-# the keyword under which `paged._paged_attention` finds a packed forward's batch (`paged.NAME`)
+# the keyword under which `attention.dispatch` finds a packed forward's batch (`dispatch.NAME`)
 BATCH_KEYWORD = "kvblocks_paged"
 KEY_STEP = 256  # keys are padded to a multiple of this
 PAD_SLACK = 16  # a layout may pad a forward to twice its rows plus this many
@@ -78,7 +78,7 @@ def _pow2(n: int) -> int:
 
 
 def bucket(segments: Sequence, max_rows: int = MAX_ROWS, groups: int = 1) -> Layout | None:
-    """The layout a forward of `segments` (`paged.Segment`) is padded to, or None where padding would
+    """The layout a forward of `segments` (`attention.batch.Segment`) is padded to, or None where padding would
     cost more than launching its kernels one by one, or where its mask (`groups` query heads per K/V
     head) would exceed `MAX_MASK_ELEMENTS`."""
     real = sum(len(s.token_ids) for s in segments)
@@ -97,7 +97,7 @@ def bucket(segments: Sequence, max_rows: int = MAX_ROWS, groups: int = 1) -> Lay
 
 
 class StaticBatch:
-    """What a graphed forward's layers read (`paged._paged_attention` hands the call to `attend`):
+    """What a graphed forward's layers read (`attention.dispatch` hands the call to `attend`):
     device tensors of fixed shape, refilled before every replay."""
 
     def __init__(self, pool: KVPool, layout: Layout, buffer: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 # Row counts whose shared rows must come out the same (the largest: the reference). From 4 up: batch-
-# invariant forwards give every product at least `paged.MIN_ROWS` (4) rows, and below it oneDNN takes
+# invariant forwards give every product at least `probes.MIN_ROWS` (4) rows, and below it oneDNN takes
 # another kernel for some shapes (1 row, in float32 for every Qwen2.5 layer), as BLAS does.
 PROBE_ROWS = (4, 5, 17, 64)
 # the layers under the head see whole prefill chunks too (the full-batch budget is 256 rows)

@@ -3,7 +3,7 @@
 Every forward pass runs on the engine thread, so two requests never race on the model. Submitted
 requests wait in the `WaitingRoom` (bounded per tenant and in total; a full room refuses with
 `QueueFullError`). Each step admits from it, then schedules → runs → postprocesses the packed batch
-(`Scheduler`, `PackedRunner`, the per-token rule) and advances the requests on the serial runner
+(`Scheduler`, `StepForward`, the per-token rule) and advances the requests on the serial runner
 one stream step each. `Engine(generator)` is this loop with the serial runner alone; `BatchEngine`
 is the same loop with a packed runner.
 
@@ -23,16 +23,16 @@ from collections import Counter
 from collections.abc import Iterable
 
 from kvblocks.blocks.segments import Block, is_segmented
-from kvblocks.cache.trie import PoolFullError
 from kvblocks.engine import speculative
 from kvblocks.engine.admission import LimitsOf, QueueFullError, RoomLimits, WaitingRoom, no_limits
+from kvblocks.engine.intake import SequenceFactory
 from kvblocks.engine.ledger import TenantLedger
-from kvblocks.engine.model_runner import Batch, PackedRunner
+from kvblocks.engine.model_runner import StepForward
 from kvblocks.engine.postprocess import Postprocessor
 from kvblocks.engine.promotion import BlockPromotions
 from kvblocks.engine.report import Reporter, trace_ended, trace_submitted
 from kvblocks.engine.request import Emit, EngineError, Load, Options, Request
-from kvblocks.engine.scheduler import BatchLimits, Scheduler
+from kvblocks.engine.scheduler import Batch, BatchLimits, Failure, Scheduler, Step
 from kvblocks.engine.sequence import Sequence
 from kvblocks.engine.serial import SerialRunner
 from kvblocks.engine.slots import SlotManager
@@ -54,7 +54,7 @@ class Engine:
         limits: RoomLimits | None = None,
         limits_of: LimitsOf = no_limits,
         *,
-        packed: tuple[PackedRunner, BatchLimits] | None = None,
+        packed: tuple[StepForward, BatchLimits] | None = None,
     ) -> None:
         self.generator = generator
         self.cache = generator.cache
@@ -74,15 +74,18 @@ class Engine:
         block_chunk = (packed[1] if packed is not None else BatchLimits()).max_batch_tokens
         self.serial = SerialRunner(generator, self.report, max_active, block_chunk, self.ledger.charge)
         self.promotions = BlockPromotions(generator, self.metrics, block_chunk, self.ledger.charge)
-        self.runner: PackedRunner | None = None
+        self.runner: StepForward | None = None
         self.scheduler: Scheduler | None = None
+        self.intake: SequenceFactory | None = None
         self.rounds = generator if isinstance(generator, speculative.Rounds) else None
         if packed is not None:
             self.runner, batch_limits = packed
             self.slots = SlotManager(generator.cache)
-            self.scheduler = Scheduler(self.room, self.slots, batch_limits, self._fail)
+            self.intake = SequenceFactory(
+                generator, self.slots, self.rounds, self.room, self.serial, self.report
+            )
+            self.scheduler = Scheduler(self.room, self.slots, batch_limits, self.intake, self.rounds)
             self.output = Postprocessor(self.report, self.scheduler, self.slots, self.rounds, self.promotions)
-        self.one_at_a_time = 0  # requests that took the serial path beside a packed one
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvblocks-engine", daemon=True)
@@ -140,7 +143,7 @@ class Engine:
     def graph_stats(self) -> dict | None:
         """The packed runner's CUDA-graph counters (`GraphedForwards.stats`); None where its forwards
         replay no graphs (serial engine, CPU, batch-invariant, other attention modes, --no-cuda-graphs)."""
-        graphs = self.runner.paged.graphs if self.runner is not None else None
+        graphs = self.runner.packed.graphs if self.runner is not None else None
         return graphs.stats() if graphs is not None else None
 
     def kernel_stats(self) -> dict | None:
@@ -148,8 +151,13 @@ class Engine:
         (`kvblocks.engine.kernel`), and if not, why; None for the serial engine."""
         if self.runner is None:
             return None
-        paged = self.runner.paged
-        return {"in_use": paged.direct, "reason": paged.direct_reason}
+        attention = self.runner.packed.attention
+        return {"in_use": attention.direct, "reason": attention.direct_reason}
+
+    @property
+    def one_at_a_time(self) -> int:
+        """Requests that took the serial path beside a packed one."""
+        return self.intake.one_at_a_time if self.intake is not None else 0
 
     @property
     def _running(self) -> list[Sequence]:
@@ -205,7 +213,7 @@ class Engine:
         if self.scheduler is None:
             self.serial.admit(self.room)
         else:
-            self.scheduler.admit(self._prepare, Counter(r.tenant for r in self._running_requests()))
+            self._end(self.scheduler.admit(Counter(r.tenant for r in self._running_requests())))
 
     def _step_packed(self) -> None:
         if self.scheduler is None:
@@ -214,12 +222,14 @@ class Engine:
             if s.request.cancelled.is_set():
                 self.report.cancelled()
                 self._drop(s)
-        batch = self._schedule_batch()
-        outputs = self.runner.run(batch, self._fail)
-        self._postprocess(batch, outputs)
+        step = self._schedule_batch()
+        self._end(step.failed)
+        outputs = self.runner.run(step.batch)
+        self._end([out for out in outputs if isinstance(out, Failure)])
+        self._postprocess(step.batch, outputs)
 
-    def _schedule_batch(self) -> Batch:
-        return self.scheduler.schedule(self._plan)
+    def _schedule_batch(self) -> Step:
+        return self.scheduler.schedule()
 
     # ---- the guard: every phase's faults end here -----------------------------------------------
 
@@ -231,6 +241,17 @@ class Engine:
         self.report.failed()
         self._drop(s)
         s.request.emit(EngineError(phase, exc))
+
+    def _end(self, failed: list[Failure]) -> None:
+        """The sequences the scheduler or the forward failed: each ends with its error (`_fail`), or,
+        where the error is the client's own (`phase` None), with that error as it is."""
+        for f in failed:
+            if f.phase is not None:
+                self._fail(f.sequence, f.error, f.phase)
+                continue
+            self._drop(f.sequence)
+            self.report.failed()
+            f.sequence.request.emit(f.error)
 
     def _contain(self, exc: Exception) -> None:
         """A fault outside any one request: fail the requests this step was serving, keep the thread."""
@@ -258,53 +279,11 @@ class Engine:
         if s.draft is not None:
             s.draft.end(s.sequence)
 
-    # ---- the packed path: preparing, planning, postprocessing -----------------------------------
-
-    def _prepare(self, request: Request) -> Sequence | None:
-        """`request`'s packed-path state (made once), or None once it went to the serial runner or
-        failed (a bad prompt or parameter: the client gets the error)."""
-        if request.sequence is None and not request.serial:
-            try:
-                request.sequence = Sequence.of(request, self.generator, self.slots, self.rounds)
-            except Exception as exc:
-                self.room.remove(request.tenant, request)
-                self.report.failed()
-                request.emit(exc)
-                return None
-            request.serial = request.sequence is None
-        if not request.serial:
-            return request.sequence
-        if self.serial.has_room():
-            self.room.remove(request.tenant, request)
-            self.serial.start(request)
-            self.one_at_a_time += 1
-        return None
-
-    def _plan(self, s: Sequence, take: int, budget: int, batch: Batch) -> int:
-        """Tokens `s` feeds this step with their slots reserved (and its drafts proposed); 0: none."""
-        if s.draft is None or take != s.left:
-            return take if self._reserve(s, s.computed + take, batch) else 0
-        room = min(speculative.room(s), budget - take)  # a draft/verify round
-        if not self._reserve(s, s.computed + take + room, batch):  # slots first: drafting consumes the rng
-            return 0
-        take += speculative.propose(self.rounds, s, room, len(self._running) - 1)
-        self.slots.trim(s, s.computed + take)  # fewer drafts than room
-        return take
-
-    def _reserve(self, s: Sequence, end: int, batch: Batch) -> bool:
-        """Slots up to position `end` of `s` (the scheduler preempts for them); False when nothing
-        can make room, and `s` fails when it runs alone and pinned prefixes fill the rest."""
-        if self.scheduler.reserve(s, end, batch):
-            return True
-        if not batch and self._running == [s]:
-            self._drop(s)
-            self.report.failed()
-            s.request.emit(PoolFullError("the KV pool is full of pinned prefixes"))
-        return False
+    # ---- the packed path: postprocessing -------------------------------------------------------
 
     def _postprocess(self, batch: Batch, outputs: list) -> None:
         for (s, n), logits in zip(batch, outputs):
-            if logits is None or s not in self._running:
+            if isinstance(logits, Failure) or s not in self._running:
                 continue
             try:
                 self.output.advance(s, n, logits)

@@ -3,7 +3,7 @@
 It knows no tensors. Waiting requests are admitted from the `WaitingRoom` in weighted fair order
 across tenants; within a tenant's first `LOOK`, one passed over `max_wait_steps` times goes first,
 then the longest cached prefix, and only while the pool has room for the uncached prompt plus a
-watermark (`can_admit` before `admit`). Each step feeds decode tokens first, then chunks of
+watermark (`AdmissionPass.can_admit` before `admit_one`). Each step feeds decode tokens first, then chunks of
 prefill, fewest tokens left first, under `max_batch_tokens` (`full_batch_tokens` while every batch
 place is taken and nobody waits); a step in which some request can get its first token leaves long
 prefills out (head-of-line blocking is then the step in flight plus one short step). Tenants share
@@ -11,18 +11,24 @@ in tokens: while another tenant has work, a tenant's prefill takes at most its w
 step, and a tenant holding every batch place gives one up to a tenant under its share. When the
 pool runs out of slots, the busiest tenant's youngest other running request is the preemption
 victim: it waits again, first in its tenant's line, and resumes later.
+
+The step flows one way: the loop calls `admit` and `schedule`, which reserve the slots (and
+propose the drafts of speculative rounds) through the scheduler's own collaborators and hand back
+what failed on the way (`Failure`) for the loop to end; nothing here calls back into the loop.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import Enum
 
 from kvblocks.cache.radix import common_prefix_len
 from kvblocks.cache.trie import PoolFullError
-from kvblocks.engine import paged
+from kvblocks.engine import speculative
 from kvblocks.engine.admission import WaitingRoom
+from kvblocks.engine.ledger import TenantLedger
 from kvblocks.engine.report import trace_admitted
 from kvblocks.engine.request import Request
 from kvblocks.engine.sequence import Sequence
@@ -37,8 +43,15 @@ FULL_BATCH_TOKENS = 256  # the server's budget while the batch is full and nobod
 RECENT_S = 2.0  # a tenant served this lately still has work in `prefill_shares` (see there)
 LOOK = 32  # waiting requests per tenant that admission considers each step (never the whole line)
 
-Fail = Callable[[Sequence, BaseException, str], None]
-Plan = Callable[[Sequence, int, int, list[tuple[Sequence, int]]], int]
+Batch = list[tuple[Sequence, int]]  # (sequence, tokens it feeds) of one step
+Sequences = Callable[[Request], Sequence | None]  # a waiting request's packed-path state (`SequenceFactory`)
+
+
+def chunk_ends(start: int, stop: int, chunk: int) -> list[int]:
+    """Where a prompt computed from `start` to `stop` is cut in batch-invariant mode: at every
+    multiple of `chunk` and at `stop`, the same cuts whatever `start` is (a query row then always
+    reads the same keys, however the budget falls)."""
+    return [*range((start // chunk + 1) * chunk, stop, chunk), stop]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,22 +69,52 @@ class BatchLimits:
     contended_prefill: int = 0
 
 
-@dataclass(slots=True)
-class _AdmissionPass:
-    """What one admission pass has learnt: free slots left, cached lengths, requests looked at."""
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A sequence that failed in `phase` (admission, scheduling, forward), handed back for the loop
+    to end (the scheduler has already taken its own out of `running`, their slots and lock given
+    back). `phase` None: `error` is the client's own, sent as it is."""
 
-    available: int
-    counted_evictable: bool = False
-    cached: dict[int, int] = field(default_factory=dict)
-    seen: dict[int, Sequence] = field(default_factory=dict)
+    sequence: Sequence
+    error: BaseException
+    phase: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one step feeds (`batch`, under the token budget) and who failed while it was planned."""
+
+    batch: Batch
+    failed: list[Failure]
+
+
+class Admitted(Enum):
+    """What admitting from one tenant's line gave."""
+
+    ONE = "one"  # a request of the tenant started running
+    NONE = "none"  # none of its first ones can start this step
+    DEFERRED = "deferred"  # the pool lacks room for the next in order: nobody else jumps ahead of it
 
 
 class Scheduler:
-    def __init__(self, room: WaitingRoom, slots: SlotManager, limits: BatchLimits, fail: Fail) -> None:
+    """Its collaborators: the waiting `room`, the `slots` of running sequences, the `sequences`
+    factory for waiting requests and the speculative `rounds` (None: one token a step). It calls
+    nothing back in the loop: what failed comes back with its results (`Failure`)."""
+
+    def __init__(
+        self,
+        room: WaitingRoom,
+        slots: SlotManager,
+        limits: BatchLimits,
+        sequences: Sequences,
+        rounds: speculative.Rounds | None = None,
+    ) -> None:
         self.room = room
         self.slots = slots
         self.limits = limits
-        self.fail = fail  # the engine's guard: fails one sequence with the phase named
+        self.sequences = sequences
+        self.rounds = rounds
+        self.failed: list[Failure] = []  # this call's, handed back by `admit` and `schedule`
         self.running: list[Sequence] = []
         self.step_no = 0
         self.deferred = 0  # admissions put off because the pool lacked room for the prompt
@@ -79,11 +122,10 @@ class Scheduler:
 
     # ---- admission ------------------------------------------------------------------------------
 
-    def admit(self, prepare: Callable[[Request], Sequence | None], running: Counter) -> None:
+    def admit(self, running: Counter) -> list[Failure]:
         """Tenants in fair order (`WaitingRoom.fair_order`, `running` counting each tenant's running
-        requests); `prepare` gives a waiting request's packed-path state, None for one that took
-        another path or failed."""
-        admission = _AdmissionPass(self.slots.free)
+        requests); returns the sequences that failed on the way in."""
+        admission = AdmissionPass(self)
         done: set[str] = set()
         while True:
             order = self.room.fair_order(running, done)
@@ -92,16 +134,17 @@ class Scheduler:
             tenant = order[0]
             if len(self.running) >= self.places and not self._make_place(tenant, running):
                 break
-            admitted = self._admit_from(tenant, prepare, admission)
-            if admitted is None:
+            admitted = admission.admit_from(tenant)
+            if admitted is Admitted.NONE:
                 done.add(tenant)
-            elif admitted is False:  # deferred: nobody else jumps ahead of it
+            elif admitted is Admitted.DEFERRED:
                 break
             else:
                 running[tenant] += 1
         for s in admission.seen.values():
             if s not in self.running:
                 s.waited += 1
+        return self._handed_back()
 
     def _make_place(self, tenant: str, running: Counter) -> bool:
         """With every place taken, preempt a decoding request of the tenant holding the most places
@@ -124,54 +167,6 @@ class Scheduler:
         running[owner] -= 1
         return True
 
-    def _admit_from(self, tenant: str, prepare, admission: _AdmissionPass) -> Sequence | bool | None:
-        """Admit one waiting request of `tenant`: its Sequence, None when none of its first ones can
-        start this step, or False when the pool lacks room for the next in order."""
-        candidates = self._candidates(tenant, prepare, admission)
-        starved = [s for s in candidates if s.waited >= self.limits.max_wait_steps]
-        rest = sorted(
-            (s for s in candidates if s.waited < self.limits.max_wait_steps),
-            key=lambda s: -admission.cached[id(s)],
-        )
-        for s in starved + rest:
-            cached = admission.cached[id(s)]
-            if s.waited < self.limits.max_wait_steps and self._joins(s, cached):
-                continue
-            need = len(s.sequence) - cached + self.limits.watermark
-            if not self.can_admit(need, admission):
-                self.deferred += 1
-                return False
-            if self.admit_one(s):
-                admission.available -= need - self.limits.watermark
-                return s
-        return None
-
-    def _candidates(self, tenant: str, prepare, admission: _AdmissionPass) -> list[Sequence]:
-        """The packed-path heads of `tenant`'s line, with their cached lengths known."""
-        candidates = []
-        for request in self.room.heads(tenant, LOOK):
-            s = prepare(request)
-            if s is None:
-                continue
-            admission.seen[id(s)] = s
-            if id(s) not in admission.cached:
-                try:
-                    admission.cached[id(s)] = self.slots.cached_length(s)
-                except Exception as exc:  # e.g. a namespace that cannot be keyed: this request only
-                    self.room.remove(tenant, s.request)
-                    self.fail(s, exc, "admission")
-                    continue
-            candidates.append(s)
-        return candidates
-
-    def can_admit(self, need: int, admission: _AdmissionPass) -> bool:
-        """Whether `need` slots (an uncached prompt plus the watermark) are free or evictable; with
-        nothing running a request is admitted anyway (preemption and eviction make its room)."""
-        if need > admission.available and not admission.counted_evictable:
-            admission.available += self.slots.evictable()
-            admission.counted_evictable = True
-        return need <= admission.available or not self.running
-
     def admit_one(self, s: Sequence) -> bool:
         """Out of the waiting room into `running`, its cached prefix locked; False when that failed."""
         self.room.remove(s.request.tenant, s.request)
@@ -186,39 +181,28 @@ class Scheduler:
         self.running.append(s)
         return True
 
-    def _joins(self, s: Sequence, cached: int) -> bool:
-        """Whether `s` waits for a running request that is computing a prompt `s` shares beyond what
-        is cached (at least `join_min_tokens` more): once that prompt is committed, `s` hits it
-        instead of computing it a second time."""
-        ids = s.token_array()
-        return any(
-            common_prefix_len(r.token_array()[: len(r.ids)], ids) - cached >= self.limits.join_min_tokens
-            for r in self.running
-            if not r.committed_prompt and r.salt == s.salt
-        )
-
     # ---- one step's tokens ----------------------------------------------------------------------
 
-    def schedule(self, plan: Plan) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens it feeds) for this step, under the token budget. `plan(s, take, budget,
-        batch)` reserves the slots of `take` tokens (plus drafts) and says how many `s` feeds."""
+    def schedule(self) -> Step:
+        """(sequence, tokens it feeds) for this step, under the token budget, their slots reserved
+        (and drafts proposed); and the sequences that failed on the way."""
         self.step_no += 1
         budget = self.budget()
-        batch: list[tuple[Sequence, int]] = []
+        batch: Batch = []
         # decodes first (one token each), then prefills, fewest tokens left first: a short prompt is not
         # held behind a long one, which takes what budget is left every step
         order = sorted(self.running, key=lambda s: (s.left, s.admitted_at))
-        urgent = self._first_in_line(order)
+        urgent = first_in_line(order, self.room.ledger)
         shares = self.prefill_shares(budget)
         for s in order:
-            if urgent is not None and self._held_back(s, urgent):
+            if urgent is not None and held_back(s, urgent, self.limits.max_wait_steps):
                 continue
             if s not in self.running:  # preempted for an earlier one's slots
                 continue
             tenant, prefill = s.request.tenant, s.left > 1
             allowed = min(budget, shares.get(tenant, budget)) if prefill else budget
             try:
-                take = self._planned(s, allowed, batch, plan)
+                take = self._planned(s, allowed, batch)
             except Exception as exc:
                 self.fail(s, exc, "scheduling")
                 continue
@@ -229,7 +213,7 @@ class Scheduler:
                     shares[tenant] -= take
         for s, take in batch:  # the work of this step, charged to whom it is for
             self.room.ledger.charge(s.request.tenant, take)
-        return batch
+        return Step(batch, self._handed_back())
 
     def prefill_shares(self, budget: int) -> dict[str, int]:
         """Prefill tokens each tenant may take this step when more than one has prefill to do or
@@ -271,29 +255,28 @@ class Scheduler:
         """How many requests may run at once (admission fills them; a full batch has none free)."""
         return min(self.limits.max_batch_size, self.limits.max_active)
 
-    def _planned(self, s: Sequence, budget: int, batch: list[tuple[Sequence, int]], plan: Plan) -> int:
+    def _planned(self, s: Sequence, budget: int, batch: Batch) -> int:
+        """Tokens `s` feeds this step with their slots reserved (and its drafts proposed); 0: none."""
         take = self.take_tokens(s, budget)
         if take <= 0:
             return 0
         s.held_back = 0
-        return plan(s, take, budget, batch)
+        if s.draft is None or take != s.left:
+            return take if self._reserve(s, s.computed + take, batch) else 0
+        room = min(speculative.room(s), budget - take)  # a draft/verify round
+        if not self._reserve(s, s.computed + take + room, batch):  # slots first: drafting consumes the rng
+            return 0
+        take += speculative.propose(self.rounds, s, room, len(self.running) - 1)
+        self.slots.trim(s, s.computed + take)  # fewer drafts than room
+        return take
 
-    def _first_in_line(self, order: list[Sequence]) -> str | None:
-        """The least served tenant (recent work per weight) with a first token one short step away,
-        or None when no request has one."""
-        near = {s.request.tenant for s in order if not s.generated and 0 < s.left <= NEAR}
-        return min(near, key=lambda t: (self.room.ledger.usage(t), t)) if near else None
-
-    def _held_back(self, s: Sequence, urgent: str) -> bool:
-        """The head-of-line rule: with a first token of tenant `urgent` one short step away, a long
-        prefill sits the step out, and so does any prefill of a tenant served more than `urgent`
-        (a victim's first token does not wait behind a flooder's short prompts); each at most
-        `max_wait_steps` steps in a row."""
-        if s.left <= 1 or s.held_back >= self.limits.max_wait_steps:
-            return False
-        if s.left > NEAR or s.request.tenant != urgent:
-            s.held_back += 1
+    def _reserve(self, s: Sequence, end: int, batch: Batch) -> bool:
+        """`reserve`; when nothing can make room and `s` runs alone, pinned prefixes fill the rest of
+        the pool: `s` fails."""
+        if self.reserve(s, end, batch):
             return True
+        if not batch and self.running == [s]:
+            self.fail(s, PoolFullError("the KV pool is full of pinned prefixes"), None)
         return False
 
     def take_tokens(self, s: Sequence, budget: int) -> int:
@@ -304,13 +287,13 @@ class Scheduler:
             left -= 1
         if not self.limits.invariant or left <= budget:
             return min(left, budget)
-        cuts = paged.chunk_ends(s.computed, len(s.sequence), self.limits.chunk)
+        cuts = chunk_ends(s.computed, len(s.sequence), self.limits.chunk)
         reachable = [end for end in cuts if end - s.computed <= budget]
         return reachable[-1] - s.computed if reachable else 0
 
     # ---- preemption -----------------------------------------------------------------------------
 
-    def reserve(self, s: Sequence, end: int, batch: list[tuple[Sequence, int]]) -> bool:
+    def reserve(self, s: Sequence, end: int, batch: Batch) -> bool:
         """Slots up to position `end` of `s`, preempting a `victim` while the pool is full; False
         when no victim is left."""
         while True:
@@ -323,7 +306,7 @@ class Scheduler:
                     return False
                 self.preempt(victim)
 
-    def victim(self, s: Sequence, batch: list[tuple[Sequence, int]]) -> Sequence | None:
+    def victim(self, s: Sequence, batch: Batch) -> Sequence | None:
         """Whom to preempt for `s`'s slots: the youngest other running request not in this batch of
         the tenant with the most recent work per weight (the flooder's, not the newcomer's)."""
         taken = {id(t) for t, _ in batch}
@@ -343,3 +326,106 @@ class Scheduler:
     def remove(self, s: Sequence) -> None:
         if s in self.running:
             self.running.remove(s)
+
+    def fail(self, s: Sequence, error: BaseException, phase: str | None) -> None:
+        """`s` stops running now (its own slots and lock go back, so the rest of this call plans
+        without it); the loop ends it when the call returns."""
+        self.remove(s)
+        self.slots.release(s)
+        self.failed.append(Failure(s, error, phase))
+
+    def _handed_back(self) -> list[Failure]:
+        failed, self.failed = self.failed, []
+        return failed
+
+
+def first_in_line(order: list[Sequence], ledger: TenantLedger) -> str | None:
+    """The least served tenant (recent work per weight) with a first token one short step away,
+    or None when no request has one."""
+    near = {s.request.tenant for s in order if not s.generated and 0 < s.left <= NEAR}
+    return min(near, key=lambda t: (ledger.usage(t), t)) if near else None
+
+
+def held_back(s: Sequence, urgent: str, max_wait_steps: int) -> bool:
+    """The head-of-line rule: with a first token of tenant `urgent` one short step away, a long
+    prefill sits the step out, and so does any prefill of a tenant served more than `urgent`
+    (a victim's first token does not wait behind a flooder's short prompts); each at most
+    `max_wait_steps` steps in a row."""
+    if s.left <= 1 or s.held_back >= max_wait_steps:
+        return False
+    if s.left > NEAR or s.request.tenant != urgent:
+        s.held_back += 1
+        return True
+    return False
+
+
+class AdmissionPass:
+    """One admission pass over the waiting room: what it has learnt (free slots left, cached
+    lengths, requests looked at) and how it picks each tenant's next request."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.available = scheduler.slots.free
+        self.counted_evictable = False
+        self.cached: dict[int, int] = {}
+        self.seen: dict[int, Sequence] = {}
+
+    def admit_from(self, tenant: str) -> Admitted:
+        """Admit one waiting request of `tenant` (see `Admitted`)."""
+        candidates = self.candidates(tenant)
+        limits = self.scheduler.limits
+        starved = [s for s in candidates if s.waited >= limits.max_wait_steps]
+        rest = sorted(
+            (s for s in candidates if s.waited < limits.max_wait_steps),
+            key=lambda s: -self.cached[id(s)],
+        )
+        for s in starved + rest:
+            cached = self.cached[id(s)]
+            if s.waited < limits.max_wait_steps and self.joins(s, cached):
+                continue
+            need = len(s.sequence) - cached + limits.watermark
+            if not self.can_admit(need):
+                self.scheduler.deferred += 1
+                return Admitted.DEFERRED
+            if self.scheduler.admit_one(s):
+                self.available -= need - limits.watermark
+                return Admitted.ONE
+        return Admitted.NONE
+
+    def candidates(self, tenant: str) -> list[Sequence]:
+        """The packed-path heads of `tenant`'s line, with their cached lengths known."""
+        scheduler, candidates = self.scheduler, []
+        for request in scheduler.room.heads(tenant, LOOK):
+            s = scheduler.sequences(request)
+            if s is None:
+                continue
+            self.seen[id(s)] = s
+            if id(s) not in self.cached:
+                try:
+                    self.cached[id(s)] = scheduler.slots.cached_length(s)
+                except Exception as exc:  # e.g. a namespace that cannot be keyed: this request only
+                    scheduler.room.remove(tenant, s.request)
+                    scheduler.fail(s, exc, "admission")
+                    continue
+            candidates.append(s)
+        return candidates
+
+    def can_admit(self, need: int) -> bool:
+        """Whether `need` slots (an uncached prompt plus the watermark) are free or evictable; with
+        nothing running a request is admitted anyway (preemption and eviction make its room)."""
+        if need > self.available and not self.counted_evictable:
+            self.available += self.scheduler.slots.evictable()
+            self.counted_evictable = True
+        return need <= self.available or not self.scheduler.running
+
+    def joins(self, s: Sequence, cached: int) -> bool:
+        """Whether `s` waits for a running request that is computing a prompt `s` shares beyond what
+        is cached (at least `join_min_tokens` more): once that prompt is committed, `s` hits it
+        instead of computing it a second time."""
+        ids = s.token_array()
+        return any(
+            common_prefix_len(r.token_array()[: len(r.ids)], ids) - cached
+            >= self.scheduler.limits.join_min_tokens
+            for r in self.scheduler.running
+            if not r.committed_prompt and r.salt == s.salt
+        )

@@ -1,10 +1,10 @@
 """Draft-tree segments of a packed forward: positions by depth and the ancestor mask.
 
-A segment with a `tree` (`paged.Segment.tree`) holds a speculative round's new tokens as a tree:
+A segment with a `tree` (`attention.batch.Segment.tree`) holds a speculative round's new tokens as a tree:
 `tree[j]` is the new token that token j follows (-1: the segment's last prefix position), so a chain
 is `[-1, 0, 1, ...]`. Token j sits at position `start - 1 + depth(j)` and attends the prefix and
 its own ancestors among the new tokens, never a sibling branch. Such segments take a call of their
-own per layer (`paged._plain_attention`), beside the kernel and cascade plans of the others.
+own per layer (`attention.per_segment.plain_attention`), beside the kernel and cascade plans of the others.
 """
 
 from __future__ import annotations
