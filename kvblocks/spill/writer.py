@@ -42,7 +42,7 @@ DEFAULT_MAX_BYTES = 1 << 30
 class Job:
     kind: str  # through, record, state, raw, delete
     targets: tuple[int, ...]  # indexes of the tiers it writes into
-    args: tuple
+    args: tuple[Any, ...]
     counter: str = "written_chunks"  # raw jobs: promoted_chunks or demoted_chunks
     ready: Any = field(default=None)  # a CUDA event the job waits on (its device-to-host copy)
     nbytes: int = 0  # what it holds in host memory until it runs
@@ -220,6 +220,6 @@ def copy_event(device: torch.device | None) -> Any:
     """A CUDA event recorded after `to_host`'s copies were queued (None off a GPU)."""
     if device is None or device.type != "cuda":
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
     event.record()
     return event
