@@ -6,7 +6,7 @@ when no live match and no pin passes through it. Not thread-safe: `KVCacheTrie` 
 
 For a recurrent or hybrid model a node may also own a snapshot of the recurrent state after its
 last token (`snap`: the slots that hold the snapshot's bytes). Only a prefix that ends at a
-snapshot can be served (`snapshot_prefix`). A snapshot is an entry of its own for eviction: it goes
+snapshot can be served (`Match.snapshot_prefix`). A snapshot is an entry of its own for eviction: it goes
 with its node's tail, or alone, in the policy's order of value per slot.
 """
 
@@ -60,6 +60,18 @@ class Match:
         if not self.slot_runs:
             return np.zeros(0, dtype=SLOT_DTYPE)
         return np.concatenate(self.slot_runs)[:length]
+
+    def snapshot_prefix(self) -> Match:
+        """The longest part of this match that ends where a node owning a snapshot ends."""
+        node, length = self.node, self.length
+        if node.is_root or (self.node_offset == len(node.tokens) and node.snap is not None):
+            return self
+        length -= self.node_offset
+        node = _parent(node)
+        while not node.is_root and node.snap is None:
+            length -= len(node.tokens)
+            node = _parent(node)
+        return Match(node, 0 if node.is_root else len(node.tokens), length, self.slot_runs)
 
 
 def _parent(node: Node) -> Node:
@@ -133,19 +145,6 @@ class RadixTree:
         if node.is_root:
             offset = 0
         return Match(node, offset, pos, tuple(runs))
-
-    @staticmethod
-    def snapshot_prefix(match: Match) -> Match:
-        """The longest part of `match` that ends where a node owning a snapshot ends."""
-        node, length = match.node, match.length
-        if node.is_root or (match.node_offset == len(node.tokens) and node.snap is not None):
-            return match
-        length -= match.node_offset
-        node = _parent(node)
-        while not node.is_root and node.snap is None:
-            length -= len(node.tokens)
-            node = _parent(node)
-        return Match(node, 0 if node.is_root else len(node.tokens), length, match.slot_runs)
 
     def boundary(self, match: Match) -> Node | None:
         """The node ending exactly at `match`'s end (split there if needed); None at the root."""

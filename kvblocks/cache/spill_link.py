@@ -35,7 +35,7 @@ class SpillLink:
         with r.lock:
             m = r.tree.match(ns.key, ids[:limit], touch=False, create=False)
             device = m.length
-            servable = r.tree.snapshot_prefix(m).length if self._recurrent else device
+            servable = m.snapshot_prefix().length if self._recurrent else device
         spill.on_hit(ns.key, ids, device)  # rewrites chunks Redis lost, off this thread
         fetched = state = None
         if device < limit:

@@ -127,7 +127,7 @@ class PrefixCache:
             m = self._tree.match(ns.key, ids[:limit], create=False)
             matched = m.length
             if self.state is not None:
-                m = self._tree.snapshot_prefix(m)
+                m = m.snapshot_prefix()
             self._counters.add(
                 ns.tenant,
                 queries=1,
@@ -160,7 +160,7 @@ class PrefixCache:
         with self._lock:
             m = self._tree.match(ns.key, ids, touch=False, create=False)
             if servable and self.state is not None:
-                m = self._tree.snapshot_prefix(m)
+                m = m.snapshot_prefix()
             return m.length
 
     def continuation(self, token_ids: TokenIds, max_tokens: int, *, salt: Salt = None) -> list[int]:
