@@ -68,6 +68,25 @@ class DecodeState:
     reusable: int | None = None
     shared: bool = True  # False: nothing it computes enters the cache (its hit is read all the same)
 
+    @classmethod
+    def start(
+        cls,
+        ids: list[int],
+        hit: Hit | None,
+        rows: list[torch.Tensor] | None,
+        salt: Salt,
+        cache: KVCacheTrie | None,
+        stepwise: bool,
+    ) -> DecodeState:
+        """The decoding state after `hit`, with the positions where a recurrent state is snapshotted
+        (`stepwise`: a model whose every forward after the first is one token)."""
+        run = cls(list(ids), hit.length if hit is not None else 0, rows, salt)
+        if cache is not None:
+            run.plan = cache.snapshot_plan(run.computed, len(ids), hit.matched if hit else 0)
+            if stepwise and run.computed == 0:
+                run.plan.skip_before((hit.matched if hit else 0) or len(ids) - 1)
+        return run
+
     def conclude(
         self, out: Decoding, piece: Piece, hit: Hit | None, output_logits: bool, **extras: Any
     ) -> Piece:
@@ -200,7 +219,7 @@ class CachedGenerator(BlockSteps):
         bypass = "prompt_logprobs" if params.prompt_logprobs is not None and self.cache is not None else None
         hit = self.cache.match_or_miss(ids, salt=salt) if self.cache is not None and bypass is None else None
         rows: list[torch.Tensor] | None = [] if output_logits or params.logprobs is not None else None
-        run = self._start(ids, hit, rows, salt)
+        run = DecodeState.start(ids, hit, rows, salt, self.cache, self.runner.stepwise)
         run.shared = share_kv
         tokens = None
         try:
@@ -209,9 +228,8 @@ class CachedGenerator(BlockSteps):
                 blocks = yield from self._prefill_blocks(ids, spans, hit, run, params, block_chunk)
             if run.past is None:
                 run.past = self._new_past(hit, salt)
-            prompt_logprobs = None
-            if params.prompt_logprobs is not None:
-                prompt_logprobs = self._prompt_logprobs(ids, run, params.prompt_logprobs)
+            k = params.prompt_logprobs
+            prompt_logprobs = None if k is None else self._prompt_logprobs(ids, run, k)
             tokens = self._decode(ids, run, out)
             piece = yield from self._pieces(tokens, run, out, output_logits)
             tokens.close()
@@ -258,17 +276,6 @@ class CachedGenerator(BlockSteps):
                 return piece
             yield piece
         raise AssertionError("a decode strategy yields tokens until the rule finishes the sequence")
-
-    def _start(
-        self, ids: list[int], hit: Hit | None, rows: list[torch.Tensor] | None, salt: Salt
-    ) -> DecodeState:
-        """The decoding state after `hit`, with the positions where a recurrent state is snapshotted."""
-        run = DecodeState(list(ids), hit.length if hit is not None else 0, rows, salt)
-        if self.cache is not None:
-            run.plan = self.cache.snapshot_plan(run.computed, len(ids), hit.matched if hit else 0)
-            if self.runner.stepwise and run.computed == 0:  # every forward after the first is one token
-                run.plan.skip_before((hit.matched if hit else 0) or len(ids) - 1)
-        return run
 
     def _prompt_logprobs(self, ids: list[int], run: DecodeState, k: int) -> list[TokenLogprob | None]:
         """Score each prompt token after the first by the positions before it.
