@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import numpy as np
 
@@ -59,7 +60,7 @@ class BlockSpan:
         return self.start + self.length
 
 
-def is_segmented(prompt: object) -> bool:
+def is_segmented(prompt: object) -> TypeGuard[SegmentedPrompt]:
     """Whether `prompt` is a list of segments with at least one `Block` (anything else is a plain prompt)."""
     return isinstance(prompt, list | tuple) and any(isinstance(s, Block) for s in prompt)
 

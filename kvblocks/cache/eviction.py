@@ -22,6 +22,7 @@ hit would recompute without it) over the slots it takes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class GreedyDualFrequency:
         return (node.stamp + (node.hits + 1) * cost, node.last_access)
 
 
-POLICIES = {"lru": LRU, "gdsf": GreedyDualFrequency}
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "gdsf": GreedyDualFrequency}
 
 
 def make_policy(policy: str | EvictionPolicy | None) -> EvictionPolicy:

@@ -22,8 +22,22 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvblocks.cache.trie import PrefixCache, Salt
+
+# one token of a prompt or of the cache's continuation: {"position", "id", "text"}
+Piece = dict[str, Any]
+
+
+class Decoder(Protocol):
+    """The part of a tokenizer `explain` uses."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
 
 LEDGER_GRANULARITY = 16
 
@@ -79,16 +93,18 @@ class Explanation:
     cached_tokens: int
     divergence: int | None
     detail: str
-    prompt_side: list[dict]
-    cached_side: list[dict]
-    before: list[dict]
-    tiers: list[dict] = field(default_factory=list)  # [{"tier": "device" | spill tier, "tokens": n}]
+    prompt_side: list[Piece]
+    cached_side: list[Piece]
+    before: list[Piece]
+    tiers: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # [{"tier": "device" | spill tier, "tokens": n}]
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _pieces(tokenizer, ids: list[int], start: int) -> list[dict]:
+def _pieces(tokenizer: Decoder, ids: list[int], start: int) -> list[Piece]:
     return [
         {"position": start + i, "id": int(t), "text": tokenizer.decode([int(t)], skip_special_tokens=False)}
         for i, t in enumerate(ids)
@@ -96,11 +112,11 @@ def _pieces(tokenizer, ids: list[int], start: int) -> list[dict]:
 
 
 def explain(
-    cache,
-    tokenizer,
+    cache: PrefixCache,
+    tokenizer: Decoder,
     ids: list[int],
     *,
-    salt=None,
+    salt: Salt = None,
     all_tenants: bool = False,
     prompt_logprobs: bool = False,
     window: int = 8,
@@ -120,11 +136,13 @@ def explain(
     return explained
 
 
-def _tiers(cache, arr: np.ndarray, salt, matched: int, prompt_logprobs: bool) -> list[dict]:
+def _tiers(
+    cache: PrefixCache, arr: np.ndarray, salt: Salt, matched: int, prompt_logprobs: bool
+) -> list[dict[str, Any]]:
     """The device's share of the cached prefix, then each spill tier's, in the order a lookup asks."""
     n = len(arr)
     usable = min(matched, max(n - 1, 0))
-    out = [{"tier": "device", "tokens": usable}] if usable else []
+    out: list[dict[str, Any]] = [{"tier": "device", "tokens": usable}] if usable else []
     spill = getattr(cache, "spill", None)
     if spill is None or prompt_logprobs or not hasattr(spill, "locate") or usable >= n - 1:
         return out
@@ -133,8 +151,8 @@ def _tiers(cache, arr: np.ndarray, salt, matched: int, prompt_logprobs: bool) ->
 
 
 def _explain(
-    cache, tokenizer, ids: list[int], arr: np.ndarray, matched: int, salt, all_tenants: bool,
-    prompt_logprobs: bool, window: int,
+    cache: PrefixCache, tokenizer: Decoder, ids: list[int], arr: np.ndarray, matched: int, salt: Salt,
+    all_tenants: bool, prompt_logprobs: bool, window: int,
 ) -> Explanation:  # fmt: skip
     n = len(arr)
     usable = min(matched, max(n - 1, 0))
@@ -174,7 +192,13 @@ def _explain(
 
 
 def _why_diverged(
-    cache, tokenizer, ids: list[int], matched: int, cached_next: list[int], salt, all_tenants: bool
+    cache: PrefixCache,
+    tokenizer: Decoder,
+    ids: list[int],
+    matched: int,
+    cached_next: list[int],
+    salt: Salt,
+    all_tenants: bool,
 ) -> tuple[str, str]:
     """The reason (and its wording) why the cache's match of `ids` stops at `matched`."""
     arr, ns = cache.key_of(ids, salt)
@@ -198,7 +222,7 @@ def _why_diverged(
     return "never_seen", f"the cache holds the first {matched} tokens; the prompt goes on differently"
 
 
-def _same_text(tokenizer, prompt_tail: list[int], cached_tail: list[int]) -> bool:
+def _same_text(tokenizer: Decoder, prompt_tail: list[int], cached_tail: list[int]) -> bool:
     """Whether the cache spells the prompt's next text with other ids: its leading tokens spell a
     prefix of the prompt's text (what it holds after them, e.g. a cached reply, may differ), or
     the prompt's remaining text is a prefix of the cached text."""

@@ -35,7 +35,7 @@ class Hit:
     @property
     def slots(self) -> np.ndarray:
         """The pool slots of the `length` hit tokens, in order (read-only; valid until `release()`)."""
-        view = self._slots.view()
+        view: np.ndarray = self._slots.view()
         view.flags.writeable = False
         return view
 
@@ -56,13 +56,13 @@ class Hit:
         kv: list[torch.Tensor | None] = []
         indices: dict[int, torch.Tensor] = {}
         for layer, spec in enumerate(self.trie.specs):
-            held = spec.tokens_held(length)
-            if spec.kind == "none" or held == 0:
+            tokens = spec.tokens_held(length)
+            if spec.kind == "none" or tokens == 0:
                 kv.append(None)
                 continue
-            index = indices.get(held)
+            index = indices.get(tokens)
             if index is None:
-                index = indices[held] = pool.index(self._slots[length - held : length])
+                index = indices[tokens] = pool.index(self._slots[length - tokens : length])
             kv.append(pool.gather(layer, index))
         return kv
 
@@ -83,7 +83,7 @@ class Hit:
     def __enter__(self) -> Hit:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
     def __repr__(self) -> str:

@@ -5,7 +5,9 @@ wording and the decoding live here, next to `explain`."""
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Any
 
+from kvblocks.cache.explain import Decoder
 from kvblocks.cache.trie import PrefixCache
 
 PREVIEW_TOKENS = 48
@@ -16,12 +18,12 @@ def preview(head: str, tail: str, elided: bool) -> str:
 
 
 def inspect_prefixes(
-    cache: PrefixCache, tokenizer, tenant: str | None, limit: int, tree: bool, max_nodes: int
-) -> dict:
+    cache: PrefixCache, tokenizer: Decoder, tenant: str | None, limit: int, tree: bool, max_nodes: int
+) -> dict[str, Any]:
     """The most-hit prefixes and the trie's shape with text previews: all of them (tenant None,
     an admin) or one tenant's, which then sees neither the text nor the namespace keys of others."""
 
-    def decode(ids) -> str:
+    def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False)
 
     top = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ class KVLayout:
         elem = torch.empty(0, dtype=self.dtype).element_size()
         return sum(2 * h * d * elem for h, d in self.shapes)
 
-    def shape(self, n: int) -> list:
+    def shape(self, n: int) -> list[Any]:
         """The `shape` field of a record of `n` tokens."""
         return [n, [list(x) for x in self.shapes]]
 
@@ -115,7 +116,7 @@ class StateLayout:
         last = self.states[-1]
         return last.offset + -(-last.nbytes // 8) * 8
 
-    def describe(self) -> list:
+    def describe(self) -> list[list[Any]]:
         """The layout as plain data, for a record's header: [layer, kind, index, shape, dtype] each."""
         return [
             [s.layer, s.kind, s.index, list(s.shape), str(s.dtype).removeprefix("torch.")]

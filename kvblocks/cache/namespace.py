@@ -11,10 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import xxhash
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Bytes hashed per update when weights live off the CPU: bounds the host copy, not the result.
 _HOST_CHUNK_BYTES = 64 << 20
@@ -53,7 +57,7 @@ class Namespace:
         return Namespace(self.model, self.dtype, scope.salt, scope.tenant)
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
+def model_fingerprint(model: PreTrainedModel) -> str:
     """Model type + a hash of the config, the attention implementation and every parameter and buffer.
 
     Each tensor contributes its name, dtype, shape and all of its bytes (xxh3-128, streamed), so
@@ -67,7 +71,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         cfg.pop(volatile, None)
     cfg["_attn_implementation"] = getattr(config, "_attn_implementation", None)
     h = xxhash.xxh3_128(json.dumps(cfg, sort_keys=True, default=str).encode())
-    named = [("p:" + n, t) for n, t in model.named_parameters()]
+    named: list[tuple[str, torch.Tensor]] = [("p:" + n, t) for n, t in model.named_parameters()]
     named += [("b:" + n, t) for n, t in model.named_buffers()]
     for name, tensor in named:
         h.update(f"\0{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
@@ -89,11 +93,11 @@ def _hash_tensor(h: xxhash.xxh3_128, tensor: torch.Tensor) -> None:
         h.update(_byte_view(flat[start : start + step].to("cpu")))
 
 
-def _byte_view(t: torch.Tensor) -> np.ndarray:
+def _byte_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes without a copy (numpy has no bfloat16: view as bytes first)."""
-    return t.view(torch.uint8).numpy() if t.dtype != torch.bool else t.numpy().view(np.uint8)
+    return (t.view(torch.uint8).numpy() if t.dtype != torch.bool else t.numpy().view(np.uint8)).data
 
 
-def namespace_for(model: torch.nn.Module, salt: str | Scope | None = None) -> Namespace:
+def namespace_for(model: PreTrainedModel, salt: str | Scope | None = None) -> Namespace:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return Namespace(model_fingerprint(model), dtype).with_salt(salt)

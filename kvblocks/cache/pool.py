@@ -69,7 +69,7 @@ class KVPool:
     def alloc(self, n: int) -> np.ndarray:
         assert 0 <= n <= self._num_free, (n, self._num_free)
         start = self._num_free - n
-        slots = self._free[start : self._num_free][::-1].copy()
+        slots: np.ndarray = self._free[start : self._num_free][::-1].copy()
         self._num_free = start
         return slots
 
@@ -86,7 +86,7 @@ class KVPool:
 
     def gather(self, layer: int, index: torch.Tensor) -> torch.Tensor:
         """KV of `index` slots for one layer as `[n, 2, H, D]`."""
-        return self.layers[layer].index_select(0, index)
+        return self._layer(layer).index_select(0, index)
 
     def gather_all(self, index: torch.Tensor, fused: bool | None = None) -> list[torch.Tensor | None]:
         """KV of `index` slots for every layer (None where a layer keeps none), each `[n, 2, H, D]`.
@@ -95,7 +95,7 @@ class KVPool:
         the fused call's larger index costs more than the calls it saves)."""
         if fused is None:
             fused = self.device.type != "cpu"
-        if self._stack is None or not fused:
+        if self._stack is None or self._offsets is None or not fused:
             return [None if t is None else t.index_select(0, index) for t in self.layers]
         layers, n = self._stack.shape[0], index.shape[0]
         flat = self._stack.view(layers * self.capacity, *self._stack.shape[2:])
@@ -104,7 +104,12 @@ class KVPool:
 
     def scatter(self, layer: int, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store `[n, H, D]` keys and values into `index` slots of one layer."""
-        self.layers[layer].index_copy_(0, index, torch.stack((keys, values), dim=1).to(self.dtype))
+        self._layer(layer).index_copy_(0, index, torch.stack((keys, values), dim=1).to(self.dtype))
+
+    def _layer(self, layer: int) -> torch.Tensor:
+        t = self.layers[layer]
+        assert t is not None, f"layer {layer} keeps no KV"
+        return t
 
     def slots_for(self, nbytes: int) -> int:
         """Slots a blob of `nbytes` takes."""

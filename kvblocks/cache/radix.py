@@ -6,19 +6,19 @@ when no live match and no pin passes through it. Not thread-safe: `KVCacheTrie` 
 
 For a recurrent or hybrid model a node may also own a snapshot of the recurrent state after its
 last token (`snap`: the slots that hold the snapshot's bytes). Only a prefix that ends at a
-snapshot can be served (`snapshot_prefix`). A snapshot is an entry of its own for eviction: it goes
+snapshot can be served (`Match.snapshot_prefix`). A snapshot is an entry of its own for eviction: it goes
 with its node's tail, or alone, in the policy's order of value per slot.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvblocks.cache.eviction import LRU, EvictionPolicy
+from kvblocks.cache.radix_evict import TreeEviction
 
 TOKEN_DTYPE = np.int32
 SLOT_DTYPE = np.int32
@@ -61,6 +61,23 @@ class Match:
             return np.zeros(0, dtype=SLOT_DTYPE)
         return np.concatenate(self.slot_runs)[:length]
 
+    def snapshot_prefix(self) -> Match:
+        """The longest part of this match that ends where a node owning a snapshot ends."""
+        node, length = self.node, self.length
+        if node.is_root or (self.node_offset == len(node.tokens) and node.snap is not None):
+            return self
+        length -= self.node_offset
+        node = _parent(node)
+        while not node.is_root and node.snap is None:
+            length -= len(node.tokens)
+            node = _parent(node)
+        return Match(node, 0 if node.is_root else len(node.tokens), length, self.slot_runs)
+
+
+def _parent(node: Node) -> Node:
+    assert node.parent is not None, "the root has no parent"
+    return node.parent
+
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
@@ -73,19 +90,19 @@ class RadixTree:
 
     def __init__(self, policy: EvictionPolicy | None = None) -> None:
         self.policy: EvictionPolicy = LRU() if policy is None else policy
-        self.roots: dict[Hashable, Node] = {}
+        self.roots: dict[str, Node] = {}
         self.resident_tokens = 0
         self.snapshot_slots = 0
-        self._snapshot_nodes: set[Node] = set()  # nodes owning a snapshot (eviction's candidates)
+        self.snapshot_nodes: set[Node] = set()  # nodes owning a snapshot (eviction's candidates)
         self.pinned_tokens = 0
         self.num_nodes = 0
         self._clock = 0
-        self._leaves: set[Node] = set()
-        self._root_keys: dict[int, Hashable] = {}
+        self.leaves: set[Node] = set()
+        self._root_keys: dict[int, str] = {}
 
     # ---- queries ---------------------------------------------------------------------------
 
-    def root(self, namespace: Hashable) -> Node:
+    def root(self, namespace: str) -> Node:
         root = self.roots.get(namespace)
         if root is None:
             root = Node(_EMPTY, np.zeros(0, dtype=SLOT_DTYPE), None)
@@ -93,12 +110,12 @@ class RadixTree:
             self._root_keys[id(root)] = namespace
         return root
 
-    def namespace_of(self, node: Node) -> Hashable:
+    def namespace_of(self, node: Node) -> str:
         while node.parent is not None:
             node = node.parent
         return self._root_keys[id(node)]
 
-    def match(self, namespace: Hashable, ids: np.ndarray, touch: bool = True, create: bool = True) -> Match:
+    def match(self, namespace: str, ids: np.ndarray, touch: bool = True, create: bool = True) -> Match:
         """Walk the longest resident prefix of `ids`; with `touch`, refresh LRU times on the path.
 
         Without `create`, a namespace that holds nothing gets no root: lookups with ever new
@@ -129,19 +146,6 @@ class RadixTree:
             offset = 0
         return Match(node, offset, pos, tuple(runs))
 
-    @staticmethod
-    def snapshot_prefix(match: Match) -> Match:
-        """The longest part of `match` that ends where a node owning a snapshot ends."""
-        node, length = match.node, match.length
-        if node.is_root or (match.node_offset == len(node.tokens) and node.snap is not None):
-            return match
-        length -= match.node_offset
-        node = node.parent
-        while not node.is_root and node.snap is None:
-            length -= len(node.tokens)
-            node = node.parent
-        return Match(node, 0 if node.is_root else len(node.tokens), length, match.slot_runs)
-
     def boundary(self, match: Match) -> Node | None:
         """The node ending exactly at `match`'s end (split there if needed); None at the root."""
         if match.length == 0 or match.node.is_root:
@@ -150,23 +154,25 @@ class RadixTree:
 
     @property
     def snapshots(self) -> int:
-        return len(self._snapshot_nodes)
+        return len(self.snapshot_nodes)
 
     def set_snapshot(self, node: Node, slots: np.ndarray) -> None:
         assert node.snap is None and not node.is_root
         node.snap = slots
         self.snapshot_slots += len(slots)
-        self._snapshot_nodes.add(node)
+        self.snapshot_nodes.add(node)
 
     def drop_snapshot(self, node: Node) -> np.ndarray:
         slots, node.snap = node.snap, None
+        assert slots is not None
         self.snapshot_slots -= len(slots)
-        self._snapshot_nodes.discard(node)
+        self.snapshot_nodes.discard(node)
         return slots
 
     def path(self, node: Node) -> tuple[np.ndarray, np.ndarray]:
         """All token ids and slots from the root down to the end of `node`."""
-        tokens, slots = [], []
+        tokens: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
         while node.parent is not None:
             tokens.append(node.tokens)
             slots.append(node.slots)
@@ -216,7 +222,7 @@ class RadixTree:
         walk(match.node, match.node_offset, -1, 0)
         return tokens, parents
 
-    def iter_nodes(self, namespaces: Iterable[Hashable] | None = None) -> Iterator[Node]:
+    def iter_nodes(self, namespaces: Iterable[str] | None = None) -> Iterator[Node]:
         """Every non-root node, or those under the given namespaces' roots."""
         keys = self.roots if namespaces is None else namespaces
         stack = [self.roots[k] for k in keys if k in self.roots]
@@ -233,7 +239,7 @@ class RadixTree:
         assert 0 < offset <= len(node.tokens) and not node.is_root
         if offset == len(node.tokens):
             return node
-        parent = node.parent
+        parent = _parent(node)
         upper = Node(
             node.tokens[:offset].copy(),
             node.slots[:offset].copy(),
@@ -271,34 +277,37 @@ class RadixTree:
         child.stamp = self.policy.stamp()
         assert int(tokens[0]) not in node.children
         node.children[int(tokens[0])] = child
-        self._leaves.discard(node)
-        self._leaves.add(child)
+        self.leaves.discard(node)
+        self.leaves.add(child)
         self.num_nodes += 1
         self.resident_tokens += len(tokens)
         return child
 
     def lock(self, node: Node, delta: int) -> None:
-        while node is not None and not node.is_root:
-            node.lock_ref += delta
-            assert node.lock_ref >= 0
-            node = node.parent
+        up: Node | None = node
+        while up is not None and not up.is_root:
+            up.lock_ref += delta
+            assert up.lock_ref >= 0
+            up = up.parent
 
     def pin(self, node: Node, delta: int) -> None:
-        while node is not None and not node.is_root:
-            if delta > 0 and node.pin_ref == 0:
-                self.pinned_tokens += len(node.tokens)
-            node.pin_ref += delta
-            assert node.pin_ref >= 0
-            if node.pin_ref == 0 and delta < 0:
-                self.pinned_tokens -= len(node.tokens)
-            node = node.parent
+        up: Node | None = node
+        while up is not None and not up.is_root:
+            if delta > 0 and up.pin_ref == 0:
+                self.pinned_tokens += len(up.tokens)
+            up.pin_ref += delta
+            assert up.pin_ref >= 0
+            if up.pin_ref == 0 and delta < 0:
+                self.pinned_tokens -= len(up.tokens)
+            up = up.parent
 
     def unpinned_tokens_on_path(self, node: Node) -> int:
         total = 0
-        while node is not None and not node.is_root:
-            if node.pin_ref == 0:
-                total += len(node.tokens)
-            node = node.parent
+        up: Node | None = node
+        while up is not None and not up.is_root:
+            if up.pin_ref == 0:
+                total += len(up.tokens)
+            up = up.parent
         return total
 
     def evict(
@@ -308,109 +317,20 @@ class RadixTree:
         before_drop: Callable[[Node], None] | None = None,
     ) -> np.ndarray:
         """Free at least `num_tokens` slots (fewer if too much is locked or pinned), in the order of
-        the tree's eviction policy (`kvblocks.cache.eviction`).
-
-        A leaf is trimmed from its tail, so eviction is token-granular and what stays is still a
-        prefix of something that was inserted; a leaf's snapshot goes with the first token trimmed.
-        A snapshot inside the tree is an entry of its own. `before_trim(node, n)` runs before the
-        last `n` tokens of `node` go (the spill tier's write-back copies them then), `before_drop`
-        before a snapshot goes.
-        """
-        return _Eviction(self, before_trim, before_drop).run(num_tokens)
-
-    def _drop(self, node: Node, before_drop: Callable[[Node], None] | None) -> np.ndarray:
-        if before_drop is not None:
-            before_drop(node)
-        return self.drop_snapshot(node)
-
-    def _trim(self, node: Node, take: int, before_trim: Callable[[Node, int], None] | None) -> np.ndarray:
-        """Free the last `take` tokens of a leaf; the slots they held."""
-        if before_trim is not None:
-            before_trim(node, take)
-        slots = node.slots[len(node.slots) - take :]
-        self.resident_tokens -= take
-        if take < len(node.tokens):
-            node.tokens = node.tokens[: len(node.tokens) - take].copy()
-            node.slots = node.slots[: len(node.slots) - take].copy()
-        return slots
-
-    def _remove_leaf(self, node: Node) -> Node | None:
-        """Unlink a leaf trimmed to nothing; returns its parent if that became a leaf."""
-        parent = node.parent
-        del parent.children[int(node.tokens[0])]
-        self._leaves.discard(node)
-        self.num_nodes -= 1
-        if parent.is_root or parent.children:
-            return None
-        self._leaves.add(parent)
-        return parent
+        the tree's eviction policy (`kvblocks.cache.radix_evict`)."""
+        freed = TreeEviction(self, before_trim, before_drop).run(num_tokens)
+        return np.concatenate(freed) if freed else np.zeros(0, dtype=SLOT_DTYPE)
 
     @staticmethod
     def depth(node: Node) -> int:
         """Tokens from the root to the end of `node`."""
         total = 0
-        while node is not None:
-            total += len(node.tokens)
-            node = node.parent
+        up: Node | None = node
+        while up is not None:
+            total += len(up.tokens)
+            up = up.parent
         return total
 
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
-
-
-class _Eviction:
-    """One `RadixTree.evict` call: the candidates in the policy's order (a heap of leaves and of
-    snapshots inside the tree), taken until enough slots are free; a parent left a leaf joins."""
-
-    def __init__(
-        self,
-        tree: RadixTree,
-        before_trim: Callable[[Node, int], None] | None,
-        before_drop: Callable[[Node], None] | None,
-    ) -> None:
-        self.tree, self.policy = tree, tree.policy
-        self.before_trim, self.before_drop = before_trim, before_drop
-        self.heap = [self._leaf(n) for n in tree._leaves if n.evictable()]
-        self.heap.extend(
-            (self._snapshot_key(n), id(n), n, True)
-            for n in tree._snapshot_nodes
-            if n.children and n.lock_ref == 0 and n.pin_ref == 0
-        )
-        heapq.heapify(self.heap)
-
-    def _leaf(self, node: Node) -> tuple:
-        return (self.policy.key(node, self.tree.depth(node)), id(node), node, False)
-
-    def run(self, num_tokens: int) -> np.ndarray:
-        tree, freed, remaining = self.tree, [], num_tokens
-        while remaining > 0 and self.heap:
-            key, _, node, is_snapshot = heapq.heappop(self.heap)
-            if is_snapshot and (node.snap is None or not node.children):  # gone, or left with its leaf
-                continue
-            self.policy.evicted(key)
-            if node.snap is not None:  # a snapshot inside the tree, or the one at a leaf's end
-                freed.append(tree._drop(node, self.before_drop))
-                remaining -= len(freed[-1])
-                if is_snapshot or remaining <= 0:
-                    continue
-            take = min(remaining, len(node.tokens))
-            whole = take == len(node.tokens)
-            freed.append(tree._trim(node, take, self.before_trim))
-            remaining -= take
-            parent = tree._remove_leaf(node) if whole else None
-            if parent is not None and parent.evictable():
-                heapq.heappush(self.heap, self._leaf(parent))
-        return np.concatenate(freed) if freed else np.zeros(0, dtype=SLOT_DTYPE)
-
-    def _snapshot_key(self, node: Node) -> tuple[float, int]:
-        """A snapshot's eviction key: what it saves is the tokens since the snapshot above it,
-        which a hit would otherwise recompute; what it costs is its slots."""
-        depth = self.tree.depth(node)
-        above, up = 0, node.parent
-        while up is not None and not up.is_root:
-            if up.snap is not None:
-                above = self.tree.depth(up)
-                break
-            up = up.parent
-        return self.policy.snapshot_key(node, depth, depth - above, len(node.snap))

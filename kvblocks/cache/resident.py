@@ -128,8 +128,8 @@ class Resident:
         if self.spill is not None and self.spill.write_mode == "back":
             self.spill.on_evict(ns_key, ids, len(ids) - count, lambda a, b: self.gather(slots[a:b]))
         if self.events is not None:  # complete Redis chunks stay restorable (the shared tier)
-            shared = self.spill is not None and self.spill.shared
-            chunk = self.spill.chunk_tokens if shared else len(ids) + 1
+            spill = self.spill
+            chunk = spill.chunk_tokens if spill is not None and spill.shared else len(ids) + 1
             self.events.evicted(ids, len(ids) - count, len(ids) // chunk * chunk)
 
     def pin(self, namespace_key: str, ids: np.ndarray, cap: int) -> int:
@@ -160,6 +160,19 @@ class Resident:
             return 0
         self.tree.pin(node, -1)
         return m.length
+
+    def clear(self) -> int:
+        """Under the lock: evict every unlocked, unpinned token; returns how many went."""
+        if self.events is not None:
+            self.events.cleared()
+        return self.evict(self.pool.capacity)
+
+    def close(self) -> None:
+        """Flush and close the spill tier (queued writes finish first) and the events publisher."""
+        if self.spill is not None:
+            self.spill.close()
+        if self.events is not None:
+            self.events.close()
 
     def gather(self, slots: np.ndarray) -> list[torch.Tensor | None]:
         """Each layer's KV `[n, 2, H, D]` at `slots` (None where a layer caches nothing)."""

@@ -50,7 +50,7 @@ class SnapshotPlan:
         """`past` has just consumed `position` tokens: take its state if the policy wants it here."""
         if self.capture is None or position in self.positions:
             return
-        if position in self.points or self.wants(position):
+        if position in self.points or (self.wants is not None and self.wants(position)):
             self._take(position, past)
 
     def at_end(self, position: int, past: Any) -> None:
@@ -66,6 +66,7 @@ class SnapshotPlan:
         return taken
 
     def _take(self, position: int, past: Any) -> None:
+        assert self.capture is not None
         self.taken[position] = self.capture(past)
         self.positions.append(position)
 
@@ -136,6 +137,7 @@ class Snapshots:
         if m.length < len(ids) or len(ids) == 0:
             return False
         node = self._tree.boundary(m)
+        assert node is not None, "a match of at least one token ends at a node"
         if node.snap is not None:
             return False
         self._tree.lock(node, +1)  # the room made for it must not evict the node itself
@@ -162,6 +164,7 @@ class Snapshots:
 
     def blob(self, node: Node) -> torch.Tensor:
         """The snapshot kept at `node` (a copy)."""
+        assert node.snap is not None and self.layout is not None
         return self._pool.read_blob(node.snap, self.layout.nbytes)
 
     def dropped(self, node: Node) -> None:

@@ -31,10 +31,11 @@ class SpillLink:
         recurrent model a (position, snapshot) to serve it from. The Redis round trips run unlocked:
         other threads go on meanwhile."""
         r, spill = self._resident, self._resident.spill
+        assert spill is not None
         with r.lock:
             m = r.tree.match(ns.key, ids[:limit], touch=False, create=False)
             device = m.length
-            servable = r.tree.snapshot_prefix(m).length if self._recurrent else device
+            servable = m.snapshot_prefix().length if self._recurrent else device
         spill.on_hit(ns.key, ids, device)  # rewrites chunks Redis lost, off this thread
         fetched = state = None
         if device < limit:
@@ -61,6 +62,18 @@ class SpillLink:
             return
         _, stored = r.store(ns, ids[: fetched.start + fetched.length], _slicer(fetched.start, fetched.kv))
         r.counters.add(ns.tenant, spill_hit_tokens=stored)
+
+    def stored(
+        self, ns: Namespace, ids: np.ndarray, start: int, count: int, snapshots: dict[int, Any]
+    ) -> None:
+        """Tell the spill tier what an insert stored: `count` tokens of `ids` from `start` on, and
+        the recurrent-state `snapshots` by position (written through only in write-through mode)."""
+        spill = self._resident.spill
+        assert spill is not None
+        if count:
+            spill.on_insert(ns.key, ids[: start + count], start)
+        for p, blob in snapshots.items() if spill.write_mode == "through" else ():
+            spill.on_snapshot(ns.key, ids[:p], blob)
 
     def read_kv(self, ns_key: str, ids: np.ndarray, start: int, end: int) -> list[torch.Tensor | None] | None:
         """KV of positions [start, end) of `ids` if still resident (for the spill tier's writer)."""

@@ -121,10 +121,19 @@ class Reports:
     def __init__(self, resident: Resident, state: StateLayout | None) -> None:
         r = resident
         self._lock, self._tree, self._pool, self._state = r.lock, r.tree, r.pool, state
-        self._counters, self._ledger = r.counters, r.ledger
+        self._counters, self._ledger, self._resident = r.counters, r.ledger, r
 
     def stats(self, tenant: str | None = None) -> dict[str, int]:
-        """Counters and occupancy: the whole trie's, or one tenant's (tokens of its namespaces)."""
+        """Counters and occupancy: the whole trie's, or one tenant's (tokens of its namespaces);
+        the whole trie's include the spill tier's and the events publisher's counters."""
+        out = self._own_stats(tenant)
+        if tenant is None and self._resident.spill is not None:
+            out |= self._resident.spill.stats()
+        if tenant is None and self._resident.events is not None:
+            out |= self._resident.events.stats()
+        return out
+
+    def _own_stats(self, tenant: str | None) -> dict[str, int]:
         with self._lock:
             c = self._counters.of(tenant)
             nodes = self._tree.iter_nodes(None if tenant is None else self._counters.keys(tenant))
@@ -154,10 +163,11 @@ class Reports:
             return out
 
     def _snapshot_stats(self, c: Counters) -> dict[str, int]:
-        tree = self._tree
+        tree, state = self._tree, self._state
+        assert state is not None
         out = {
             "snapshots": tree.snapshots,
-            "snapshot_bytes": tree.snapshots * self._state.nbytes,
+            "snapshot_bytes": tree.snapshots * state.nbytes,
             "snapshot_slots": tree.snapshot_slots,
         }
         return out | {name: getattr(c, name) for name in SNAPSHOT_TOTALS}
@@ -206,7 +216,9 @@ class Reports:
         with self._lock:
             out: list[TreeNode] = []
             roots = self._tree.roots
-            queue = [(key, None, roots[key], 0) for key in self._counters.keys(tenant) if key in roots]
+            queue: list[tuple[str, int | None, Node, int]] = [
+                (key, None, roots[key], 0) for key in self._counters.keys(tenant) if key in roots
+            ]
             index: dict[int, int] = {}
             while queue and len(out) < max_nodes:
                 key, parent, node, depth = queue.pop(0)

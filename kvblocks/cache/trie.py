@@ -127,7 +127,7 @@ class PrefixCache:
             m = self._tree.match(ns.key, ids[:limit], create=False)
             matched = m.length
             if self.state is not None:
-                m = self._tree.snapshot_prefix(m)
+                m = m.snapshot_prefix()
             self._counters.add(
                 ns.tenant,
                 queries=1,
@@ -160,7 +160,7 @@ class PrefixCache:
         with self._lock:
             m = self._tree.match(ns.key, ids, touch=False, create=False)
             if servable and self.state is not None:
-                m = self._tree.snapshot_prefix(m)
+                m = m.snapshot_prefix()
             return m.length
 
     def continuation(self, token_ids: TokenIds, max_tokens: int, *, salt: Salt = None) -> list[int]:
@@ -170,7 +170,8 @@ class PrefixCache:
             m = self._tree.match(ns.key, ids, touch=False, create=False)
             if m.length < len(ids) or max_tokens <= 0:
                 return []
-            return self._tree.continuation(m, max_tokens).tolist()
+            tokens: list[int] = self._tree.continuation(m, max_tokens).tolist()
+            return tokens
 
     def continuations(
         self, token_ids: TokenIds, budget: int, depth: int, width: int, *, salt: Salt = None
@@ -223,12 +224,9 @@ class PrefixCache:
         with self._lock:
             start, stored = self.resident.store(ns, ids[:n], lambda a, b: self.bridge.extract(past, a, b))
             kept = {p: blob for p, blob in (snapshots or {}).items() if 0 < p <= n}
-            saved = [p for p in sorted(kept) if self.snapshots.store(ns, ids[:p], kept[p])]
+            saved = {p: kept[p] for p in sorted(kept) if self.snapshots.store(ns, ids[:p], kept[p])}
         if self.spill is not None:
-            if stored:
-                self.spill.on_insert(ns.key, ids[: start + stored], start)
-            for p in saved if self.spill.write_mode == "through" else ():
-                self.spill.on_snapshot(ns.key, ids[:p], kept[p])
+            self._spill.stored(ns, ids, start, stored, saved)
         return stored
 
     def evict(self, num_tokens: int) -> int:
@@ -256,9 +254,7 @@ class PrefixCache:
         """Evict every unlocked, unpinned token (what `/flush_cache` asks for); returns how many went.
         Running requests keep their locked prefixes and pins stay: unpin a prefix to let it go."""
         with self._lock:
-            if self.resident.events is not None:
-                self.resident.events.cleared()
-            return self.resident.evict(self._pool.capacity)
+            return self.resident.clear()
 
     def attach_events(self, events: KVEventPublisher) -> None:
         """Publish KV events (`kvblocks.telemetry.kv_events`) for what this cache stores and evicts
@@ -269,10 +265,7 @@ class PrefixCache:
 
     def close(self) -> None:
         """Flush and close the spill tier (queued writes finish first) and the events publisher."""
-        if self.spill is not None:
-            self.spill.close()
-        if self.resident.events is not None:
-            self.resident.events.close()
+        self.resident.close()
 
     # ---- the rooms' methods under the contract's names -------------------------------------
 
@@ -282,12 +275,7 @@ class PrefixCache:
         With `tenant`, that tenant's own counters and tokens only (capacity is the server's);
         without, the whole trie plus the spill tier's and the events publisher's counters.
         """
-        out = self.reports.stats(tenant)
-        if tenant is None and self.spill is not None:
-            out |= self.spill.stats()
-        if tenant is None and self.resident.events is not None:
-            out |= self.resident.events.stats()
-        return out
+        return self.reports.stats(tenant)
 
     def tenant_counters(self) -> dict[str, dict[str, int]]:
         return self.reports.tenant_counters()

@@ -41,6 +41,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -165,7 +166,7 @@ class Plan:
 
     arrays: tuple[np.ndarray, ...]  # member_offsets, shared_offsets, shared, row_offsets, rows, key_offsets,
     # slots, visible: the kernel's `Plan` (a group's segments are consecutive)
-    index: ctypes.Array  # their addresses, as the kernel takes them
+    index: ctypes.Array[ctypes.c_void_p]  # their addresses, as the kernel takes them
     groups: int
 
     @classmethod
@@ -177,7 +178,7 @@ class Plan:
         widths = [len(rows) for rows, _ in segments]
         lengths = [len(slots) for _, slots in segments]
 
-        def offsets(sizes):
+        def offsets(sizes: list[int]) -> np.ndarray:
             return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
         arrays = (
@@ -253,7 +254,9 @@ def probe(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
     query = torch.randn(1, 9, heads, dim, generator=g, dtype=dtype).transpose(1, 2)  # [1, Hq, 9, D], strided
     scale = dim**-0.5
 
-    def run(pool_, entries):
+    def run(
+        pool_: torch.Tensor, entries: list[tuple[Any, list[tuple[Any, Any]]]]
+    ) -> tuple[torch.Tensor, ...]:
         plan = Plan.of(
             [
                 (np.asarray(shared), [(np.asarray(r), np.asarray(s)) for r, s in members])

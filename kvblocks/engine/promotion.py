@@ -17,11 +17,15 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvblocks.blocks.prefill import block_scope
 from kvblocks.blocks.segments import BlockSpan
 from kvblocks.cache.trie import Salt
 from kvblocks.telemetry.metrics import Metrics
+
+if TYPE_CHECKING:
+    from kvblocks.generate.generator import CachedGenerator
 
 PENDING = 64  # requests whose marked blocks wait for an idle step
 
@@ -36,7 +40,7 @@ class PromotionCounts:
 class BlockPromotions:
     def __init__(
         self,
-        generator,
+        generator: CachedGenerator,
         metrics: Metrics | None = None,
         chunk: int | None = None,
         charge: Callable[[str, float], None] = lambda tenant, tokens: None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from kvblocks.engine.request import Request
 from kvblocks.generate.decoding import GenerationResult
@@ -88,7 +89,7 @@ def trace_first_token(request: Request) -> None:
             request.spans["constrained"] = tracing.start("constrained_decoding", root)
 
 
-def trace_ended(request: Request, **attributes) -> None:
+def trace_ended(request: Request, **attributes: Any) -> None:
     if request.spans:
         for phase in ("queue", "prefill", "constrained", "decode"):
             tracing.end(request.spans.pop(phase, None))

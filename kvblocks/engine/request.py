@@ -6,12 +6,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvblocks.blocks.report import StoredBlock
 from kvblocks.cache.trie import Salt
 from kvblocks.generate.decoding import Piece
 from kvblocks.generate.params import GenerationParams, params_of
+from kvblocks.generate.text import Prompt
 
 if TYPE_CHECKING:
     from kvblocks.engine.sequence import Sequence
@@ -47,7 +48,7 @@ class Options:
         salt: Salt = None,
         output_logits: bool = False,
         store_block: bool = False,
-        **fields,
+        **fields: Any,
     ) -> Options:
         """From `CachedGenerator.stream`'s keywords: `params`, or `GenerationParams` fields."""
         return cls(params_of(params, fields), salt, output_logits, store_block)
@@ -57,7 +58,7 @@ class Options:
 class Request:
     """One queued generation. `emit` is called on the engine thread with each Piece, or an Exception."""
 
-    prompt: object
+    prompt: Prompt  # or a segmented prompt (`kvblocks.blocks`), as `CachedGenerator.stream` takes
     options: Options
     emit: Emit
     id: int = 0
@@ -69,7 +70,7 @@ class Request:
     tokens: int = 0  # prompt ids plus tokens generated so far (the request's KV footprint)
     sequence: Sequence | None = None  # its packed-path state, made once at its first admission
     serial: bool = False  # it takes the one-request path
-    spans: dict = field(default_factory=dict)  # its open trace spans by phase (tracing on only)
+    spans: dict[str, Any] = field(default_factory=dict)  # its open trace spans by phase (tracing on only)
 
     def cancel(self) -> None:
         """Stop it at the engine's next step (a no-op once it finished); what it holds goes back."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,7 +45,9 @@ class Sequence:
     draft: DraftSession | None = None  # speculative decoding: the request's own drafter session
     spec: SpecStats | None = None
     gamma: int = 0
-    proposal: tuple = ()  # this step's (drafts, q, tail_q), or (fed tokens, DraftTree, None), settled after the forward
+    proposal: tuple[
+        Any, ...
+    ] = ()  # this step's (drafts, q, tail_q), or (fed tokens, DraftTree, None), settled after the forward
     shape: Shape | None = None  # draft trees: this request's adaptive tree size
     marked: list[BlockSpan] = field(default_factory=list)  # KV blocks the client marked (promoted at its end)
     _array: np.ndarray | None = field(default=None, repr=False)
@@ -71,7 +73,8 @@ class Sequence:
             return None
         if options.params.kv_mode != "exact":  # KV blocks are placed by the one-request path
             return None
-        prompt, marked = request.prompt, []
+        prompt = request.prompt
+        marked: list[BlockSpan] = []
         if is_segmented(prompt):  # exact mode: its blocks count as a prefix, stored once it ends
             prompt, marked = flatten(generator.tokenizer, prompt)
         out = generator.prepare(prompt, options.params, started=request.submitted)

@@ -101,6 +101,7 @@ class Decoding:
         self.generated.append(token)
         logprobs = None
         if self.logprobs is not None:
+            assert logits is not None and self.params.logprobs is not None, "logprobs come with their logits"
             logprobs = token_logprobs(logits[None], [token], self.params.logprobs)
             self.logprobs.extend(logprobs)
         pending = ""
@@ -114,7 +115,7 @@ class Decoding:
                 self.finish = "length"
         return Piece(pending, [token], logprobs=logprobs)
 
-    def conclude(self, piece: Piece, now: float, cached_tokens: int, **extras) -> Piece:
+    def conclude(self, piece: Piece, now: float, cached_tokens: int, **extras: Any) -> Piece:
         """The last piece: `piece` with the held-back text and the `GenerationResult` (`extras` are
         the path's own result fields: spec, logits, prompt log-probabilities, snapshots)."""
         assert self.finish is not None

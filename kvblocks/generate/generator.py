@@ -7,26 +7,28 @@ conditions, log-probabilities and, when the request ends, cache inserts.
 
 from __future__ import annotations
 
-import inspect
-import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvblocks.adapters import hf
 from kvblocks.adapters.hf_trie import KVCacheTrie
-from kvblocks.blocks.report import BlockReport, StoredBlock
-from kvblocks.blocks.segments import Block, BlockSpan, flatten, is_segmented
+from kvblocks.blocks.segments import BlockSpan, flatten, is_segmented
 from kvblocks.cache.snapshots import SnapshotPlan
 from kvblocks.cache.trie import Hit, Salt
+from kvblocks.generate.block_steps import BlockSteps, Working
 from kvblocks.generate.decoding import Decoding, GenerationResult, Piece, context_room
 from kvblocks.generate.params import GenerationParams, ParamError, params_of
+from kvblocks.generate.runner import ModelRunner, context_length, eos_token_ids, vocab_size
 from kvblocks.generate.sampling import LogitsProcessor, TokenLogprob, seeded_rng, token_logprobs
 from kvblocks.generate.text import Prompt, PromptError, StopTextAssembler, encode_prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "CachedGenerator",
@@ -36,19 +38,12 @@ __all__ = [
     "Piece",
     "PromptTooLongError",
     "Working",
+    "context_length",
 ]
 
 
 class PromptTooLongError(PromptError):
     """The prompt does not fit in the model's context window."""
-
-
-@dataclass(frozen=True, slots=True)
-class Working:
-    """A stream step that computed `tokens` of a prompt's block KV (fills, probe, recompute) and has
-    no text yet: what `stream(..., block_chunk=N)` yields between its forwards of block work."""
-
-    tokens: int
 
 
 @dataclass(slots=True)
@@ -73,103 +68,45 @@ class DecodeState:
     reusable: int | None = None
     shared: bool = True  # False: nothing it computes enters the cache (its hit is read all the same)
 
+    @classmethod
+    def start(
+        cls,
+        ids: list[int],
+        hit: Hit | None,
+        rows: list[torch.Tensor] | None,
+        salt: Salt,
+        cache: KVCacheTrie | None,
+        stepwise: bool,
+    ) -> DecodeState:
+        """The decoding state after `hit`, with the positions where a recurrent state is snapshotted
+        (`stepwise`: a model whose every forward after the first is one token)."""
+        run = cls(list(ids), hit.length if hit is not None else 0, rows, salt)
+        if cache is not None:
+            run.plan = cache.snapshot_plan(run.computed, len(ids), hit.matched if hit else 0)
+            if stepwise and run.computed == 0:
+                run.plan.skip_before((hit.matched if hit else 0) or len(ids) - 1)
+        return run
 
-def context_length(config) -> int | None:
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def vocab_size(config) -> int:
-    """Token ids the model embeds (and logits it returns): `config.vocab_size` of the text model."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return int(text.vocab_size)
-
-
-def eos_token_ids(model, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
-
-
-def _working(work: Generator[int, None, Any]) -> Generator[Working, None, Any]:
-    """Resumable block work (`BlockPrefill.steps`) as `Working` steps; its result. Closed with it: the
-    block matches it holds are released when the stream is."""
-    try:
-        while True:
-            try:
-                tokens = next(work)
-            except StopIteration as done:
-                return done.value
-            yield Working(tokens)
-    finally:
-        work.close()
+    def conclude(
+        self, out: Decoding, piece: Piece, hit: Hit | None, output_logits: bool, **extras: Any
+    ) -> Piece:
+        """The request's last piece (`Decoding.conclude`) with what this decoding recorded."""
+        return out.conclude(
+            piece,
+            time.perf_counter(),
+            cached_tokens=hit.length if hit is not None else 0,
+            logits=self.logits if output_logits else None,
+            spec=self.spec,
+            prefill_splits=self.splits,
+            snapshot_positions=self.plan.positions,
+            **extras,
+        )
 
 
-class ModelRunner:
-    """Forward passes for one model: one at a time, logits only for the positions asked for."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.lock = threading.Lock()
-        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._cache_arg = hf.cache_argument(model)
-        self._position_args = hf.position_arguments(model)
-        self.stepwise = getattr(model.config, "model_type", None) in hf.STEPWISE_MODEL_TYPES
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        token_ids: Sequence[int],
-        past,
-        keep: int = 1,
-        *,
-        positions: Sequence[int] | None = None,
-        allowed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits `[keep, vocab]` of the last `keep` positions; `past` grows by `len(token_ids)`.
-
-        `positions` and `allowed` (`[new, cached + new]` booleans: which keys each new token sees)
-        replace the causal numbering and mask, for a draft tree (`kvblocks.specdec.tree`).
-        A model that cannot continue a recurrent state over several tokens in one forward
-        (`hf.STEPWISE_MODEL_TYPES`) gets them one per forward once `past` holds a state."""
-        if self.stepwise and len(token_ids) > 1 and hf.has_state(past):
-            assert allowed is None, "a stepwise model reads no tree"
-            rows = [self.forward([t], past) for t in token_ids]
-            return torch.cat(rows[len(rows) - keep :])
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        kwargs = {"logits_to_keep": keep} if self._keep_arg else {}
-        kwargs.update(hf.positions(self._position_args, past, len(token_ids), self.device))
-        if positions is not None and "position_ids" in kwargs:
-            kwargs["position_ids"] = torch.tensor([list(positions)], dtype=torch.long, device=self.device)
-        if allowed is not None:
-            dtype = next(self.model.parameters()).dtype
-            bias = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
-            kwargs["attention_mask"] = bias.masked_fill_(~allowed.to(self.device), torch.finfo(dtype).min)[
-                None, None
-            ]
-        with self.lock:
-            out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_arg: past}, **kwargs)
-        return out.logits[0, -keep:]
-
-    def crop(self, past, length: int) -> None:
-        """Roll `past` back to its first `length` positions (rejected drafts)."""
-        hf.crop(past, length)
-
-
-class CachedGenerator:
+class CachedGenerator(BlockSteps):
     """Generate with prefix reuse from a `KVCacheTrie` (or with no reuse when `cache` is None)."""
 
-    def __init__(self, model, tokenizer, cache: KVCacheTrie | None) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, cache: KVCacheTrie | None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.cache = cache
@@ -192,7 +129,9 @@ class CachedGenerator:
             )
         return ids
 
-    def generate(self, prompt: Prompt, params: GenerationParams | None = None, **kwargs) -> GenerationResult:
+    def generate(
+        self, prompt: Prompt, params: GenerationParams | None = None, **kwargs: Any
+    ) -> GenerationResult:
         """Run to completion; same arguments as `stream`."""
         result = None
         for piece in self.stream(prompt, params, **kwargs):
@@ -220,18 +159,6 @@ class CachedGenerator:
                 )
             self.block_prefill()
 
-    def block_prefill(self):
-        """The `kvblocks.blocks.prefill.BlockPrefill` of this model; ParamError when the model cannot
-        move cached keys (no RoPE, or a length-dependent one) or holds other than full attention."""
-        if self._blocks is None:
-            from kvblocks.blocks.prefill import BlockPrefill
-
-            try:
-                self._blocks = BlockPrefill(self.model, self.runner, self.cache)
-            except hf.UnsupportedModelError as e:
-                raise ParamError("kv_mode", str(e)) from e
-        return self._blocks
-
     def prepare(self, prompt: Prompt, params: GenerationParams, started: float | None = None) -> Decoding:
         """A request's checked ids and the output state its decoding starts from (`Decoding`: the
         token budget capped by the context, the sampling generator, the stop-text assembler and the
@@ -246,7 +173,7 @@ class CachedGenerator:
         return Decoding(
             ids,
             params,
-            min(params.max_new_tokens, context_room(self.max_context, len(ids))),
+            int(min(params.max_new_tokens, context_room(self.max_context, len(ids)))),
             StopTextAssembler(self.tokenizer, params.stop),
             rng,
             processor,
@@ -263,7 +190,7 @@ class CachedGenerator:
         output_logits: bool = False,
         block_chunk: int | None = None,
         share_kv: bool = True,
-        **options,
+        **options: Any,
     ) -> Iterator[Piece | Working]:
         """Yield text as it is generated; the last piece carries the `GenerationResult`.
 
@@ -292,7 +219,7 @@ class CachedGenerator:
         bypass = "prompt_logprobs" if params.prompt_logprobs is not None and self.cache is not None else None
         hit = self.cache.match_or_miss(ids, salt=salt) if self.cache is not None and bypass is None else None
         rows: list[torch.Tensor] | None = [] if output_logits or params.logprobs is not None else None
-        run = self._start(ids, hit, rows, salt)
+        run = DecodeState.start(ids, hit, rows, salt, self.cache, self.runner.stepwise)
         run.shared = share_kv
         tokens = None
         try:
@@ -301,111 +228,36 @@ class CachedGenerator:
                 blocks = yield from self._prefill_blocks(ids, spans, hit, run, params, block_chunk)
             if run.past is None:
                 run.past = self._new_past(hit, salt)
-            prompt_logprobs = None
-            if params.prompt_logprobs is not None:
-                prompt_logprobs = self._prompt_logprobs(ids, run, params.prompt_logprobs)
+            k = params.prompt_logprobs
+            prompt_logprobs = None if k is None else self._prompt_logprobs(ids, run, k)
             tokens = self._decode(ids, run, out)
             piece = yield from self._pieces(tokens, run, out, output_logits)
             tokens.close()
-            final = out.conclude(
-                piece,
-                time.perf_counter(),
-                cached_tokens=hit.length if hit is not None else 0,
-                logits=run.logits if output_logits else None,
-                spec=run.spec,
-                prompt_logprobs=prompt_logprobs,
-                cache_bypass=bypass,
-                prefill_splits=run.splits,
-                snapshot_positions=run.plan.positions,
-                blocks=blocks,
-            )
+            extras = {"prompt_logprobs": prompt_logprobs, "cache_bypass": bypass, "blocks": blocks}
+            final = run.conclude(out, piece, hit, output_logits, **extras)
         finally:
-            try:
-                if tokens is not None:
-                    tokens.close()
-                if self.cache is not None and run.past is not None:
-                    self._commit(run, final=True)
-            finally:
-                if hit is not None:
-                    hit.release()
+            self._end(tokens, run, hit)
         if spans and params.kv_mode == "exact":
             self.promote_blocks(spans, salt)
         # Committed before the result is handed over: a consumer that stops at the result piece
         # (without exhausting the stream) holds no lock, and its next turn hits this one.
         yield final
 
-    def _prefill_blocks(
-        self,
-        ids: list[int],
-        spans: list[BlockSpan],
-        hit: Hit | None,
-        run: DecodeState,
-        params: GenerationParams,
-        chunk: int | None,
-    ) -> Generator[Working, None, BlockReport]:
-        """Start `run` from stored block KV (`kvblocks.blocks`), a `Working` step per forward of at
-        most `chunk` tokens (None: at once, no steps); a blend that recomputes every token, or a
-        prompt with no block past the exact hit, prefills as usual (so share 1.0 is exact)."""
-        h = hit.length if hit is not None else 0
-        pre = None
-        if not (params.kv_mode == "blend" and params.blend_recompute >= 1.0):
-            prefill, mode, share = self.block_prefill(), params.kv_mode, params.blend_recompute
-            if chunk is None:
-                pre = prefill.run(ids, spans, hit, run.salt, mode, share)
-            else:
-                pre = yield from _working(prefill.steps(ids, spans, hit, run.salt, mode, share, chunk))
-        if pre is None:
-            return BlockReport(params.kv_mode, params.blend_recompute, h, recomputed_tokens=len(ids) - h)
-        run.past, run.computed, run.reusable = pre.past, pre.computed, pre.reusable
-        return pre.report
-
-    def promote_blocks(self, spans: list[BlockSpan], salt: Salt) -> None:
-        """Store the blocks an exact request marked (`BlockPrefill.promote`), where the model can
-        reuse blocks at all; an exact request never fails for it."""
-        work = self.promotion(spans, salt)
-        for _ in work or ():  # its forwards, at once
-            pass
-
-    def promotion(
-        self, spans: list[BlockSpan], salt: Salt, chunk: int | None = None
-    ) -> Generator[int, None, None] | None:
-        """`promote_blocks` as resumable work, a forward of at most `chunk` tokens per step
-        (`BlockPrefill.promote_steps`); None where there is nothing to do (no cache, or a model that
-        cannot reuse blocks). The batched engine runs it a step at a time when idle
-        (`kvblocks.engine.promotion`)."""
-        if self.cache is None:
-            return None
-        try:
-            prefill = self.block_prefill()
-        except ParamError:
-            return None
-        return prefill.promote_steps(spans, salt, chunk)
-
-    def store_block(self, block: Block | str | Sequence[int], salt: Salt = None) -> StoredBlock:
-        """Compute and store a block's KV (a document, before the first request that uses it) in the
-        block store of `salt`'s tenant, so that request finds it; a block held already costs a lookup.
-        Text is tokenised on its own, as a `Block` in a prompt is."""
-        *_, stored = self.store_steps(block, salt)
-        return stored
-
-    def store_steps(
-        self, block: Block | str | Sequence[int], salt: Salt = None, chunk: int | None = None
-    ) -> Iterator[Working | StoredBlock]:
-        """`store_block` as stream steps: a `Working` per forward of at most `chunk` tokens (None:
-        one forward), then the `StoredBlock` (the engine runs it so, beside other requests).
-        PromptError for an empty block, one outside the vocabulary or the context; ParamError where
-        the model cannot reuse blocks or there is no cache to store them in."""
-        ids, _ = flatten(self.tokenizer, [block if isinstance(block, Block) else Block(block)])
-        self.encode(ids)
-        if self.cache is None:
-            raise ParamError("kv_mode", "KV blocks are stored in the prefix cache: this generator has none")
-        prefill = self.block_prefill()
-        held = yield from _working(prefill.store_steps(tuple(ids), salt, chunk))
-        yield StoredBlock(len(ids), held)
-
     def _new_past(self, hit: Hit | None, salt: Salt) -> Any:
         """The live cache a request decodes into: the hit's prefix, or an empty one."""
         return hit.to_hf_cache() if hit is not None else hf.empty_cache(self.model.config)
+
+    def _end(self, tokens: Generator[int, None, None] | None, run: DecodeState, hit: Hit | None) -> None:
+        """A request ends (also when its consumer stopped early): its decode closes, what it
+        computed enters the cache and its hit is released."""
+        try:
+            if tokens is not None:
+                tokens.close()
+            if self.cache is not None and run.past is not None:
+                self._commit(run, final=True)
+        finally:
+            if hit is not None:
+                hit.release()
 
     def _pieces(
         self, tokens: Iterator[int], run: DecodeState, out: Decoding, output_logits: bool
@@ -424,17 +276,6 @@ class CachedGenerator:
                 return piece
             yield piece
         raise AssertionError("a decode strategy yields tokens until the rule finishes the sequence")
-
-    def _start(
-        self, ids: list[int], hit: Hit | None, rows: list[torch.Tensor] | None, salt: Salt
-    ) -> DecodeState:
-        """The decoding state after `hit`, with the positions where a recurrent state is snapshotted."""
-        run = DecodeState(list(ids), hit.length if hit is not None else 0, rows, salt)
-        if self.cache is not None:
-            run.plan = self.cache.snapshot_plan(run.computed, len(ids), hit.matched if hit else 0)
-            if self.runner.stepwise and run.computed == 0:  # every forward after the first is one token
-                run.plan.skip_before((hit.matched if hit else 0) or len(ids) - 1)
-        return run
 
     def _prompt_logprobs(self, ids: list[int], run: DecodeState, k: int) -> list[TokenLogprob | None]:
         """Score each prompt token after the first by the positions before it.
@@ -468,6 +309,7 @@ class CachedGenerator:
             end = min(end, run.reusable)
         if final and end == run.computed:
             run.plan.at_end(end, run.past)
+        assert self.cache is not None
         self.cache.insert(run.sequence[:end], run.past, salt=run.salt, snapshots=run.plan.hand_over(end))
 
     def _snapshot(self, run: DecodeState) -> None:
@@ -498,7 +340,7 @@ class CachedGenerator:
             run.reusable = run.computed
         return torch.cat(out) if keep == 0 and len(out) > 1 else out[-1]
 
-    def _decode(self, ids: list[int], run: DecodeState, out: Decoding) -> Iterator[int]:
+    def _decode(self, ids: list[int], run: DecodeState, out: Decoding) -> Generator[int, None, None]:
         """Yield next tokens one at a time, chosen by the per-token rule (`out`); keep `run.computed`
         = positions of `run.past` that hold the KV of `run.sequence` (the caller appends each yielded
         token to it)."""

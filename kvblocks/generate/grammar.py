@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import llguidance
 import llguidance.hf
@@ -46,15 +46,24 @@ from llguidance import LLMatcher, LLParserLimits
 
 from kvblocks.generate.params import ConstraintError
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from llguidance._lib import JsonCompileOptions  # the stub declares it there only
+
 # Overrides any "x-guidance" in a user's schema: whitespace is never free-form.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 # _BYTE_BIAS[b, i] = 0 if bit i of byte b is set (token allowed), else -inf.
 _BYTE_BIAS = np.where(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"), 0.0, -np.inf
 ).astype(np.float32)
 
-_ll_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ll_tokenizers: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 _ll_lock = threading.Lock()
 
 
@@ -116,7 +125,7 @@ _BRANCHES = ("anyOf", "oneOf", "allOf", "prefixItems")
 _KEYED = ("properties", "patternProperties")
 
 
-def check_schema(schema, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+def check_schema(schema: Any, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
     """Refuse (GrammarError naming the limit and the value) a schema that would make compiling
     expensive or deep, before any of it is compiled. Linear in the schema's size.
 
@@ -128,10 +137,11 @@ def check_schema(schema, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
     size = len(json.dumps(schema))
     if size > limits.max_bytes:
         raise GrammarError(f"the JSON schema is {size} bytes, over this server's limit of {limits.max_bytes}")
-    depth, enum_total = {}, 0  # id(node) -> depth of its subtree
+    depth: dict[int, int] = {}  # id(node) -> depth of its subtree
+    enum_total = 0
     nodes = 1
     on_path = {id(schema)}
-    stack: list[list] = [[schema, _children(schema, schema), 0]]
+    stack: list[list[Any]] = [[schema, _children(schema, schema), 0]]
     enum_total += _check_node(schema, limits)
     while stack:
         frame = stack[-1]
@@ -169,7 +179,7 @@ def check_schema(schema, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
         )
 
 
-def _children(node, root):
+def _children(node: Any, root: Any) -> Iterator[Any]:
     """The objects and arrays `node` holds, then the target of its `$ref` (when local and found)."""
     values = node.values() if isinstance(node, dict) else node
     yield from (v for v in values if isinstance(v, dict | list))
@@ -179,7 +189,7 @@ def _children(node, root):
             yield target
 
 
-def _resolve(root, ref: str):
+def _resolve(root: Any, ref: str) -> Any:
     """The node a local `$ref` ("#" then a JSON pointer) names, or None."""
     if not ref.startswith("#"):
         return None
@@ -195,7 +205,7 @@ def _resolve(root, ref: str):
     return node
 
 
-def _check_node(node, limits: GrammarLimits) -> int:
+def _check_node(node: Any, limits: GrammarLimits) -> int:
     """Refuse a node over a per-node limit; its enum's size (0 if none), for the total."""
     if not isinstance(node, dict):
         return 0
@@ -239,7 +249,7 @@ def bounded(fn: Callable[[], T], limits: GrammarLimits, what: str) -> T:
             f"all {MAX_COMPILING} grammar compilers are busy with grammars that ran past their time "
             "budget; retry later"
         )
-    box: dict = {}
+    box: dict[str, Any] = {}
 
     def run() -> None:
         try:
@@ -268,10 +278,11 @@ def bounded(fn: Callable[[], T], limits: GrammarLimits, what: str) -> T:
         )
     if "error" in box:
         raise box["error"]
-    return box["value"]
+    value: T = box["value"]
+    return value
 
 
-def ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
+def ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
     """The llguidance view of a Hugging Face tokenizer, built once per tokenizer (~0.5 s)."""
     with _ll_lock:
         ll = _ll_tokenizers.get(tokenizer)
@@ -351,7 +362,7 @@ class GrammarFactory:
 
 
 def _compile(
-    tokenizer, vocab_size: int, grammar: str, what: str, limits: GrammarLimits, param: str | None
+    tokenizer: Any, vocab_size: int, grammar: str, what: str, limits: GrammarLimits, param: str | None
 ) -> GrammarFactory:
     """`grammar` compiled on a bounded thread (`bounded`); `limits` also bound its decoding."""
     ll = ll_tokenizer(tokenizer)  # outside the budget: built once per tokenizer
@@ -363,9 +374,9 @@ def _compile(
 
 
 def json_schema_constraint(
-    tokenizer,
+    tokenizer: Any,
     vocab_size: int,
-    schema: dict,
+    schema: dict[str, Any],
     strict: bool,
     limits: GrammarLimits = DEFAULT_LIMITS,
     param: str | None = None,
@@ -379,21 +390,24 @@ def json_schema_constraint(
         raise GrammarError(f"invalid JSON schema: expected an object, got {type(schema).__name__}")
     check_schema(schema, limits)
     try:
-        grammar = LLMatcher.grammar_from_json_schema(
-            schema, overrides={**JSON_OPTIONS, "lenient": not strict}
-        )
+        options: JsonCompileOptions = {**JSON_OPTIONS, "lenient": not strict}
+        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=options)
     except ValueError as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from exc
     return _compile(tokenizer, vocab_size, grammar, "JSON schema", limits, param)
 
 
-def json_object_constraint(tokenizer, vocab_size: int) -> GrammarFactory:
+def json_object_constraint(tokenizer: Any, vocab_size: int) -> GrammarFactory:
     """Output is one JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
     return json_schema_constraint(tokenizer, vocab_size, {"type": "object"}, strict=True)
 
 
 def lark_constraint(
-    tokenizer, vocab_size: int, grammar: str, limits: GrammarLimits = DEFAULT_LIMITS, param: str | None = None
+    tokenizer: Any,
+    vocab_size: int,
+    grammar: str,
+    limits: GrammarLimits = DEFAULT_LIMITS,
+    param: str | None = None,
 ) -> GrammarFactory:
     """Output is a sentence of an llguidance Lark grammar (which may embed `%json {...}`). The
     schemas it embeds are the caller's to check (`check_schema`): this text is not parsed here."""
@@ -401,7 +415,7 @@ def lark_constraint(
     return _compile(tokenizer, vocab_size, lark, "grammar", limits, param)
 
 
-def json_schema_rule(schema: dict, strict: bool) -> str:
+def json_schema_rule(schema: dict[str, Any], strict: bool) -> str:
     """The body of a Lark rule (`%json {...}`) for one JSON value valid against `schema`, with the
     whitespace and strictness `json_schema_constraint` gives it: for a grammar where that value is
     one alternative (a structured final message beside tool calls). Check the schema with

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
-from kvblocks.generate.sampling import ParamError, SamplingParams
+from kvblocks.generate.sampling import ParamError as ParamError
+from kvblocks.generate.sampling import SamplingParams
 
 
 class Constraint(Protocol):

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor | np.ndarray
+Prompt = str | Sequence[dict[str, Any]] | Sequence[int] | torch.Tensor | np.ndarray
 
 
 class PromptError(ValueError):
     """The prompt cannot be turned into token ids (empty, wrong shape, bad messages)."""
 
 
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     """Token ids for a string, chat messages (via the tokenizer's chat template) or ids."""
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -25,6 +26,7 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
         ]
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         for i, m in enumerate(prompt):
+            assert isinstance(m, dict)
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise PromptError(f"message {i} needs string 'role' and 'content' fields")
         if not getattr(tokenizer, "chat_template", None):
@@ -40,7 +42,7 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     return list(ids)
 
 
-def _int_ids(prompt: Sequence) -> list[int] | None:
+def _int_ids(prompt: Sequence[Any]) -> list[int] | None:
     """`prompt` as a list of ints when every item is an integer, else None. One numpy conversion
     instead of a Python check per token: a 4,000-token prompt costs microseconds, not milliseconds."""
     if not prompt:
@@ -51,7 +53,8 @@ def _int_ids(prompt: Sequence) -> list[int] | None:
         return None
     if array.ndim != 1 or array.dtype.kind not in "iub":
         return None
-    return array.astype(np.int64).tolist()
+    ids: list[int] = array.astype(np.int64).tolist()
+    return ids
 
 
 class StopTextAssembler:
@@ -61,7 +64,7 @@ class StopTextAssembler:
     correctly in context); an unfinished UTF-8 sequence (U+FFFD at the end) is held back too.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
@@ -115,8 +118,8 @@ class IdTokenizer:
     eos_token_id = None
     chat_template = None
 
-    def __call__(self, text: str, add_special_tokens: bool = True):
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": [int(t) for t in text.split()]}
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(f" {int(t)}" for t in ids)

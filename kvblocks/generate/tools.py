@@ -6,9 +6,10 @@
   section listing the tools as JSON schemas and asking for the parser's call format (Hermes by
   default); earlier calls are written in that format in the assistant turn, and tool results
   come back as a user turn of `<tool_response>` blocks (the Hermes convention).
-- Parsing. A `ToolParser` per output format (`hermes`, `llama3_json`, `mistral`) splits generated
-  text into content and `ToolCall`s; `ToolStreamParser` does the same piece by piece, whatever
-  the tokenization of the markup. Malformed calls are never an error: their text stays content.
+- Parsing (`kvblocks.generate.tool_parsers`, its names importable from here too). A `ToolParser`
+  per output format (`hermes`, `llama3_json`, `mistral`) splits generated text into content and
+  `ToolCall`s; `ToolStreamParser` does the same piece by piece, whatever the tokenization of the
+  markup. Malformed calls are never an error: their text stays content.
   A call's arguments are the JSON text the model wrote (when it wrote an object), so streamed
   fragments join to exactly the final arguments. A reply cut by max_tokens keeps every complete
   call and drops only the unfinished one (`parse_cut`).
@@ -22,43 +23,55 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from jinja2 import TemplateError
 
-from kvblocks.generate.grammar import JSON_OPTIONS
+from kvblocks.generate.grammar import JSON_OPTIONS, GrammarConstraint, GrammarFactory
 from kvblocks.generate.text import PromptError
+from kvblocks.generate.tool_parsers import (
+    PARSERS,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ToolCall,
+    ToolError,
+    ToolParser,
+    ToolStreamParser,
+    detect_parser,
+    get_parser,
+)
 
+# the parsing side's names stay importable from here, where the server and clients found them
+__all__ = [
+    "PARSERS",
+    "ClosingCalls",
+    "HermesParser",
+    "Llama3JsonParser",
+    "MistralParser",
+    "ToolCall",
+    "ToolError",
+    "ToolParser",
+    "ToolStreamParser",
+    "detect_parser",
+    "get_parser",
+    "next_call_tokens",
+    "render_messages",
+    "template_supports_tools",
+    "tool_call_grammar",
+    "validate_tools",
+]
 
-class ToolError(ValueError):
-    """A malformed tool definition or tool_choice; the message names the offending field."""
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object, as text (OpenAI's wire form)
-    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
-
-    def as_openai(self) -> dict:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-
-
-# ---- tool definitions ----------------------------------------------------------------------
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-def validate_tools(tools: Sequence[dict] | None) -> list[dict]:
+def validate_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The `function` objects of OpenAI `tools`, checked, with `parameters` an object schema."""
     if tools is None:
         return []
@@ -96,430 +109,6 @@ def validate_tools(tools: Sequence[dict] | None) -> list[dict]:
     return functions
 
 
-# ---- parsers -------------------------------------------------------------------------------
-
-
-def _call_from(obj) -> ToolCall | None:
-    """A call from `{"name": ..., "arguments" | "parameters": {...}}`; None if it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as JSON text
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-_DECODER = json.JSONDecoder()
-
-
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
-
-
-def _decode_at(text: str, pos: int):
-    """(value, end) of the JSON value starting at `pos` (after whitespace); None if there is none."""
-    try:
-        return _DECODER.raw_decode(text, _skip_space(text, pos))
-    except json.JSONDecodeError:
-        return None
-
-
-def _complete_items(text: str, pos: int) -> list:
-    """The complete values of a JSON array that opens at `pos` (after whitespace) and may be cut off."""
-    pos = _skip_space(text, pos)
-    if not text.startswith("[", pos):
-        return []
-    items, pos = [], pos + 1
-    while (decoded := _decode_at(text, pos)) is not None:
-        items.append(decoded[0])
-        pos = _skip_space(text, decoded[1])
-        if not text.startswith(",", pos):
-            break
-        pos += 1
-    return items
-
-
-class ToolParser:
-    """One model family's tool-call format.
-
-    `parse` removes every well-formed call span from the text; what is left, stripped, is the
-    content. Spans never begin before `call_start`, which is what lets `ToolStreamParser`
-    release the text before it early.
-    """
-
-    name: ClassVar[str]
-    markers: ClassVar[tuple[str, ...]]  # text that opens a call
-    args_key: ClassVar[str]  # where this format puts the arguments
-    example: ClassVar[str]  # the format, as the built-in preamble teaches it
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return self._split(text, cut=False)
-
-    def parse_cut(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """`parse` of a reply stopped by max_tokens: every complete call, and the content less the
-        unfinished call and its markup (a half call is not a call)."""
-        return self._split(text, cut=True)
-
-    def _split(self, text: str, cut: bool) -> tuple[str | None, list[ToolCall]]:
-        kept, calls, pos = [], [], 0
-        for start, end, found in self._spans(text, cut):
-            kept.append(text[pos:start])
-            calls.extend(_as_written(text[start:end], found))
-            pos = end
-        tail = text[pos:]
-        if cut:  # the unfinished call, or the marker it was beginning with
-            unfinished = self.call_start(tail)
-            tail = tail[: len(tail) - self.partial_marker(tail) if unfinished is None else unfinished]
-        kept.append(tail)
-        content = "".join(kept).strip()
-        return content or None, calls
-
-    def call_start(self, text: str) -> int | None:
-        """Where the first call could begin, or None if no call has begun yet."""
-        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
-        return min(found) if found else None
-
-    def partial_marker(self, text: str) -> int:
-        """Length of the longest end of `text` that could grow into a marker."""
-        return max(
-            (
-                k
-                for m in self.markers
-                for k in range(min(len(m) - 1, len(text)), 0, -1)
-                if text.endswith(m[:k])
-            ),
-            default=0,
-        )
-
-    def render(self, calls: Sequence[tuple[str, object]]) -> str:
-        """(name, arguments) pairs written the way this format writes them."""
-        raise NotImplementedError
-
-    def grammar(
-        self, alternatives: list[dict], parallel: bool, options: dict, lit: Callable[[str], str]
-    ) -> str:
-        """A Lark grammar: one call (several if `parallel`), each matching one JSON schema of
-        `alternatives` compiled with llguidance JSON `options`; `lit` writes a marker as a Lark
-        literal (or as the special token it is)."""
-        raise NotImplementedError
-
-    def _spans(self, text: str, cut: bool) -> Iterator[tuple[int, int, list[ToolCall]]]:
-        """(start, end, calls) of each well-formed call span; with `cut` (the text stopped early)
-        also the complete calls of a span whose end was cut off, the span running to the end."""
-        raise NotImplementedError
-
-
-class HermesParser(ToolParser):
-    """Hermes / Qwen: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, repeated.
-
-    An unclosed last block (the model stopped right after the JSON) still counts.
-    """
-
-    name = "hermes"
-    markers = ("<tool_call>",)
-    args_key = "arguments"
-    example = (
-        '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>\n'
-        "with one <tool_call></tool_call> block per call."
-    )
-    _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-
-    def _spans(self, text, cut):
-        """The JSON is decoded before the closing tag is looked for: a `</tool_call>` inside one of
-        its strings (a grammar-valid argument) is text, not the end of the call."""
-        pos = 0
-        while (start := text.find(self._OPEN, pos)) >= 0:
-            pos = start + len(self._OPEN)
-            decoded = _decode_at(text, pos)
-            if decoded is None:
-                continue
-            after = _skip_space(text, decoded[1])
-            rest = text[after:]
-            if rest.startswith(self._CLOSE):
-                end = after + len(self._CLOSE)
-            elif not rest or (cut and self._CLOSE.startswith(rest)):
-                end = len(text)  # unclosed last block, or its closing tag cut off
-            else:
-                continue
-            call = _call_from(decoded[0])
-            if call is not None:
-                yield start, end, [call]
-                pos = end
-
-    def render(self, calls):
-        return "\n".join(
-            f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
-            for n, a in calls
-        )
-
-    def grammar(self, alternatives, parallel, options, lit):
-        newline = lit("\n")
-        more = f" ({newline} call)*" if parallel else ""
-        return (
-            f"start: call{more}\n"
-            f"call: {lit('<tool_call>')} {newline} fn {newline} {lit('</tool_call>')}\n"
-            f"fn: %json {json.dumps({'anyOf': alternatives, 'x-guidance': options})}\n"
-        )
-
-
-class Llama3JsonParser(ToolParser):
-    """Llama 3.x JSON calls: `{"name": ..., "parameters": {...}}` (or "arguments"), several
-    joined by `;`, optionally after `<|python_tag|>`; a call must open the reply or follow the tag.
-    """
-
-    name = "llama3_json"
-    markers = ("<|python_tag|>",)
-    args_key = "parameters"
-    example = (
-        '{"name": <function-name>, "parameters": <arguments-json-object>}\n'
-        'with several calls separated by "; ".'
-    )
-
-    def call_start(self, text):
-        tag = super().call_start(text)
-        body = len(text) - len(text.lstrip())
-        if text[body : body + 1] == "{" and (tag is None or body < tag):
-            return body
-        return tag
-
-    def _spans(self, text, cut):
-        start = self.call_start(text)
-        if start is None:
-            return
-        pos = start + len(self.markers[0]) if text.startswith(self.markers[0], start) else start
-        calls = []
-        while True:  # call (";" call)*; any malformed call and none of them count, unless cut off
-            decoded = _decode_at(text, pos)
-            call = _call_from(decoded[0]) if decoded is not None else None
-            if call is None:
-                if cut and calls:
-                    yield start, len(text), calls
-                return
-            calls.append(call)
-            pos = decoded[1]
-            rest = text[pos:].lstrip()
-            if not rest.startswith(";"):
-                break
-            pos = len(text) - len(rest) + 1
-        yield start, pos, calls
-
-    def render(self, calls):
-        return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
-
-    def grammar(self, alternatives, parallel, options, lit):
-        more = f" ({lit('; ')} fn)*" if parallel else ""
-        return f"start: fn{more}\nfn: %json {json.dumps({'anyOf': alternatives, 'x-guidance': options})}\n"
-
-
-class MistralParser(ToolParser):
-    """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the newer
-    `[TOOL_CALLS]name[ARGS]{...}` repeated once per call.
-
-    `[TOOL_CALLS]` is a special token in Mistral tokenizers: decode with special tokens kept.
-    """
-
-    name = "mistral"
-    markers = ("[TOOL_CALLS]",)
-    args_key = "arguments"
-    example = '[TOOL_CALLS][{"name": <function-name>, "arguments": <arguments-json-object>}, ...]'
-    _NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
-
-    def _spans(self, text, cut):
-        marker = self.markers[0]
-        pos = text.find(marker)
-        while pos >= 0:
-            body = pos + len(marker)
-            named = self._NAMED.match(text, body)
-            decoded = _decode_at(text, named.end() if named else body)
-            calls = None
-            if decoded is not None and named:
-                if isinstance(decoded[0], dict):
-                    calls = [ToolCall(named.group(1), json.dumps(decoded[0], ensure_ascii=False))]
-            elif decoded is not None and isinstance(decoded[0], list) and decoded[0]:
-                calls = [_call_from(obj) for obj in decoded[0]]
-            elif decoded is None and cut and not named:  # an array cut off: its complete calls
-                items = _complete_items(text, body)
-                calls = [_call_from(obj) for obj in items]
-                decoded = (items, len(text))
-            if calls and None not in calls:
-                yield pos, decoded[1], calls
-                body = decoded[1]
-            pos = text.find(marker, body)
-
-    def render(self, calls):
-        return "[TOOL_CALLS]" + json.dumps(
-            [{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False
-        )
-
-    def grammar(self, alternatives, parallel, options, lit):
-        schema = {"type": "array", "items": {"anyOf": alternatives}, "minItems": 1}
-        if not parallel:
-            schema["maxItems"] = 1
-        schema["x-guidance"] = options
-        return f"start: {lit('[TOOL_CALLS]')} calls\ncalls: %json {json.dumps(schema)}\n"
-
-
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
-
-
-def get_parser(name: str) -> ToolParser:
-    """The parser for `--tool-parser NAME`."""
-    if name not in PARSERS:
-        raise ToolError(f"unknown tool parser {name!r}; choose one of {', '.join(PARSERS)}")
-    return PARSERS[name]()
-
-
-def _template_text(tokenizer) -> str:
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return "\n".join(template.values()) if isinstance(template, dict) else template
-
-
-def detect_parser(tokenizer) -> str:
-    """The name of the parser matching the chat template's tool format; "hermes" (the built-in
-    preamble's format) when the template shows none."""
-    template = _template_text(tokenizer)
-    if "<tool_call>" in template:
-        return HermesParser.name
-    if "[TOOL_CALLS]" in template:
-        return MistralParser.name
-    if "<|python_tag|>" in template or "ipython" in template:
-        return Llama3JsonParser.name
-    return HermesParser.name
-
-
-# Where a call's name and arguments begin, in every format: `"name": "f", "arguments": ` (or
-# "parameters"), and Mistral's `[TOOL_CALLS]f[ARGS]`. The grammars and the formats write the name first.
-_CALL_HEAD = re.compile(
-    r'"name"\s*:\s*"([A-Za-z0-9_.\-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
-    r"|\[TOOL_CALLS\]\s*([A-Za-z0-9_.\-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]\s*"
-)
-
-
-def _as_written(span: str, calls: list[ToolCall]) -> list[ToolCall]:
-    """`calls` with their arguments as the model wrote them in `span`: the object after each call's
-    head, where it decodes to the parsed arguments (a call written otherwise keeps its re-encoding)."""
-    heads, out = _CALL_HEAD.finditer(span), []
-    for call in calls:
-        parsed = json.loads(call.arguments)
-        for head in heads:
-            begin = _skip_space(span, head.end())
-            decoded = _decode_at(span, begin)
-            if (head.group(1) or head.group(2)) == call.name and decoded is not None:
-                if span.startswith("{", begin) and decoded[0] == parsed:
-                    call = replace(call, arguments=span[begin : decoded[1]])
-                break
-        out.append(call)
-    return out
-
-
-@dataclass(slots=True)
-class _StreamedCall:
-    id: str
-    name: str
-    sent: int = 0  # characters of the arguments text sent so far
-    closed: bool = False  # its arguments object is complete
-
-
-class ToolStreamParser:
-    """`ToolParser.parse`, piece by piece: content deltas as soon as they are safe, and each call's
-    arguments as they are generated (`call_deltas`, OpenAI's delta shape).
-
-    Text before the first call marker is released as it arrives, less an end that could grow
-    into a marker and trailing whitespace (the parse strips it). From the first marker on, content
-    is held and `finish()` settles it with the full parse, so the deltas always join to exactly
-    the content `parse` gives for the whole text. Arguments are streamed as the JSON text the
-    model writes, which is the parsed call's `arguments`: the head that names a call may end
-    anywhere in the whitespace before its object, and the object is sent as far as it is written.
-    """
-
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
-        self.text = ""
-        self.released = ""
-        self.holding = False
-        self.streamed: list[_StreamedCall] = []
-        self._scan = 0  # where the next call head may start
-        self._args_at: int | None = None  # where the open call's arguments start
-
-    def feed(self, piece: str) -> str:
-        """Add generated text; returns the content that can be shown now (maybe "")."""
-        self.text += piece
-        if self.holding:
-            return ""
-        start = self.parser.call_start(self.text)
-        if start is not None:
-            self.holding = True
-            self._scan = start
-            return self._release(self.text[:start].strip())
-        return self._release(self.text[: len(self.text) - self.parser.partial_marker(self.text)].strip())
-
-    def call_deltas(self) -> list[dict]:
-        """OpenAI `delta.tool_calls` entries for what the calls gained since the last look: a new
-        call's first entry has its id, type and name; later ones add `function.arguments` text."""
-        out = []
-        while self.holding:
-            if self._args_at is None:
-                head = _CALL_HEAD.search(self.text, self._scan)
-                if head is None:
-                    break
-                self.streamed.append(
-                    _StreamedCall("call_" + secrets.token_hex(12), head.group(1) or head.group(2))
-                )
-                self._args_at = head.end()
-                out.append(self._delta({"name": self.streamed[-1].name, "arguments": ""}, first=True))
-            call = self.streamed[-1]
-            self._args_at = _skip_space(self.text, self._args_at)
-            if not self.text.startswith("{", self._args_at):
-                break  # arguments not begun yet, or not an object (then `finish_deltas` sends them)
-            decoded = _decode_at(self.text, self._args_at)
-            end = decoded[1] if decoded is not None else len(self.text)
-            fragment = self.text[self._args_at + call.sent : end]
-            if fragment:
-                out.append(self._delta({"arguments": fragment}))
-                call.sent += len(fragment)
-            if decoded is None:
-                break
-            call.closed = True
-            self._scan, self._args_at = end, None
-        return out
-
-    def finish_deltas(self, calls: list[ToolCall]) -> list[dict]:
-        """What the client still lacks of the parsed `calls` once the stream ended: whole calls that
-        were never streamed, arguments of streamed calls that were not written as an object."""
-        out = []
-        for k, c in enumerate(calls):
-            if k >= len(self.streamed):
-                out.append(c.as_openai() | {"index": k})
-            elif self.streamed[k].sent == 0:
-                out.append({"index": k, "function": {"arguments": c.arguments}})
-        return out
-
-    def _delta(self, fn: dict, first: bool = False) -> dict:
-        k = len(self.streamed) - 1
-        head = {"id": self.streamed[k].id, "type": "function"} if first else {}
-        return {"index": k, **head, "function": fn}
-
-    def finish(self, finish_reason: str | None = None) -> tuple[str, list[ToolCall]]:
-        """The stream ended: the last content delta and every tool call (when the reply was cut by
-        max_tokens, `finish_reason` "length", every complete one: `ToolParser.parse_cut`)."""
-        parse = self.parser.parse_cut if finish_reason == "length" else self.parser.parse
-        content, calls = parse(self.text)
-        return self._release(content or ""), calls
-
-    def _release(self, content: str) -> str:
-        assert content.startswith(self.released), "released content must stay a prefix of the content"
-        delta = content[len(self.released) :]
-        self.released = content
-        return delta
-
-
 # ---- rendering -----------------------------------------------------------------------------
 
 _PROBE_TOOLS = [
@@ -547,11 +136,11 @@ _PROBE_MESSAGES = [
     },
     {"role": "tool", "tool_call_id": "kvbprobe1", "name": "kvb_probe_tool", "content": "kvb probe result"},
 ]
-_probed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_probed: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 _probe_lock = threading.Lock()
 
 
-def template_supports_tools(tokenizer) -> bool:
+def template_supports_tools(tokenizer: Any) -> bool:
     """Whether the chat template renders tool definitions, assistant tool calls and tool results.
 
     Probed once per tokenizer by rendering a conversation with marked names and checking that
@@ -563,7 +152,7 @@ def template_supports_tools(tokenizer) -> bool:
         return _probed[tokenizer]
 
 
-def _probe(tokenizer) -> bool:
+def _probe(tokenizer: Any) -> bool:
     if not getattr(tokenizer, "chat_template", None):
         return False
     try:
@@ -576,7 +165,7 @@ def _probe(tokenizer) -> bool:
     return all(mark in text for mark in marks)
 
 
-def _text(content) -> str:
+def _text(content: Any) -> str:
     """OpenAI message content (None, a string or text parts) as one string."""
     if content is None:
         return ""
@@ -589,7 +178,7 @@ def _text(content) -> str:
     raise PromptError("message content must be a string or a list of text parts")
 
 
-def _calls_of(message: dict, index: int) -> list[tuple[str, object]]:
+def _calls_of(message: dict[str, Any], index: int) -> list[tuple[str, object]]:
     """(name, arguments) of an assistant message's `tool_calls`; arguments decoded when JSON."""
     calls = []
     for call in message.get("tool_calls") or ():
@@ -604,7 +193,7 @@ def _calls_of(message: dict, index: int) -> list[tuple[str, object]]:
     return calls
 
 
-def _check_roles(messages: Sequence[dict]) -> None:
+def _check_roles(messages: Sequence[dict[str, Any]]) -> None:
     if not messages:
         raise PromptError("messages must not be empty")
     for i, m in enumerate(messages):
@@ -613,7 +202,10 @@ def _check_roles(messages: Sequence[dict]) -> None:
 
 
 def render_messages(
-    tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None, parser: ToolParser | None = None
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    parser: ToolParser | None = None,
 ) -> list[dict[str, str]] | list[int]:
     """The chat prompt with tools, in a form `kvblocks.generate.text.encode_prompt` takes.
 
@@ -635,7 +227,9 @@ def render_messages(
     return _render_builtin(messages, tools if functions else None, parser)
 
 
-def _render_with_template(tokenizer, messages: Sequence[dict], tools) -> list[int]:
+def _render_with_template(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+) -> list[int]:
     converted = []
     for i, m in enumerate(messages):
         m = {**m, "content": _text(m.get("content"))}
@@ -651,10 +245,13 @@ def _render_with_template(tokenizer, messages: Sequence[dict], tools) -> list[in
         )
     except TemplateError as exc:
         raise PromptError(f"the chat template rejected the messages: {exc}") from exc
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids
 
 
-def _render_builtin(messages: Sequence[dict], tools, parser: ToolParser) -> list[dict[str, str]]:
+def _render_builtin(
+    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None, parser: ToolParser
+) -> list[dict[str, str]]:
     out: list[dict[str, str]] = []
     after_tool = False
     for i, m in enumerate(messages):
@@ -681,7 +278,7 @@ def _render_builtin(messages: Sequence[dict], tools, parser: ToolParser) -> list
     return out
 
 
-def _preamble(tools, parser: ToolParser) -> str:
+def _preamble(tools: Sequence[dict[str, Any]], parser: ToolParser) -> str:
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return (
         "# Tools\n\n"
@@ -697,12 +294,12 @@ def _preamble(tools, parser: ToolParser) -> str:
 
 
 def tool_call_grammar(
-    tools: Sequence[dict] | None,
-    tool_choice,
+    tools: Sequence[dict[str, Any]] | None,
+    tool_choice: Any,
     parser: ToolParser,
     *,
     parallel_tool_calls: bool = True,
-    tokenizer=None,
+    tokenizer: Any = None,
     answer: str | None = None,
 ) -> str | None:
     """A Lark grammar forcing the reply to be tool calls, or None when nothing is forced.
@@ -745,7 +342,7 @@ def tool_call_grammar(
     return _calls_grammar(chosen, parallel, parser, tokenizer)
 
 
-def _calls_grammar(chosen: list[dict], parallel: bool, parser: ToolParser, tokenizer) -> str:
+def _calls_grammar(chosen: list[dict[str, Any]], parallel: bool, parser: ToolParser, tokenizer: Any) -> str:
     """Calls to the `chosen` functions in the parser's format, each under its own schema."""
     alternatives = [
         {
@@ -767,7 +364,7 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", 
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
 
 
-def _closed(schema):
+def _closed(schema: Any) -> Any:
     """`schema` with objects that list their properties closed to others (`additionalProperties:
     false`) unless they say otherwise: a function's arguments are its parameters, nothing more.
     `allOf` branches are left alone (closing each would reject the others' properties)."""
@@ -788,7 +385,7 @@ def _closed(schema):
     return out
 
 
-def _literal_writer(tokenizer) -> Callable[[str], str]:
+def _literal_writer(tokenizer: Any) -> Callable[[str], str]:
     special = {}
     if tokenizer is not None:
         special = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
@@ -798,7 +395,7 @@ def _literal_writer(tokenizer) -> Callable[[str], str]:
 # ---- closing parallel calls within the budget ----------------------------------------------
 
 
-def next_call_tokens(tokenizer, parser: ToolParser, tools: Sequence[dict]) -> int:
+def next_call_tokens(tokenizer: Any, parser: ToolParser, tools: Sequence[dict[str, Any]]) -> int:
     """About the fewest tokens another call takes after a complete one: the separator and the
     markup of a call to the shortest-named tool with empty arguments (real arguments add more)."""
     name = min((f["name"] for f in validate_tools(tools)), key=len)
@@ -815,7 +412,7 @@ class ClosingCalls:
     the shortest next call): parallel calls then close at the last call that fits instead of being
     cut inside one that cannot."""
 
-    factory: object  # kvblocks.generate.grammar.GrammarFactory
+    factory: GrammarFactory
     budget: int
     reserve: int
 
@@ -824,12 +421,12 @@ class ClosingCalls:
 
 
 class _ClosingState:
-    def __init__(self, inner, last_start: int) -> None:
+    def __init__(self, inner: GrammarConstraint, last_start: int) -> None:
         self.inner = inner
         self.last_start = last_start  # the latest token count after which another call still fits
         self.used = 0
 
-    def mask(self, logits) -> None:
+    def mask(self, logits: torch.Tensor) -> None:
         self.inner.mask(logits)
 
     def advance(self, token: int) -> None:

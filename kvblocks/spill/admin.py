@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 from kvblocks.spill.tier import TierUnavailable
 from kvblocks.spill.tier_counters import TierSlot
@@ -22,12 +23,12 @@ def tier_stats(slots: list[TierSlot], writer: Writer) -> dict[str, int]:
     return out
 
 
-def tier_sizes(slots: list[TierSlot]) -> list[dict]:
+def tier_sizes(slots: list[TierSlot]) -> list[dict[str, Any]]:
     """Each tier in order: name, health, used and capacity bytes, records (None where the tier
     cannot say; a tier within its quiet window after an outage is not asked)."""
     out = []
     for slot in slots:
-        row: dict = {"name": slot.name, "used_bytes": None, "capacity_bytes": None, "records": None}
+        row: dict[str, Any] = {"name": slot.name, "used_bytes": None, "capacity_bytes": None, "records": None}
         if not slot.up():
             out.append(row | {"health": "down"})
             continue

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvblocks.cache.layout import KVLayout, StateLayout
-from kvblocks.spill.records import ChunkCodec, VerificationError
+from kvblocks.spill.records import ChunkCodec, StateCodec, VerificationError
 from kvblocks.spill.tier import TierUnavailable
 from kvblocks.spill.tier_counters import TierSlot
 from kvblocks.spill.transfer import is_cuda, upload
@@ -72,6 +72,16 @@ class Lookup:
         self.state: StateLayout | None = None
         self.device: torch.device | None = None
 
+    @property
+    def bound_layout(self) -> KVLayout:
+        assert self.layout is not None, "the stack binds its layout before any read or write"
+        return self.layout
+
+    def state_codec(self) -> tuple[StateCodec, StateLayout]:
+        """The codec and layout of state records (the stack asks only when it spills states)."""
+        assert isinstance(self.codec, StateCodec) and self.state is not None
+        return self.codec, self.state
+
     def fetch(self, namespace_key: str, ids: np.ndarray, start: int, limit: int) -> Fetched | None:
         """Longest verified run of chunks continuing a device hit of `start` tokens, within `limit`."""
         c = self.chunk_tokens
@@ -80,7 +90,7 @@ class Lookup:
         if first >= len(hashes):
             return None
         keys = [self.codec.key(namespace_key, h) for h in hashes[first:]]
-        bounds = [self.codec.size_bounds(k, namespace_key, c, self.layout) for k in keys]
+        bounds = [self.codec.size_bounds(k, namespace_key, c, self.bound_layout) for k in keys]
         parts: list[list[torch.Tensor | None]] = []
         tiers: dict[str, int] = {}
         done = 0
@@ -129,7 +139,7 @@ class Lookup:
             return [], []
         # Chunks decode straight into their rows of one tensor per layer; the run ends before the
         # first chunk that fails verification.
-        restored = self.layout.empty(run * c, pin_memory=is_cuda(self.device))
+        restored = self.bound_layout.empty(run * c, pin_memory=is_cuda(self.device))
         found: list[tuple[str, bytes]] = []
         for i, raw in enumerate(values):
             if raw is None or len(raw) != lengths[i]:  # replaced since `sizes` answered: next lookup sees it
@@ -138,7 +148,7 @@ class Lookup:
             rows = [None if x is None else x[i * c : (i + 1) * c] for x in restored]
             try:
                 self.codec.decode_into(
-                    raw, t.keys[i], t.namespace_key, t.ids[pos : pos + c], self.layout, rows
+                    raw, t.keys[i], t.namespace_key, t.ids[pos : pos + c], self.bound_layout, rows
                 )
             except VerificationError:
                 self._reject(slot, t.keys[i], "verify_failures")
@@ -161,13 +171,14 @@ class Lookup:
         hashes = self.codec.chunk_hashes(namespace_key, ids[:high], c)
         ends = [(k + 1) * c for k in range(len(hashes) - 1, low // c - 1, -1)]  # furthest first
         best: tuple[int, torch.Tensor] | None = None
+        codec, _ = self.state_codec()
         for slot in self.slots:
             if not ends:
                 break
             if not slot.up():
                 slot.count(skipped_while_down=1)
                 continue
-            keys = [self.codec.state_key(namespace_key, hashes[end // c - 1]) for end in ends]
+            keys = [codec.state_key(namespace_key, hashes[end // c - 1]) for end in ends]
             slot.count(state_lookups=1)
             found = self._state_in(slot, namespace_key, ids, ends, keys)
             if found is None:
@@ -183,17 +194,18 @@ class Lookup:
         self, slot: TierSlot, namespace_key: str, ids: np.ndarray, ends: list[int], keys: list[str]
     ) -> tuple[int, torch.Tensor, tuple[str, bytes]] | None:
         c = self.chunk_tokens
+        codec, state = self.state_codec()
         try:
             lengths = slot.tier.sizes(keys)
             for end, key, n in zip(ends, keys, lengths):
-                bounds = self.codec.state_size_bounds(key, namespace_key, c, self.state)
+                bounds = codec.state_size_bounds(key, namespace_key, c, state)
                 if not self.sized(slot, key, n, bounds):
                     continue
                 raw = slot.tier.get([key], [bounds[1]])[0]
                 if raw is None or len(raw) != n:
                     continue
                 try:
-                    blob = self.codec.decode_state(raw, key, namespace_key, ids[end - c : end], self.state)
+                    blob = codec.decode_state(raw, key, namespace_key, ids[end - c : end], state)
                 except VerificationError:
                     self._reject(slot, key, "verify_failures")
                     continue
@@ -235,7 +247,7 @@ def locate(
             lengths = slot.tier.sizes(keys[done:])
         except TierUnavailable:
             continue
-        bounds = (lookup.codec.size_bounds(k, namespace_key, c, lookup.layout) for k in keys[done:])
+        bounds = (lookup.codec.size_bounds(k, namespace_key, c, lookup.bound_layout) for k in keys[done:])
         run = next(
             (i for i, (n, b) in enumerate(zip(lengths, bounds)) if not b[0] <= n <= b[1]), len(lengths)
         )
@@ -246,6 +258,7 @@ def locate(
 
 
 def _join(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    if parts[0] is None:
+    present = [p for p in parts if p is not None]  # a layer keeps KV in every part or in none
+    if not present:
         return None
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return present[0] if len(present) == 1 else torch.cat(present)

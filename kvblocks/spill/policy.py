@@ -23,6 +23,9 @@ from kvblocks.spill.tier_counters import TierSlot
 from kvblocks.spill.transfer import offload
 from kvblocks.spill.writer import Confirmed, Job, Writer
 
+# (start, end) -> each layer's still-resident KV of those positions, None for a layer that keeps none
+GatherKV = Callable[[int, int], list[torch.Tensor | None]]
+
 # --write-policy's names (HiCache's) -> the short names `write_mode` has always used
 WRITE_POLICIES = {"write-through": "through", "write-back": "back"}
 
@@ -55,13 +58,13 @@ class WritePolicy:
         if not self.spills_state() or not len(ids) or len(ids) % self.chunk_tokens:
             return
         args = (namespace_key, ids.copy(), blob.to("cpu", copy=True))
-        self.writer.enqueue(Job("state", self.targets(), args))
+        self._enqueue(Job("state", self.targets(), args))
 
     def on_insert(self, namespace_key: str, ids: np.ndarray, start: int) -> None:
         c = self.chunk_tokens
         if self.mode != "through" or len(ids) // c <= start // c:
             return
-        self.writer.enqueue(Job("through", self.targets(), (namespace_key, ids.copy(), start)))
+        self._enqueue(Job("through", self.targets(), (namespace_key, ids.copy(), start)))
 
     def on_hit(self, namespace_key: str, ids: np.ndarray, length: int) -> None:
         c = self.chunk_tokens
@@ -77,9 +80,9 @@ class WritePolicy:
         self.confirmed.add(keys[first:])  # checked by the job: one job per chunk and interval
         for t in targets:
             self.slots[t].count(repair_jobs=1)
-        self.writer.enqueue(Job("through", targets, (namespace_key, ids[:end].copy(), first * c)))
+        self._enqueue(Job("through", targets, (namespace_key, ids[:end].copy(), first * c)))
 
-    def on_evict(self, namespace_key: str, ids: np.ndarray, evicted_from: int, read: Callable) -> None:
+    def on_evict(self, namespace_key: str, ids: np.ndarray, evicted_from: int, read: GatherKV) -> None:
         if self.mode != "back":
             return
         c = self.chunk_tokens
@@ -92,7 +95,11 @@ class WritePolicy:
             tokens = ids[k * c : (k + 1) * c].copy()
             record = (self.codec.key(namespace_key, hashes[k]), namespace_key, tokens, kv)
             nbytes = sum(t.nbytes for t in kv if t is not None)
-            self.writer.enqueue(Job("record", (0,), record, ready=ready, nbytes=nbytes))
+            self._enqueue(Job("record", (0,), record, ready=ready, nbytes=nbytes))
+
+    def _enqueue(self, job: Job) -> None:
+        assert self.writer is not None, "the stack sets its writer before anything is written"
+        self.writer.enqueue(job)
 
     def reject(self, slot: TierSlot, key: str, counter: str) -> None:
         """Count a refused value and delete it: its key fixes format version, namespace and tokens,
@@ -101,16 +108,17 @@ class WritePolicy:
         otherwise, so they stay."""
         slot.count(**{counter: 1})
         if self.codec.delete_invalid:
-            self.writer.enqueue(Job("delete", (slot.index,), (key,)))
+            self._enqueue(Job("delete", (slot.index,), (key,)))
 
     def promote(self, items: list[tuple[str, bytes]], index: int, counter: str) -> None:
         """Records verified in tier `index` are written into the faster tiers above it."""
         nbytes = sum(len(v) for _, v in items)
-        self.writer.enqueue(Job("raw", tuple(range(index)), (items,), counter, nbytes=nbytes))
+        self._enqueue(Job("raw", tuple(range(index)), (items,), counter, nbytes=nbytes))
 
     def demoted(self, index: int, items: list[tuple[str, bytes]]) -> None:
         """Tier `index` evicted `items` by its own bound: under write-back they go one tier down
         (under write-through every tier below has them already). Runs on the writer's thread."""
         if self.mode == "back" and index + 1 < len(self.slots):
             nbytes = sum(len(v) for _, v in items)
+            assert self.writer is not None
             self.writer.run_now(Job("raw", (index + 1,), (items,), "demoted_chunks", nbytes=nbytes))

@@ -7,12 +7,13 @@ format (LMCache's keys, read by other programs) it never overwrites any value at
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvblocks.cache.layout import KVLayout, StateLayout
-from kvblocks.spill.records import ChunkCodec
+from kvblocks.spill.records import ChunkCodec, StateCodec
 from kvblocks.spill.tier_counters import TierSlot
 from kvblocks.spill.writer import Confirmed, Job
 
@@ -29,6 +30,16 @@ class Puts:
         self.layout: KVLayout | None = None
         self.state: StateLayout | None = None
         self.read_kv: ReadKV | None = None
+
+    @property
+    def bound_layout(self) -> KVLayout:
+        assert self.layout is not None, "the stack binds its layout before any read or write"
+        return self.layout
+
+    def state_codec(self) -> tuple[StateCodec, StateLayout]:
+        """The codec and layout of state records (the stack asks only when it spills states)."""
+        assert isinstance(self.codec, StateCodec) and self.state is not None
+        return self.codec, self.state
 
     def run(self, job: Job, slot: TierSlot) -> None:
         if job.kind == "through":
@@ -57,10 +68,11 @@ class Puts:
         lengths = slot.tier.sizes(keys)
         records = []
         for k, key, n in zip(wanted, keys, lengths):
-            if self.holds_record(n, self.codec.size_bounds(key, namespace_key, c, self.layout)):
+            if self.holds_record(n, self.codec.size_bounds(key, namespace_key, c, self.bound_layout)):
                 slot.count(write_skipped_present=1)
                 self.confirmed.add([key])
                 continue
+            assert self.read_kv is not None, "the stack binds its reads before any write"
             kv = self.read_kv(namespace_key, ids[: (k + 1) * c], k * c, (k + 1) * c)
             if kv is None:
                 slot.count(write_skipped_evicted=1)
@@ -68,12 +80,13 @@ class Puts:
             records.append((key, namespace_key, ids[k * c : (k + 1) * c], kv))
         self.records(slot, records)
 
-    def records(self, slot: TierSlot, records: list[tuple]) -> None:
+    def records(self, slot: TierSlot, records: list[tuple[Any, ...]]) -> None:
         """Encode and write (key, namespace key, tokens, kv) records."""
         if not records:
             return
         items = [
-            (key, self.codec.encode(key, ns, tokens, self.layout, kv)) for key, ns, tokens, kv in records
+            (key, self.codec.encode(key, ns, tokens, self.bound_layout, kv))
+            for key, ns, tokens, kv in records
         ]
         written = slot.tier.put(items)
         slot.count(written_chunks=len(items), written_bytes=written)
@@ -81,12 +94,13 @@ class Puts:
 
     def state_record(self, slot: TierSlot, namespace_key: str, ids: np.ndarray, blob: torch.Tensor) -> None:
         c = self.chunk_tokens
-        key = self.codec.state_key(namespace_key, self.codec.chunk_hashes(namespace_key, ids, c)[-1])
-        bounds = self.codec.state_size_bounds(key, namespace_key, c, self.state)
+        codec, state = self.state_codec()
+        key = codec.state_key(namespace_key, codec.chunk_hashes(namespace_key, ids, c)[-1])
+        bounds = codec.state_size_bounds(key, namespace_key, c, state)
         if self.holds_record(slot.tier.sizes([key])[0], bounds):
             slot.count(write_skipped_present=1)
             return
-        value = self.codec.encode_state(key, namespace_key, ids[-c:], self.state, blob)
+        value = codec.encode_state(key, namespace_key, ids[-c:], state, blob)
         slot.tier.put([(key, value)])
         slot.count(written_states=1, written_bytes=len(value))
 

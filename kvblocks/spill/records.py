@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import msgpack
 import numpy as np
@@ -87,22 +87,29 @@ def encode_record(
 
 
 def _frame(
-    header: dict, namespace_key: str, tokens: np.ndarray, payload: bytes, key: str, sealer: Sealer | None
+    header: dict[str, Any],
+    namespace_key: str,
+    tokens: np.ndarray,
+    payload: bytes,
+    key: str,
+    sealer: Sealer | None,
 ) -> bytes:
     """A record: `header` plus either the sealed tokens + payload or the plain fields."""
     token_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     if sealer is not None:
         nonce, sealed = sealer.seal(token_bytes + payload, _bound_to(key, namespace_key, header))
-        return msgpack.packb(
+        framed: bytes = msgpack.packb(
             header | {"alg": sealer.algorithm, "nonce": nonce, "ct": sealed}, use_bin_type=True
         )
-    fields = {
+        return framed
+    fields: dict[str, Any] = {
         "ns": namespace_key,
         "key": key,
         "tokens": token_bytes,
         "sum": xxhash.xxh3_64_intdigest(payload),
     }
-    return msgpack.packb(header | fields | {"kv": payload}, use_bin_type=True)
+    framed = msgpack.packb(header | fields | {"kv": payload}, use_bin_type=True)
+    return framed
 
 
 def record_size_bounds(
@@ -123,12 +130,12 @@ def state_record_size_bounds(
 
 
 def _frame_size_bounds(
-    header: dict, namespace_key: str, n: int, payload_bytes: int, key: str, sealer: Sealer | None
+    header: dict[str, Any], namespace_key: str, n: int, payload_bytes: int, key: str, sealer: Sealer | None
 ) -> tuple[int, int]:
     """What `_frame` writes, measured on an empty last bin and corrected for the real one."""
     if sealer is not None:
         last = 4 * n + payload_bytes + TAG_BYTES
-        fields = {"alg": sealer.algorithm, "nonce": bytes(NONCE_BYTES), "ct": b""}
+        fields: dict[str, Any] = {"alg": sealer.algorithm, "nonce": bytes(NONCE_BYTES), "ct": b""}
         spread = 0
     else:
         last = payload_bytes
@@ -218,7 +225,7 @@ def decode_record_into(
 
 def _open_into(
     raw: bytes,
-    header: dict,
+    header: dict[str, Any],
     namespace_key: str,
     tokens: np.ndarray,
     targets: list[np.ndarray],
@@ -252,7 +259,12 @@ def _open_into(
             raise VerificationError("sealed record is malformed")
         token_bytes = bytearray(len(expected_tokens))
         try:
-            sealer.open_into(nonce, sealed, _bound_to(key, namespace_key, header), [token_bytes, *targets])
+            sealer.open_into(
+                nonce,
+                sealed,
+                _bound_to(key, namespace_key, header),
+                [token_bytes, *(t.data for t in targets)],
+            )
         except ValueError as exc:  # a SealError, or cryptography refusing a buffer
             raise VerificationError(str(exc)) from exc
         _check(("tokens", token_bytes == expected_tokens))
@@ -273,7 +285,7 @@ def _open_into(
         offset += target.nbytes
 
 
-def _split_record(raw: bytes, payload_bytes: int) -> dict | None:
+def _split_record(raw: bytes, payload_bytes: int) -> dict[str, Any] | None:
     """The record's fields with its last one, the payload, as a view of `raw` (no copy), when `raw`
     is shaped as `encode_record` writes it: a map whose last value is a bin of `payload_bytes`.
     None otherwise; `msgpack.unpackb` of the whole value then reports what is wrong."""
@@ -320,10 +332,11 @@ def _check(*checks: tuple[str, bool]) -> None:
             raise VerificationError(f"{what} mismatch")
 
 
-def _bound_to(key: str, namespace_key: str, header: dict) -> bytes:
+def _bound_to(key: str, namespace_key: str, header: dict[str, Any]) -> bytes:
     """What a sealed value is authenticated against besides its content: where it lives and what for
     (for a KV chunk: version, dtype and shape; for a state snapshot: version, kind and layout)."""
-    return msgpack.packb([key, namespace_key, *header.values()])
+    bound: bytes = msgpack.packb([key, namespace_key, *header.values()])
+    return bound
 
 
 class ChunkCodec(Protocol):
@@ -338,9 +351,12 @@ class ChunkCodec(Protocol):
 
     # Whether a value that fails verification may be deleted: only when the format's keys belong
     # to kvblocks, never when other programs may read the same key with other expectations.
-    delete_invalid: bool
-    # Whether values are authenticated (a Redis writer cannot forge them).
-    authenticated: bool
+    delete_invalid: ClassVar[bool]
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether values are authenticated (a Redis writer cannot forge them)."""
+        ...
 
     def bind(self, layout: KVLayout, namespace_key: str) -> None: ...
 
@@ -370,6 +386,25 @@ class ChunkCodec(Protocol):
         layout: KVLayout,
         out: list[torch.Tensor | None],
     ) -> None: ...
+
+
+@runtime_checkable
+class StateCodec(ChunkCodec, Protocol):
+    """A codec that also frames recurrent-state snapshots (one without these spills KV only)."""
+
+    def state_key(self, namespace_key: str, chunk_hash: str) -> str: ...
+
+    def state_size_bounds(
+        self, key: str, namespace_key: str, n: int, state: StateLayout
+    ) -> tuple[int, int]: ...
+
+    def encode_state(
+        self, key: str, namespace_key: str, tokens: np.ndarray, state: StateLayout, blob: torch.Tensor
+    ) -> bytes: ...
+
+    def decode_state(
+        self, raw: bytes, key: str, namespace_key: str, tokens: np.ndarray, state: StateLayout
+    ) -> torch.Tensor: ...
 
 
 @dataclass(slots=True, frozen=True)

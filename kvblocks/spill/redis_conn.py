@@ -65,11 +65,11 @@ class RedisConnection:
             self.drop()
             raise TierUnavailable(f"Redis at {self.url}: {exc}") from exc
 
-    def pipeline(self, role: str, calls: list[tuple]) -> list:
+    def pipeline(self, role: str, calls: list[tuple[Any, ...]]) -> list[Any]:
         """Run `calls` in one pipeline; a WRONGTYPE reply comes back in place of its result (it is
         that key's problem), any other failure raises TierUnavailable (it is the tier's)."""
 
-        def work(client: Client) -> list:
+        def work(client: Client) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for name, *args in calls:
                 getattr(pipe, name)(*args)

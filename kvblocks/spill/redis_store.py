@@ -107,7 +107,7 @@ class RedisStore:
         self.connection.close()
 
     def _info(self, section: str) -> dict[str, Any]:
-        info = self.connection.run("read", lambda c: c.info(section))
+        info: dict[str, Any] = self.connection.run("read", lambda c: c.info(section))
         if self.connection.cluster and info and all(isinstance(v, dict) for v in info.values()):
             merged: dict[str, int] = {}
             for node in info.values():  # RedisCluster answers per node

@@ -51,7 +51,13 @@ class Sealer:
         nonce = os.urandom(NONCE_BYTES)
         return nonce, self._aead.encrypt(nonce, plaintext, bound_to)
 
-    def open_into(self, nonce: bytes, ciphertext: bytes, bound_to: bytes, parts: Sequence) -> None:
+    def open_into(
+        self,
+        nonce: bytes,
+        ciphertext: bytes | memoryview,
+        bound_to: bytes,
+        parts: Sequence[bytearray | memoryview],
+    ) -> None:
         """Decrypt `ciphertext` into the writable buffers `parts`, in order, and authenticate it;
         their sizes must add up to the plaintext's. SealError if anything was changed.
 

@@ -20,7 +20,8 @@ FLUSHALL, a restart, an eviction), so other replicas find them again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,9 +29,9 @@ import torch
 from kvblocks.cache.layout import KVLayout, StateLayout
 from kvblocks.spill.admin import clear_tiers, tier_sizes, tier_stats
 from kvblocks.spill.lookup import Fetched, Lookup, locate
-from kvblocks.spill.policy import WRITE_POLICIES, WritePolicy, write_mode
+from kvblocks.spill.policy import WRITE_POLICIES, GatherKV, WritePolicy, write_mode
 from kvblocks.spill.puts import Puts, ReadKV
-from kvblocks.spill.records import ChunkCodec, NativeCodec
+from kvblocks.spill.records import ChunkCodec, NativeCodec, StateCodec
 from kvblocks.spill.sealing import Sealer
 from kvblocks.spill.tier import Tier
 from kvblocks.spill.tier_counters import TierSlot
@@ -77,7 +78,7 @@ class TierStack:
         if not tiers or len(set(names)) != len(names):
             raise ValueError(f"a tier stack needs one or more tiers with distinct names, got {names}")
         self.chunk_tokens, self.key_prefix, self.retry_interval_s = chunk_tokens, key_prefix, retry_interval_s
-        self.codec = codec or NativeCodec(key_prefix, None if secret is None else Sealer(secret))
+        self.codec: ChunkCodec = codec or NativeCodec(key_prefix, None if secret is None else Sealer(secret))
         if not isinstance(self.codec, NativeCodec) and any(
             getattr(t, "needs_verified_records", False) for t in tiers
         ):
@@ -150,7 +151,7 @@ class TierStack:
         if self._bound:
             raise ValueError("a spill tier belongs to one KVCacheTrie; create one per cache")
         self.codec.bind(layout, namespace_key)
-        if state is not None and not hasattr(self.codec, "encode_state"):
+        if state is not None and not isinstance(self.codec, StateCodec):
             log.warning("kvblocks: this spill format has no state records; a recurrent model spills KV only")
         self._bound = True
         self.lookup.layout = self.puts.layout = layout
@@ -160,7 +161,7 @@ class TierStack:
 
     @property
     def spills_state(self) -> bool:
-        return self.lookup.state is not None and hasattr(self.codec, "encode_state")
+        return self.lookup.state is not None and isinstance(self.codec, StateCodec)
 
     def key(self, namespace_key: str, chunk_hash: str) -> str:
         return self.codec.key(namespace_key, chunk_hash)
@@ -200,7 +201,7 @@ class TierStack:
         tiers within `recheck_interval_s`, queue their write-through (a repair; write-through only)."""
         self.policy.on_hit(namespace_key, ids, length)
 
-    def on_evict(self, namespace_key: str, ids: np.ndarray, evicted_from: int, read: Callable) -> None:
+    def on_evict(self, namespace_key: str, ids: np.ndarray, evicted_from: int, read: GatherKV) -> None:
         """Tokens `[evicted_from, len(ids))` are about to leave the device pool (write-back):
         `read(start, end)` gathers still-resident KV; complete chunks that lose tokens are copied to
         the host now (asynchronously into pinned memory on a GPU) and written into the first tier."""
@@ -235,7 +236,7 @@ class TierStack:
         """Every tier's counters as `<tier>_<counter>` (`redis_hit_chunks`, `host_evictions`, ...)."""
         return tier_stats(self.slots, self.writer)
 
-    def tier_sizes(self) -> list[dict]:
+    def tier_sizes(self) -> list[dict[str, Any]]:
         """Each tier in order: name, health, used and capacity bytes, records."""
         return tier_sizes(self.slots)
 

@@ -54,7 +54,7 @@ def offload(kv: list[torch.Tensor | None], device: torch.device | None) -> tuple
             host.copy_(t, non_blocking=True)
             t.record_stream(side)
             out.append(host)
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
     event.record(side)
     return out, event
 
@@ -68,7 +68,7 @@ def upload(kv: list[torch.Tensor | None], device: torch.device) -> list[torch.Te
     side = side_stream(torch.device(device))
     with torch.cuda.stream(side):
         out = [None if t is None else t.to(device, non_blocking=True) for t in kv]
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
     event.record(side)
     current.wait_event(event)
     for t in out:

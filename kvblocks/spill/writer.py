@@ -40,7 +40,7 @@ DEFAULT_MAX_BYTES = 1 << 30
 class Job:
     kind: str  # through, record, state, raw, delete
     targets: tuple[int, ...]  # indexes of the tiers it writes into
-    args: tuple
+    args: tuple[Any, ...]
     counter: str = "written_chunks"  # raw jobs: promoted_chunks or demoted_chunks
     ready: Any = field(default=None)  # a CUDA event the job waits on (its copy off the device)
     nbytes: int = 0  # what it holds in host memory until it runs

@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -159,6 +160,88 @@ class PublisherCounters:
 Snapshot = tuple[AbstractContextManager, Callable[[], list[tuple[int, np.ndarray]]]]
 
 
+class ResidentBlocks:
+    """Which blocks were reported resident, with how many namespaces hold each: the events a
+    change of the trie makes (a block is stored when the first namespace holds it, removed when the
+    last one lets it go). Runs on the publisher's thread only."""
+
+    def __init__(self, hasher: BlockHasher, count: Callable[..., None]) -> None:
+        self.hasher, self.count = hasher, count
+        self.held: dict[int, int] = {}  # block hash -> namespaces holding it on the device
+
+    def stored(self, ids: np.ndarray, start: int) -> list[Event]:
+        """Tokens `[start, len(ids))` of one namespace became resident."""
+        return self._hold(ids, self.hasher.hashes(ids), start // self.hasher.block_size, None)
+
+    def _hold(self, ids: np.ndarray, hashes: list[int], first: int, before: int | None) -> list[Event]:
+        """One more namespace holds blocks `first..` of `ids` (`before`: the hash of the block
+        preceding `ids[0]`); `BlockStored` for the blocks no namespace held."""
+        new = []
+        for i in range(first, len(hashes)):
+            held = self.held.get(hashes[i], 0)
+            self.held[hashes[i]] = held + 1
+            if held == 0:
+                new.append(i)
+        self.count(stored_blocks=len(new))
+        return self._stored_runs(ids, hashes, new, before, medium=MEDIUM_GPU)
+
+    def evicted(self, ids: np.ndarray, keep: int, shared_end: int) -> list[Event]:
+        """Tokens `[keep, len(ids))` of one namespace left the device, `[0, shared_end)` restorable."""
+        hashes = self.hasher.hashes(ids)
+        gone = []
+        for i in range(keep // self.hasher.block_size, len(hashes)):
+            held = self.held.pop(hashes[i], 0)
+            if held > 1:
+                self.held[hashes[i]] = held - 1
+            elif held == 1:
+                gone.append(i)
+        if not gone:
+            return []
+        shared = [i for i in gone if (i + 1) * self.hasher.block_size <= shared_end]
+        self.count(removed_blocks=len(gone), shared_blocks=len(shared))
+        events = [block_removed([hashes[i] for i in gone])]
+        return events + self._stored_runs(
+            ids, hashes, shared, None, medium=MEDIUM_STORAGE, ownership=SHARED_TIER
+        )
+
+    def _stored_runs(
+        self, ids: np.ndarray, hashes: list[int], blocks: list[int], before: int | None, **kind
+    ) -> list[Event]:
+        """One `BlockStored` per run of consecutive blocks of `ids`, each naming its run's parent."""
+        events, bs = [], self.hasher.block_size
+        run_start = 0
+        for k in range(1, len(blocks) + 1):
+            if k == len(blocks) or blocks[k] != blocks[k - 1] + 1:
+                first, last = blocks[run_start], blocks[k - 1] + 1
+                events.append(
+                    block_stored(
+                        hashes[first:last],
+                        hashes[first - 1] if first > 0 else before,
+                        ids[first * bs : last * bs].tolist(),
+                        bs,
+                        **kind,
+                    )
+                )
+                run_start = k
+        return events
+
+    def replace(self, nodes: list[tuple[int, np.ndarray]]) -> list[Event]:
+        """Forget what was reported: `AllBlocksCleared`, then every block of the trie's `nodes`
+        (parent index, tokens), parents first."""
+        self.held.clear()
+        events = [all_blocks_cleared()]
+        # Each node carries on from its parent's last full block, with the ids of the unfinished
+        # block (fewer than block_size) and the hash before it.
+        tails: list[tuple[np.ndarray, int | None]] = []
+        for parent, tokens in nodes:
+            tail, before = tails[parent] if parent >= 0 else (tokens[:0], None)
+            ids = np.concatenate([tail, tokens])
+            hashes = self.hasher.hashes(ids, before)
+            events += self._hold(ids, hashes, 0, before)
+            tails.append((ids[len(hashes) * self.hasher.block_size :], hashes[-1] if hashes else before))
+        return events
+
+
 class KVEventPublisher:
     """Publishes a `KVCacheTrie`'s stored and evicted blocks as vLLM KV events.
 
@@ -199,8 +282,7 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._max_jobs = max_jobs_per_batch
         self._seq = 0
-        self._resident: dict[int, int] = {}  # block hash -> namespaces holding it on the device
-        self._hasher: BlockHasher | None = None
+        self._blocks: ResidentBlocks | None = None  # what was reported resident (set by `bind`)
         self._snapshot: Snapshot | None = None
         self._ctx = zmq.Context.instance()
         # XPUB, not PUB: same messages for subscribers, and it hears them subscribe.
@@ -228,9 +310,9 @@ class KVEventPublisher:
 
     def bind(self, seed: str, snapshot: Snapshot) -> None:
         """Start publishing for one trie: `seed` roots the block hashes; `snapshot` reads its state."""
-        if self._hasher is not None:
+        if self._blocks is not None:
             raise ValueError("a KVEventPublisher belongs to one KVCacheTrie")
-        self._hasher = BlockHasher(self.block_size, seed)
+        self._blocks = ResidentBlocks(BlockHasher(self.block_size, seed), self._count)
         self._snapshot = snapshot
         self._lost.set()  # the first thing published is the trie's whole state
         self._thread.start()
@@ -320,68 +402,19 @@ class KVEventPublisher:
                 break
         return jobs
 
-    def _apply(self, jobs: list[tuple]) -> list[Event]:
+    def _apply(self, jobs: list[tuple[Any, ...]]) -> list[Event]:
         events: list[Event] = []
+        ledger = self._ledger()
         for job in jobs:
             if job[0] == "stored":
-                events += self._on_stored(job[1], job[2])
+                events += ledger.stored(job[1], job[2])
             else:
-                events += self._on_evicted(job[1], job[2], job[3])
+                events += ledger.evicted(job[1], job[2], job[3])
         return events
 
-    def _on_stored(self, ids: np.ndarray, start: int) -> list[Event]:
-        return self._hold(ids, self._hasher.hashes(ids), start // self.block_size, None)
-
-    def _hold(self, ids: np.ndarray, hashes: list[int], first: int, before: int | None) -> list[Event]:
-        """One more namespace holds blocks `first..` of `ids` (`before`: the hash of the block
-        preceding `ids[0]`); `BlockStored` for the blocks no namespace held."""
-        new = []
-        for i in range(first, len(hashes)):
-            held = self._resident.get(hashes[i], 0)
-            self._resident[hashes[i]] = held + 1
-            if held == 0:
-                new.append(i)
-        self._count(stored_blocks=len(new))
-        return self._stored_runs(ids, hashes, new, before, medium=MEDIUM_GPU)
-
-    def _on_evicted(self, ids: np.ndarray, keep: int, shared_end: int) -> list[Event]:
-        hashes = self._hasher.hashes(ids)
-        gone = []
-        for i in range(keep // self.block_size, len(hashes)):
-            held = self._resident.pop(hashes[i], 0)
-            if held > 1:
-                self._resident[hashes[i]] = held - 1
-            elif held == 1:
-                gone.append(i)
-        if not gone:
-            return []
-        shared = [i for i in gone if (i + 1) * self.block_size <= shared_end]
-        self._count(removed_blocks=len(gone), shared_blocks=len(shared))
-        events = [block_removed([hashes[i] for i in gone])]
-        return events + self._stored_runs(
-            ids, hashes, shared, None, medium=MEDIUM_STORAGE, ownership=SHARED_TIER
-        )
-
-    def _stored_runs(
-        self, ids: np.ndarray, hashes: list[int], blocks: list[int], before: int | None, **kind
-    ) -> list[Event]:
-        """One `BlockStored` per run of consecutive blocks of `ids`, each naming its run's parent."""
-        events, bs = [], self.block_size
-        run_start = 0
-        for k in range(1, len(blocks) + 1):
-            if k == len(blocks) or blocks[k] != blocks[k - 1] + 1:
-                first, last = blocks[run_start], blocks[k - 1] + 1
-                events.append(
-                    block_stored(
-                        hashes[first:last],
-                        hashes[first - 1] if first > 0 else before,
-                        ids[first * bs : last * bs].tolist(),
-                        bs,
-                        **kind,
-                    )
-                )
-                run_start = k
-        return events
+    def _ledger(self) -> ResidentBlocks:
+        assert self._blocks is not None, "bind() starts the thread"
+        return self._blocks
 
     def _resync(self) -> None:
         """Replace what was reported with the trie's state now: `AllBlocksCleared`, then every block."""
@@ -396,19 +429,8 @@ class KVEventPublisher:
                     break
                 self._queue.task_done()
             nodes = read_nodes()
-        self._resident.clear()
-        events = [all_blocks_cleared()]
-        # Parents first: each node carries on from its parent's last full block, with the ids of the
-        # unfinished block (fewer than block_size) and the hash before it.
-        tails: list[tuple[np.ndarray, int | None]] = []
-        for parent, tokens in nodes:
-            tail, before = tails[parent] if parent >= 0 else (tokens[:0], None)
-            ids = np.concatenate([tail, tokens])
-            hashes = self._hasher.hashes(ids, before)
-            events += self._hold(ids, hashes, 0, before)
-            tails.append((ids[len(hashes) * self.block_size :], hashes[-1] if hashes else before))
         self._count(resyncs=1)
-        self._publish(events)
+        self._publish(self._ledger().replace(nodes))
         self._resyncing = False
 
     def _publish(self, events: list[Event]) -> None:
