@@ -253,8 +253,11 @@ def _uniform(rng: torch.Generator | None, like: torch.Tensor) -> float:
 class TreeShape:
     """How big a request's draft trees may grow: `budget` nodes (SGLang's
     `--speculative-num-draft-tokens`), `depth` levels (`--speculative-num-steps`, the chain's
-    gamma) and `width` children per node (`--speculative-eagle-topk`). With `adaptive`, each request's
-    budget follows its measured acceptance (`Shape.after`) and the batch (`Shape.for_batch`)."""
+    gamma) and `width` children per node (`--speculative-eagle-topk`). With `adaptive`, a drafter
+    that scores its nodes (prompt lookup, the trie) grows each round's tree best first within these
+    bounds and the generator cuts it to the most expected tokens per second for the batch
+    (`specdec.cost.best_cut`); another's budget follows its measured acceptance (`Shape.after`) and
+    the batch (`Shape.for_batch`)."""
 
     budget: int = 8
     depth: int = 4
