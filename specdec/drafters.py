@@ -19,7 +19,7 @@ from kvblocks.generate.decoding import context_room
 from kvblocks.generate.generator import ModelRunner, context_length
 from kvblocks.generate.sampling import SamplingParams, distribution
 
-from .tree import DraftTree, depth_first, merge
+from .tree import DraftTree, depth_first, grow, merge
 
 
 @dataclass(slots=True)
@@ -74,6 +74,9 @@ class PointMassSession(DraftSession):
     draft: Callable[[list[int], int], list[int]]
     # (committed, budget, depth, width) -> a point-mass tree; None: the chain of `draft`
     branches: Callable[[list[int], int, int, int], DraftTree] | None = None
+    # (committed, budget, depth, width, sure) -> a scored tree grown best first (`tree.grow`),
+    # `sure` the chance that the target continues as the source did; None: `branches`
+    scored: Callable[[list[int], int, int, int, float], DraftTree] | None = None
 
     def propose(
         self, committed: list[int], gamma: int, params: SamplingParams, rng: torch.Generator | None
@@ -84,6 +87,12 @@ class PointMassSession(DraftSession):
         if self.branches is None or width <= 1:
             return DraftTree.chain(self.draft(committed, min(depth, budget)))
         return self.branches(committed, budget, depth, width)
+
+    def grow_tree(self, committed, budget, depth, width, sure) -> DraftTree | None:
+        """A scored tree (`tree.grow`), or None where this drafter scores none."""
+        if self.scored is None:
+            return None
+        return self.scored(committed, budget, depth, width, sure)
 
 
 class ModelDrafter(Drafter):
@@ -229,10 +238,14 @@ class PromptLookupDrafter(Drafter):
 
     def start(self, prompt_ids: list[int], salt: Salt) -> PointMassSession:
         source = getattr(getattr(salt, "source", None), "ids", ())  # a seq2seq request's source
+        index = NgramIndex(self.min_ngram, self.max_ngram, source)
         return PointMassSession(
             lambda committed, gamma: self.lookup(committed, gamma, source),
             lambda committed, budget, depth, width: merge(
                 self.lookups(committed, depth, width, source), budget
+            ),
+            lambda committed, budget, depth, width, sure: grow(
+                index.expander(committed, sure), budget, depth, width
             ),
         )
 
@@ -284,3 +297,58 @@ class TrieDrafter(Drafter):
                 *self.cache.continuations(committed, budget, depth, width, salt=salt)
             ),
         )
+
+
+class NgramIndex:
+    """Where every n-gram (`min_n..max_n` tokens) of a request's committed tokens and of its
+    seq2seq source ended, kept up to date as the committed tokens grow (rebuilt if they are ever
+    not an extension of what it indexed): one lookup per tree node is a dict read, not a scan."""
+
+    def __init__(self, min_n: int, max_n: int, source: Sequence[int] = ()) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.text: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # gram -> ends e (text[e] follows it)
+        self.source = list(source)
+        self.source_ends: dict[tuple[int, ...], list[int]] = {}
+        self._add(self.source, self.source_ends, 0)
+
+    def _add(self, text: list[int], ends: dict, first: int) -> None:
+        """Index the grams followed by `text[e]` for every e from `first` on."""
+        for e in range(max(first, 1), len(text)):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                ends.setdefault(tuple(text[e - n : e]), []).append(e)
+
+    def update(self, committed: list[int]) -> None:
+        done = len(self.text)
+        if len(committed) < done or committed[:done] != self.text:
+            self.text, self.ends, done = [], {}, 0
+        self.text.extend(committed[done:])
+        self._add(self.text, self.ends, done)
+
+    def following(self, tail: Sequence[int]) -> list[tuple[int, int]]:
+        """(token, count) of what followed the longest n-gram at the end of `tail` that occurred
+        before, the most frequent first, then the latest."""
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            gram = tuple(tail[len(tail) - n :])
+            counts: dict[int, list[int]] = {}
+            for text, ends in ((self.text, self.ends), (self.source, self.source_ends)):
+                for rank, e in enumerate(reversed(ends.get(gram, ()))):
+                    entry = counts.setdefault(text[e], [0, rank])
+                    entry[0] += 1
+            if counts:
+                ranked = sorted(counts.items(), key=lambda kv: (-kv[1][0], kv[1][1]))
+                return [(token, c) for token, (c, _) in ranked]
+        return []
+
+    def expander(self, committed: list[int], sure: float):
+        """`tree.grow`'s `expand` after `committed`: a child's probability is `sure` (how often
+        the target goes on as an earlier occurrence did) times its share of the occurrences."""
+        self.update(committed)
+        base = self.text[-self.max_n :]
+
+        def expand(path: tuple[int, ...]) -> list[tuple[int, float]]:
+            found = self.following((base + list(path))[-self.max_n :])
+            total = sum(c for _, c in found)
+            return [(t, sure * c / total) for t, c in found]
+
+        return expand

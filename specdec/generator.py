@@ -13,6 +13,8 @@ before each verify, and after a rejection it is restored and the accepted tokens
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -25,9 +27,10 @@ from kvblocks.generate.generator import CachedGenerator, DecodeState
 from kvblocks.generate.params import GenerationParams, ParamError
 from kvblocks.generate.sampling import SamplingParams, distribution
 
-from .drafters import Drafter, DraftSession, Proposal
+from .cost import StepCost, best_cut
+from .drafters import Drafter, DraftSession, PointMassSession, Proposal
 from .rejection import verify
-from .tree import DraftTree, Shape, TreeShape, accept
+from .tree import DraftTree, Shape, Sure, TreeShape, accept
 
 _NO_DRAFT = Proposal([], None)
 
@@ -155,6 +158,7 @@ class SpeculativeGenerator(CachedGenerator):
         max_gamma: int = 16,
         on_round: Callable[[Round], None] | None = None,
         tree: TreeShape | None = None,
+        cost: StepCost | None = None,
     ) -> None:
         super().__init__(model, tokenizer, cache)
         if gamma < 1:
@@ -170,6 +174,10 @@ class SpeculativeGenerator(CachedGenerator):
         self.on_round = on_round
         self.target_vocab = self.vocab_size
         self._target_state = False  # probed on first use when there is no cache to say it
+        # what a verify forward costs by rows (scored trees are cut to the most tokens per second)
+        self.cost = cost if cost is not None else StepCost()
+        self.sure = Sure()  # how sure the drafter's scored trees were, over every request
+        self._probe_lock = threading.Lock()
 
     def check_params(self, params: GenerationParams) -> None:
         """Logits processing is refused: a round verifies up to gamma positions at once against
@@ -226,7 +234,7 @@ class SpeculativeGenerator(CachedGenerator):
         token and the drafts: (drafts accepted, the target's own token, the next round's gamma).
         The one-request path and the batched engine both settle rounds here."""
         drafts, q, tail_q = proposal
-        n, token = verify(distribution(logits, params), drafts, q, params.greedy, rng, tail_q=tail_q)
+        n, token = verify(_judged(logits, params), drafts, q, params.greedy, rng, tail_q=tail_q)
         stats.record(len(drafts), n)
         return n, token, self.next_gamma(gamma, len(drafts), n)
 
@@ -250,12 +258,23 @@ class SpeculativeGenerator(CachedGenerator):
         `room` nodes), no deeper than the context allows, its q aligned to the target's vocabulary.
         A node the target's vocabulary lacks is dropped with its subtree, or, in a tree of i.i.d.
         siblings, kept as a leaf the verification rejects outright (fed as token 0)."""
-        budget, width = shape.for_batch(others)
-        budget = budget if room is None else min(budget, room)
-        depth = min(shape.limit.depth, context_room(self.max_context, len(committed) + 1), budget)
-        if depth <= 0:
-            return DraftTree([], [])
-        tree = session.propose_tree(committed, budget, depth, width, params, rng).truncated(budget, depth)
+        tree = None
+        if shape.limit.adaptive and isinstance(session, PointMassSession) and session.scored is not None:
+            budget = shape.limit.budget if room is None else min(shape.limit.budget, room)
+            depth = min(shape.limit.depth, context_room(self.max_context, len(committed) + 1), budget)
+            if depth <= 0:
+                return DraftTree([], [])
+            grown = session.grow_tree(committed, budget, depth, shape.limit.width, shape.sure)
+            tree = grown.truncated(budget, depth)
+            scores = [tree.scores[i] for i in tree.ranked()]
+            tree = tree.best(best_cut(scores, self.step_cost(), others))
+        else:
+            budget, width = shape.for_batch(others)
+            budget = budget if room is None else min(budget, room)
+            depth = min(shape.limit.depth, context_room(self.max_context, len(committed) + 1), budget)
+            if depth <= 0:
+                return DraftTree([], [])
+            tree = session.propose_tree(committed, budget, depth, width, params, rng).truncated(budget, depth)
         outside = [t >= self.target_vocab for t in tree.tokens]
         if any(outside):
             # keep only nodes with no outside ancestor; an outside node itself stays in a sampled tree
@@ -269,6 +288,23 @@ class SpeculativeGenerator(CachedGenerator):
         if tree.q is not None:
             tree.q = _match_vocab(tree.q, self.target_vocab)
         return tree
+
+    def step_cost(self) -> StepCost:
+        """The target's forward time by rows (`specdec.cost`), probed on its first use: a forward
+        of 1, 8, 16 and 32 rows after 32 tokens of context, on a cache of its own."""
+        if not self.cost.probed:
+            with self._probe_lock:
+                if not self.cost.probed:
+                    past = hf.empty_cache(self.model.config)
+                    context = 32
+                    self.runner.forward([0] * context, past)
+
+                    def forward(rows: int) -> None:
+                        self.runner.forward([0] * rows, past, keep=rows)
+                        self.runner.crop(past, context)
+
+                    self.cost.probe(forward)
+        return self.cost
 
     def fed_tokens(self, tree: DraftTree) -> list[int]:
         """The tree's tokens as the target reads them (an id outside its vocabulary as 0: never accepted)."""
@@ -285,7 +321,7 @@ class SpeculativeGenerator(CachedGenerator):
     ) -> tuple[list[int], int]:
         """Judge a tree round: (the accepted path's nodes, the target's own token); `logits` are
         the root's row then each node's. The one-request path and the batched engine both settle here."""
-        path, token = accept(distribution(logits, params), tree, params.greedy, rng)
+        path, token = accept(_judged(logits, params), tree, params.greedy, rng)
         stats.record_tree(tree, path)
         shape.after(tree, path)
         return path, token
@@ -302,14 +338,16 @@ class SpeculativeGenerator(CachedGenerator):
         is the root's plus its depth), then the accepted path's KV kept in order, the rest cropped."""
         params, rng = out.params.sampling, out.rng
         stats = run.spec = SpecStats(self.gamma)
-        shape = Shape(self.tree)
+        shape = Shape(self.tree, shared=self.sure)
         committed = list(ids)
         drafter = self.drafter.start(ids, run.salt)
         try:
             while True:
                 tree = self.propose_tree(drafter, committed, shape, params, rng)
                 head = committed[run.computed :]
+                t0 = time.perf_counter()
                 logits = self._tree_forward(head, tree, run.past, run.computed)
+                self.cost.add(len(head) + len(tree), time.perf_counter() - t0)
                 path, token = self.settle_tree(logits, tree, params, rng, stats, shape)
                 new = [*tree.path_tokens(path), token]
                 committed.extend(new)
@@ -413,6 +451,13 @@ def _check_tree_target(model, cache: KVCacheTrie | None) -> None:
             f"draft trees need a target of full-attention layers; a '{config.model_type}' model keeps "
             f"{'recurrent state' if state is not None else 'sliding-window layers'}: draft chains instead"
         )
+
+
+def _judged(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What a round is judged on: the target's distributions, or for greedy the logits themselves
+    (greedy reads only each row's argmax, the same index as its one-hot's: building one-hot rows
+    of a 150k vocabulary cost more than the argmax, tens of ms a round)."""
+    return logits if params.greedy else distribution(logits, params)
 
 
 def _match_vocab(q: torch.Tensor, size: int) -> torch.Tensor:

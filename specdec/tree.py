@@ -16,6 +16,8 @@ becoming norm(max(0, r - q)) after each rejection, and samples r when every sibl
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,9 +36,13 @@ class DraftTree:
     parents: list[int]
     q: torch.Tensor | None = None
     sampled: bool = False
+    # each node's estimated chance of being on the accepted path (a point-mass tree `grow` built),
+    # at most its parent's; None: unscored
+    scores: list[float] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.tokens) == len(self.parents)
+        assert self.scores is None or len(self.scores) == len(self.tokens)
         assert all(-1 <= p < i for i, p in enumerate(self.parents)), "parents come first (depth-first order)"
         assert not self.sampled or (self.q is not None and len(self.q) == len(self.tokens))
 
@@ -89,7 +95,21 @@ class DraftTree:
                 parents.append(-1 if p < 0 else index[p])
                 rows.append(i)
         q = None if self.q is None else self.q[rows]
-        return DraftTree(tokens, parents, q, self.sampled)
+        scores = None if self.scores is None else [self.scores[i] for i in rows]
+        return DraftTree(tokens, parents, q, self.sampled, scores)
+
+    def ranked(self) -> list[int]:
+        """The nodes best first (by score, then depth-first order): every prefix of it is a tree,
+        as a node scores at most its parent and comes after it."""
+        assert self.scores is not None
+        return sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))
+
+    def best(self, k: int) -> DraftTree:
+        """The `k` best-scored nodes (`ranked`)."""
+        keep = [False] * len(self.tokens)
+        for i in self.ranked()[:k]:
+            keep[i] = True
+        return self.prune(keep)
 
     def truncated(self, budget: int, depth: int) -> DraftTree:
         """At most `budget` nodes (the first in depth-first order) of depth at most `depth`."""
@@ -103,7 +123,11 @@ class DraftTree:
 
 
 def depth_first(
-    tokens: list[int], parents: list[int], q: torch.Tensor | None = None, sampled=False
+    tokens: list[int],
+    parents: list[int],
+    q: torch.Tensor | None = None,
+    sampled=False,
+    scores: list[float] | None = None,
 ) -> DraftTree:
     """Nodes made in any order (each parent before its children) as a `DraftTree`: depth-first,
     siblings in the order they were made."""
@@ -118,7 +142,44 @@ def depth_first(
         [new[parents[i]] if parents[i] >= 0 else -1 for i in ranked],
         None if q is None else q[ranked],
         sampled,
+        None if scores is None else [scores[i] for i in ranked],
     )
+
+
+def grow(
+    expand: Callable[[tuple[int, ...]], list[tuple[int, float]]], budget: int, depth: int, width: int
+) -> DraftTree:
+    """A point-mass tree grown best first (EAGLE-2's dynamic tree): `expand(path)` gives the
+    children after the draft tokens `path` as (token, probability), most likely first; a node's
+    score is the product of the probabilities down to it, and the next node added is always the
+    best-scored one whose parent is in, so the tree runs deep where its branches are sure and
+    forks where they are not. At most `budget` nodes, `depth` levels, `width` children a node."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    paths: list[tuple[int, ...]] = []
+    heap: list[tuple[float, int, int, int]] = []  # (-score, tie, parent, token)
+    tie = 0
+
+    def push(parent: int, path: tuple[int, ...], score: float) -> None:
+        nonlocal tie
+        if len(path) >= depth:
+            return
+        for token, p in expand(path)[:width]:
+            if p > 0:
+                heapq.heappush(heap, (-score * p, tie, parent, token))
+                tie += 1
+
+    push(-1, (), 1.0)
+    while heap and len(tokens) < budget:
+        neg, _, parent, token = heapq.heappop(heap)
+        path = (*paths[parent], token) if parent >= 0 else (token,)
+        tokens.append(token)
+        parents.append(parent)
+        scores.append(-neg)
+        paths.append(path)
+        push(len(tokens) - 1, path, -neg)
+    return depth_first(tokens, parents, scores=scores)
 
 
 def merge(chains: list[list[int]], budget: int) -> DraftTree:
@@ -192,8 +253,11 @@ def _uniform(rng: torch.Generator | None, like: torch.Tensor) -> float:
 class TreeShape:
     """How big a request's draft trees may grow: `budget` nodes (SGLang's
     `--speculative-num-draft-tokens`), `depth` levels (`--speculative-num-steps`, the chain's
-    gamma) and `width` children per node (`--speculative-eagle-topk`). With `adaptive`, each request's
-    budget follows its measured acceptance (`Shape.after`) and the batch (`Shape.for_batch`)."""
+    gamma) and `width` children per node (`--speculative-eagle-topk`). With `adaptive`, a drafter
+    that scores its nodes (prompt lookup, the trie) grows each round's tree best first within these
+    bounds and the generator cuts it to the most expected tokens per second for the batch
+    (`specdec.cost.best_cut`); another's budget follows its measured acceptance (`Shape.after`) and
+    the batch (`Shape.for_batch`)."""
 
     budget: int = 8
     depth: int = 4
@@ -218,6 +282,12 @@ class Shape:
     budget: int = 0
     width: int = 0
     idle: int = 0  # rounds since a side branch was last accepted
+    # scored trees (`grow`): the chance the target goes on as the drafter's source did, measured
+    sure: float = 0.8
+    tested: float = 0.0  # decayed sums over the forks the target was tested at: expected share,
+    hits: float = 0.0  # and how often it took one of the tree's children there
+    # the generator's sums over every request: a new request starts from what its drafter scored
+    shared: Sure | None = None
 
     PATIENCE = 4
     PROBE = 16
@@ -226,6 +296,8 @@ class Shape:
     def __post_init__(self) -> None:
         self.budget = self.budget or self.limit.budget
         self.width = self.width or self.limit.width
+        if self.shared is not None:
+            self.sure = self.shared.value()
 
     def for_batch(self, others: int) -> tuple[int, int]:
         """(budget, width) this round with `others` requests in the same forward: a full batch gets
@@ -237,9 +309,15 @@ class Shape:
         budget = max(self.limit.depth, self.budget // (1 + others // 2))
         return budget, self.width if budget > self.limit.depth else 1
 
+    PRIOR = 2.0  # rounds' worth of weight the starting `sure` keeps
+    DECAY = 0.95
+
     def after(self, tree: DraftTree, path: list[int]) -> None:
         """Adapt to one round's tree and the path the target accepted in it."""
         if not self.limit.adaptive or not len(tree):
+            return
+        if tree.scores is not None:
+            self._measure(tree, path)
             return
         if path != list(range(len(path))):  # left the first branch
             self.idle = 0
@@ -254,3 +332,46 @@ class Shape:
         elif self.width == 1 and self.idle >= self.PROBE and self.limit.width > 1:
             self.idle = 0
             self.width, self.budget = 2, min(2 * self.limit.depth, self.limit.budget)
+
+    def _measure(self, tree: DraftTree, path: list[int]) -> None:
+        """`sure` from a scored round: at each node the walk reached (the root, then the path),
+        the tree predicted the target would take one of its children with probability
+        `sure * shares` (the scores' ratio to the node's); it did on the path, not at its end."""
+        scores = tree.scores
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(tree.parents):
+            kids.setdefault(p, []).append(i)
+        tested = hits = 0.0
+        for node, took in zip([-1, *path], [*(True for _ in path), False]):
+            if node not in kids:
+                break  # a leaf: the target was not tested there
+            base = 1.0 if node < 0 else scores[node]
+            tested += sum(scores[c] for c in kids[node]) / base / self.sure if base > 0 else 0.0
+            hits += took
+        self.tested = self.tested * self.DECAY + tested
+        self.hits = self.hits * self.DECAY + hits
+        prior = self.PRIOR * (self.shared.value() if self.shared is not None else Sure.START)
+        self.sure = min(max((self.hits + prior) / (self.tested + self.PRIOR), 0.05), 0.98)
+        if self.shared is not None:
+            self.shared.add(tested, hits)
+
+
+@dataclass(slots=True)
+class Sure:
+    """How often a drafter's continuations were taken where it had some, over every request of a
+    generator (decayed sums; benign races between threads): each request's `Shape.sure` starts here."""
+
+    tested: float = 0.0
+    hits: float = 0.0
+
+    START = 0.8  # before any round
+    WEIGHT = 4.0  # rounds' worth of weight START keeps
+    DECAY = 0.98
+
+    def value(self) -> float:
+        v = (self.hits + self.WEIGHT * self.START) / (self.tested + self.WEIGHT)
+        return min(max(v, 0.05), 0.98)
+
+    def add(self, tested: float, hits: float) -> None:
+        self.tested = self.tested * self.DECAY + tested
+        self.hits = self.hits * self.DECAY + hits

@@ -34,7 +34,9 @@ from kvblocks.specdec import (
     TrieDrafter,
     truncated_model,
 )
-from kvblocks.specdec.tree import Shape, depth_first, merge
+from kvblocks.specdec.cost import StepCost, best_cut
+from kvblocks.specdec.drafters import NgramIndex
+from kvblocks.specdec.tree import Shape, depth_first, grow, merge
 
 TOK = IdTokenizer()
 
@@ -111,6 +113,119 @@ def test_shape_widens_on_side_branches_and_narrows_to_a_chain_when_trees_do_not_
     budget, width = shape.for_batch(others=2)
     assert limit.depth <= budget < 16 and width == 3  # a smaller tree beside a few requests
     assert shape.for_batch(others=16) == (limit.depth, 1)  # a full batch: a chain
+
+
+# ---- dynamic trees: grown best first, cut to the most tokens a second ---------------------------------
+
+
+def test_grow_runs_deep_where_branches_are_sure_and_forks_where_they_are_not():
+    # after (): 1 sure; after (1,): a fork 2 | 3 at 0.5 / 0.45; below each, sure again
+    def expand(path):
+        if not path:
+            return [(1, 0.95)]
+        if path == (1,):
+            return [(2, 0.5), (3, 0.45), (4, 0.05)]
+        return [(path[-1] * 10 % 97, 0.95)]
+
+    tree = grow(expand, budget=7, depth=8, width=2)
+    assert len(tree) == 7 and tree.tokens[:2] == [1, 2]
+    assert 4 not in tree.tokens  # beyond the width
+    assert tree.children(0) == [1, tree.tokens.index(3)]  # the fork holds both branches
+    assert tree.depth > 4  # the 0.5 branch goes deeper than the 0.45 one
+    for i, p in enumerate(tree.parents):
+        assert p < 0 or tree.scores[i] <= tree.scores[p]
+    for k in range(len(tree) + 1):  # every best-first prefix is a tree of the best nodes
+        cut = tree.best(k)
+        assert len(cut) == k and sorted(cut.scores, reverse=True) == sorted(tree.scores, reverse=True)[:k]
+    assert grow(expand, budget=20, depth=3, width=3).depth == 3
+    assert len(grow(lambda path: [], budget=8, depth=4, width=2)) == 0
+
+
+def test_ngram_index_follows_every_earlier_occurrence_and_keeps_up_with_the_committed_tokens():
+    text = [1, 2, 3, 9, 1, 2, 4, 8, 1, 2, 4]
+    index = NgramIndex(1, 2)
+    index.update(text[:5])
+    index.update(text)  # incrementally, then compared with a fresh build
+    fresh = NgramIndex(1, 2)
+    fresh.update(text)
+    assert index.ends == fresh.ends
+    assert index.following([1, 2]) == [(4, 2), (3, 1)]  # the most frequent first
+    assert index.following([7, 9]) == [(1, 1)]  # no 2-gram: the 1-gram
+    assert index.following([5]) == []
+    index.update([1, 2, 5])  # not an extension: rebuilt
+    assert index.following([1]) == [(2, 1)]
+    expand = NgramIndex(1, 2).expander(text, sure=0.9)
+    assert expand(()) == [(8, 0.9)]  # after ... 2 4: 8
+    assert expand((8,)) == [(1, 0.9)]
+    assert [t for t, _ in expand((8, 1, 2))] == [4, 3] and abs(
+        sum(p for _, p in expand((8, 1, 2))) - 0.9
+    ) < 1e-9
+
+
+def test_prompt_lookup_grows_a_scored_tree_deeper_than_the_chain_through_every_fork():
+    drafter = PromptLookupDrafter(max_ngram=2)
+    committed = [1, 2, 3, 9, 1, 2, 4, 8, 5, 6, 1, 2, 4, 8, 5, 6, 7, 7, 1]
+    tree = drafter.start(committed, None).grow_tree(committed, 32, 12, 3, 0.9)
+    assert tree.scores is not None and tree.depth > 4
+    assert tree.tokens[0] == 2 and sorted(tree.tokens[i] for i in tree.children(0)) == [3, 4]
+
+
+def test_step_cost_fits_its_samples_and_a_round_is_cut_to_the_most_tokens_per_second():
+    cost = StepCost()
+    for rows in (1, 8, 16, 32, 1, 8):
+        cost.add(rows, 0.2 + 0.01 * rows)
+    assert abs(cost.a - 0.2) < 1e-6 and abs(cost.b - 0.01) < 1e-6
+    cost.add(8, 30.0)  # one forward stalled by a loaded machine: each row count's median is fitted
+    assert abs(cost.a - 0.2) < 1e-6 and abs(cost.b - 0.01) < 1e-6
+    single = StepCost(1.0, 0.1)
+    single.add(4, 0.7)  # one row count: the prior's shape, scaled to the time measured
+    assert abs(single.seconds(4) - 0.7) < 1e-9 and abs(single.b / single.a - 0.1) < 1e-9
+    with pytest.raises(ValueError):
+        StepCost(0.0, 0.1)
+    scores = [0.95, 0.9, 0.85, 0.8, 0.3, 0.2, 0.1, 0.05]
+    assert best_cut(scores, StepCost(1.0, 0.0)) == len(scores)  # free rows: every node
+    assert best_cut(scores, StepCost(1.0, 100.0)) == 0  # dear rows: none
+    alone = best_cut(scores, cost)
+    assert 4 <= alone < len(scores)  # the sure nodes pay for their rows, the unlikely do not
+    assert best_cut(scores, cost, others=16) < alone  # beside 16 requests a row delays them all
+    # the cut maximises expected tokens per second: no other k does better
+    rate = [(1 + sum(scores[:k])) / cost.seconds(1 + k) for k in range(len(scores) + 1)]
+    assert rate[alone] == max(rate)
+
+
+def test_scored_shape_measures_how_sure_the_drafter_is():
+    shape = Shape(TreeShape(budget=16, depth=8, width=2))
+    sure = shape.sure
+    tree = DraftTree([1, 2, 3, 4], [-1, 0, 1, 2], scores=[0.8, 0.64, 0.51, 0.41])
+    for _ in range(10):
+        shape.after(tree, [0, 1, 2, 3])  # always accepted to the leaf
+    assert shape.sure > sure
+    for _ in range(30):
+        shape.after(tree, [])  # rejected at once
+    assert shape.sure < 0.3
+
+
+@pytest.mark.parametrize("kind", ["lookup", "trie"])
+def test_scored_trees_give_target_greedy_whatever_a_row_costs(target, kind):
+    plain = CachedGenerator(target, TOK, None)
+    drafted = {}
+    for rows, b in (("cheap", 0.0001), ("dear", 3.0)):
+        cost = StepCost(1.0, b, learn=False)
+        cache = KVCacheTrie.for_model(target, capacity_tokens=4096)
+        shape = TreeShape(budget=24, depth=12, width=3)
+        sg = SpeculativeGenerator(target, TOK, cache, _drafter(kind, target, cache), tree=shape, cost=cost)
+        deep, drafted[rows] = 0, 0
+        for prompt in _prompts():
+            want = plain.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
+            for _ in range(2):
+                r = sg.generate(prompt, max_new_tokens=24, ignore_eos=True)
+                assert r.token_ids == want
+                deep = max(deep, len(r.spec.drafted_at))
+                drafted[rows] += r.spec.drafted
+        assert rows == "dear" or deep > 4  # cheap rows: deeper than a chain of 4
+        assert cache.stats()["locked_tokens"] == 0
+    # a dear row must be a surer token (the trie's repeated answers are sure all the way)
+    assert drafted["dear"] < drafted["cheap"] or kind == "trie"
 
 
 # ---- greedy: exactly the target's output -----------------------------------------------------------
@@ -251,6 +366,37 @@ def test_packed_tree_rounds_beside_other_requests_give_target_greedy_and_free_re
             _assert_only_committed(cache, prompt, answered)
     finally:
         for e in (plain, engine, alone):
+            e.stop()
+
+
+def test_packed_scored_trees_cut_by_the_batch_give_target_greedy_and_free_rejected_slots():
+    """Adaptive lookup trees in the packed engine: grown best first and cut by a step cost that
+    counts the other requests' rows (cheap rows, so real trees form beside them)."""
+    model = tiny_model("llama", torch.float64)
+    prompts = _engine_prompts()
+    params = [GenerationParams(max_new_tokens=16)] * len(prompts)
+    shape = TreeShape(budget=16, depth=8, width=3)
+    plain = Engine(CachedGenerator(model, TOK, KVCacheTrie.for_model(model, 4096))).start()
+    cache = KVCacheTrie.for_model(model, capacity_tokens=4096)
+    cost = StepCost(1.0, 0.002, learn=False)
+    engine = BatchEngine(
+        SpeculativeGenerator(model, TOK, cache, PromptLookupDrafter(), tree=shape, cost=cost),
+        max_batch_size=6,
+        max_batch_tokens=96,
+    ).start()
+    try:
+        want = [r["tokens"] for r in run_all(plain, prompts, params)]
+        together = run_all(engine, prompts, params)
+        assert [r["tokens"] for r in together] == want
+        stats = [r["result"].spec for r in together]
+        assert sum(s.tree_rounds for s in stats) > 0
+        deadline = time.monotonic() + 10
+        while engine.active:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        no_leaks(cache, 0)
+    finally:
+        for e in (plain, engine):
             e.stop()
 
 

@@ -42,7 +42,7 @@ def start(generator: Rounds, s: Sequence) -> None:
     s.gamma = generator.gamma
     s.spec = SpecStats(s.gamma)
     if getattr(generator, "tree", None) is not None:
-        s.shape = Shape(generator.tree)
+        s.shape = Shape(generator.tree, shared=getattr(generator, "sure", None))
 
 
 def room(s: Sequence) -> int:
