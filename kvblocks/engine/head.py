@@ -74,9 +74,7 @@ class PackedHead:
         with _lock:
             if module in _heads:
                 return _heads[module]
-            head = cls(module) if _eligible(module) else None
-            if head is not None and not head.probe():
-                head = None
+            head = _choose(module, PROBE_ROWS, {})
             if head is not None:
                 module.forward = types.MethodType(_forward, module)
             _heads[module] = head
@@ -90,9 +88,16 @@ class PackedHead:
         if key != self._key:
             with self._lock:
                 if key != self._key:
-                    self._weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.rows_hint)
+                    self._weight = self.pack(w.detach())
                     self._key = key
         return self._weight
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` in the layout `product` takes (oneDNN's blocked one)."""
+        return torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
+
+    def product(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.module.bias, "none", [], "")
 
     @property
     def nbytes(self) -> int:
@@ -104,9 +109,13 @@ class PackedHead:
         return self if module is self.module else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not _eligible(self.module):  # moved off the CPU or to another dtype since
+        if not self.eligible(self.module):  # moved off the CPU or to another dtype since
             return torch.nn.Linear.forward(self.module, x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight(), self.module.bias, "none", [], "")
+        return self.product(x, self.weight())
+
+    @staticmethod
+    def eligible(module) -> bool:
+        return _eligible(module)
 
     def probe(self) -> bool:
         """Whether a row of the packed product is the same for every row count in `PROBE_ROWS`, and
@@ -121,6 +130,36 @@ class PackedHead:
             plain = F.linear(x[:4], w, self.module.bias)
             tol = _TOLERANCE[w.dtype]
             return torch.allclose(full[:4], plain, rtol=tol, atol=tol * float(plain.abs().max()))
+
+
+class KernelLinear(PackedHead):
+    """A bfloat16 linear layer on `kvblocks.engine.gemm`'s kernel (16 rows in the lanes of a vector,
+    weights read once as broadcast operands): 0.6-0.7 of the memory's bandwidth at 16 rows where
+    oneDNN's bfloat16 product reached about 0.4 (BENCHMARKS.md, weights). Preferred to oneDNN where
+    its probe holds for the shape."""
+
+    @staticmethod
+    def eligible(module) -> bool:
+        from kvblocks.engine import gemm
+
+        return (
+            type(module) is torch.nn.Linear
+            and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.bfloat16
+            and module.in_features % 2 == 0
+            and (module.bias is None or module.bias.dtype == torch.bfloat16)
+            and gemm.library() is not None
+        )
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        from kvblocks.engine import gemm
+
+        return gemm.pack(weight.contiguous())
+
+    def product(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        from kvblocks.engine import gemm
+
+        return gemm.linear(x, packed, self.module.out_features, self.module.bias)
 
 
 class PackedLinears:
@@ -141,8 +180,8 @@ class PackedLinears:
     @classmethod
     def of(cls, model) -> PackedLinears | None:
         """The model's packed layers (made once per model), or None where none can be used. The
-        probe runs once per shape and dtype (what oneDNN's choice of kernel depends on), on the
-        first layer of that shape."""
+        probe runs once per kind, shape and dtype (what oneDNN's choice of kernel depends on), on
+        the first layer of that shape."""
         with _lock:
             if model in _models:
                 return _models[model]
@@ -150,17 +189,13 @@ class PackedLinears:
         layers: dict[torch.nn.Module, PackedHead] = {}
         holds: dict[tuple, bool] = {}
         for module in model.modules():
-            if module is model.get_output_embeddings() or not _eligible(module):
+            if module is model.get_output_embeddings() or type(module) is not torch.nn.Linear:
                 continue
             with _lock:
                 if module in _heads:
                     packed = _heads[module]
                 else:
-                    packed = PackedHead(module, rows=LAYER_PROBE_ROWS)
-                    shape = (*module.weight.shape, module.weight.dtype, module.bias is not None)
-                    if shape not in holds:
-                        holds[shape] = packed.probe()
-                    packed = packed if holds[shape] else None
+                    packed = _choose(module, LAYER_PROBE_ROWS, holds)
                     if packed is not None:
                         module.forward = types.MethodType(_forward, module)
                     _heads[module] = packed
@@ -172,6 +207,21 @@ class PackedLinears:
         with _lock:
             _models[model] = out
         return out
+
+
+def _choose(module, rows: tuple[int, ...], holds: dict[tuple, bool]) -> PackedHead | None:
+    """`module` packed by the first kind that takes it and whose probe holds for its shape (the
+    kernel's, then oneDNN's), or None; `holds` keeps each probe's answer per kind and shape."""
+    for kind in (KernelLinear, PackedHead):
+        if not kind.eligible(module):
+            continue
+        packed = kind(module, rows=rows)
+        shape = (kind, *module.weight.shape, module.weight.dtype, module.bias is not None)
+        if shape not in holds:
+            holds[shape] = packed.probe()
+        if holds[shape]:
+            return packed
+    return None
 
 
 def _eligible(module) -> bool:
