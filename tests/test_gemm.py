@@ -21,7 +21,7 @@ def _layer(n: int, k: int, bias: bool, seed: int = 0) -> tuple[torch.Tensor, tor
 
 
 @pytest.mark.parametrize(
-    ("n", "k", "bias"), [(24, 64, False), (100, 96, True), (7, 2, True), (257, 130, False)]
+    ("n", "k", "bias"), [(24, 64, False), (100, 96, True), (7, 2, True), (257, 130, False), (30, 1100, True)]
 )
 def test_a_row_is_the_same_at_every_row_count_and_close_to_torch(n, k, bias):
     w, b = _layer(n, k, bias)

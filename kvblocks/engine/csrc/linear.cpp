@@ -17,7 +17,8 @@
 // in order of p, in its own vector lane, then the bias added and rounded to bfloat16 (to nearest,
 // ties to even, by `vcvtneps2bf16`). Every lane runs the same instructions, so a row's result depends only on its own
 // inputs and the weights: not on the other rows of the call, how many there are, or which lane it
-// took. Row tiles of 16 are computed one after another, each the same way.
+// took. Row tiles of 16 are computed one after another, each the same way; a sum is kept in float32
+// between chunks of input pairs (stored and loaded exactly), so chunking changes nothing.
 
 #include <cstdint>
 #include <cstring>
@@ -31,6 +32,9 @@ namespace {
 
 constexpr int64_t kCols = 24;  // accumulators: one per output column of a block (of 32 registers)
 constexpr int64_t kRows = 16;  // rows per tile: the lanes of a float32 vector
+// Input pairs of a block run over all row tiles before the next ones (24 KB of weights, in the first
+// level cache while the tiles re-read them); a lane's sum still adds its pairs in order of p.
+constexpr int64_t kChunk = 256;
 constexpr int64_t kAhead = 4096;  // int32 elements (16 KB) of the weight stream prefetched ahead
 
 inline float widen(uint16_t h) {
@@ -42,12 +46,16 @@ inline float widen(uint16_t h) {
 
 
 #ifdef KVB_HAVE_BF16
-// One tile of up to 16 rows by one block of kCols columns: `xt` the tile's input pairs, lane-major
-// ([k / 2][16] int32), `w` the block ([k / 2][kCols] int32 pairs), `bias` the block's kCols biases
-// (float32, zero where none). Writes out[j][r], column j of row r, rounded to bfloat16. Each
+// One tile of up to 16 rows by one block of kCols columns, over the input pairs p0 .. p1 - 1: `xt`
+// the tile's input pairs, lane-major ([k / 2][16] int32), `w` the block ([k / 2][kCols] int32
+// pairs). The sums start at zero (`first`) or from `state` ([kCols][16] float32, where the previous
+// pairs left them) and go back there, or (`last`) have `bias` (the block's kCols biases, float32,
+// zero where none) added and are written to out[j][r], column j of row r, rounded to bfloat16. Each
 // multiply-add reads its weight pair as a broadcast memory operand (one instruction where the
 // intrinsics compile to a broadcast and a multiply-add), so the accumulators are named one by one.
 #define KVB_ACC(J) __m512 a##J = _mm512_setzero_ps();
+#define KVB_LOAD(J) a##J = _mm512_load_ps(state + J * kRows);
+#define KVB_SAVE(J) _mm512_store_ps(state + J * kRows, a##J);
 #define KVB_DP(J) __asm__("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(a##J) : "m"(wp[J]), "v"(x));
 #define KVB_OUT(J) \
   _mm256_store_si256((__m256i*)(out + J * kRows), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a##J, _mm512_set1_ps(bias[J]))));
@@ -55,16 +63,26 @@ inline float widen(uint16_t h) {
   M(12) M(13) M(14) M(15) M(16) M(17) M(18) M(19) M(20) M(21) M(22) M(23)
 static_assert(kCols == 24, "KVB_24 names kCols accumulators");
 
-inline void tile(const int32_t* xt, const int32_t* w, int64_t pairs, const float* bias, uint16_t* out) {
+inline void tile(const int32_t* xt, const int32_t* w, int64_t p0, int64_t p1, float* state, bool first,
+                 bool last, bool fetch, const float* bias, uint16_t* out) {
   KVB_24(KVB_ACC)
-  for (int64_t p = 0; p < pairs; ++p) {
+  if (!first) {
+    KVB_24(KVB_LOAD)
+  }
+  for (int64_t p = p0; p < p1; ++p) {
     const __m512 x = _mm512_load_ps(reinterpret_cast<const float*>(xt + p * kRows));
     const int32_t* wp = w + p * kCols;
-    _mm_prefetch((const char*)(wp + kAhead), _MM_HINT_NTA);
-    _mm_prefetch((const char*)(wp + kAhead + 16), _MM_HINT_NTA);
+    if (fetch) {
+      _mm_prefetch((const char*)(wp + kAhead), _MM_HINT_NTA);
+      _mm_prefetch((const char*)(wp + kAhead + 16), _MM_HINT_NTA);
+    }
     KVB_24(KVB_DP)
   }
-  KVB_24(KVB_OUT)
+  if (last) {
+    KVB_24(KVB_OUT)
+  } else {
+    KVB_24(KVB_SAVE)
+  }
 }
 #endif
 
@@ -94,7 +112,8 @@ int kvb_linear_pack_bf16(const uint16_t* w, int64_t n, int64_t k, int64_t w_stri
 
 // y[m, n] = x[m, k] @ w.T + bias (bias may be null), all bfloat16, float32 sums; x rows `x_stride`
 // apart (k contiguous), y rows `y_stride` apart. Returns 0; 1 where k is odd; 2 where this build
-// has no AVX512-BF16.
+// has no AVX512-BF16; 3 where its buffers (the inputs once more, in float32 sums of 16 x 24) cannot
+// be allocated.
 int kvb_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed,
                     int64_t n, const uint16_t* bias, uint16_t* y, int64_t y_stride) {
   if (k % 2) return 1;
@@ -120,19 +139,31 @@ int kvb_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, c
     }
   alignas(64) uint16_t block[kCols * kRows];  // a tile's outputs, column-major
   alignas(64) float biases[kCols];
-  const int32_t* w = reinterpret_cast<const int32_t*>(packed);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t c0 = b * kCols, cols = n - c0 < kCols ? n - c0 : kCols;
-    for (int64_t j = 0; j < kCols; ++j) biases[j] = bias != nullptr && j < cols ? widen(bias[c0 + j]) : 0.0f;
-    for (int64_t t = 0; t < tiles; ++t) {
-      tile(xt + t * pairs * kRows, w + b * pairs * kCols, pairs, biases, block);
-      const int64_t rows = m - t * kRows < kRows ? m - t * kRows : kRows;
-      for (int64_t r = 0; r < rows; ++r) {
-        uint16_t* out = y + (t * kRows + r) * y_stride + c0;
-        for (int64_t j = 0; j < cols; ++j) out[j] = block[j * kRows + r];
-      }
-    }
+  // Block after block, each over its pairs chunk by chunk, every row tile over a chunk while the
+  // chunk's weights are in the first level cache: each block's weights read from memory once.
+  float* state = static_cast<float*>(_mm_malloc(sizeof(float) * tiles * kCols * kRows, 64));
+  if (state == nullptr) {
+    _mm_free(xt);
+    return 3;
   }
+  const int32_t* w = reinterpret_cast<const int32_t*>(packed);
+  auto step = [&](int64_t b, int64_t p0, int64_t t, float* st, bool fetch) {
+    const int64_t c0 = b * kCols, cols = n - c0 < kCols ? n - c0 : kCols;
+    const int64_t p1 = pairs - p0 < kChunk ? pairs : p0 + kChunk;
+    if (p1 == pairs)  // the block's biases, for the sums' last pairs
+      for (int64_t j = 0; j < kCols; ++j) biases[j] = bias != nullptr && j < cols ? widen(bias[c0 + j]) : 0.0f;
+    tile(xt + t * pairs * kRows, w + b * pairs * kCols, p0, p1, st, p0 == 0, p1 == pairs, fetch, biases, block);
+    if (p1 < pairs) return;
+    const int64_t rows = m - t * kRows < kRows ? m - t * kRows : kRows;
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* out = y + (t * kRows + r) * y_stride + c0;
+      for (int64_t j = 0; j < cols; ++j) out[j] = block[j * kRows + r];
+    }
+  };
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t p0 = 0; p0 < pairs; p0 += kChunk)
+      for (int64_t t = 0; t < tiles; ++t) step(b, p0, t, state + t * kCols * kRows, t == 0);
+  _mm_free(state);
   _mm_free(xt);
   return 0;
 #endif
