@@ -1,4 +1,4 @@
-"""The linear layers of packed forwards on CPU: their weights reordered once for oneDNN.
+"""The linear layers of packed forwards on CPU: their weights packed once (for oneDNN, or kvblocks' kernel).
 
 A decode step of a real model is mostly reading weights: every linear layer's weight once per step
 (Qwen2.5-Coder-1.5B: 1.5 billion weights, 3.1 GB in bfloat16, 6.2 GB in float32). What `F.linear`
@@ -9,11 +9,16 @@ BENCHMARKS.md, `kvblocks bench weights`). The output head is the largest product
 step (SmolLM2-135M: 49,152 x 576 float32 weights), where the reordered weight took it from 38-48 ms
 to 22-23 ms at 16 rows.
 
-`PackedHead.of(model)` reorders a model's head once, `PackedLinears.of(model)` every linear layer
-of it (the head included): on CPU, in float32 or bfloat16 (where oneDNN has bfloat16 kernels), where `probe`
-holds for the shape (a row comes out the same for any row count from 4 up, so batch invariance
-holds, and within float rounding of `F.linear`). The bound: each reordered copy costs its weight's
-size in memory once more (the model's linear weights, once). Packed forwards switch them on for
+In bfloat16 on a CPU with AVX512-BF16, a layer goes to kvblocks' own kernel instead (`KernelLinear`,
+`kvblocks.engine.gemm`: the 16 rows of a decode step in the lanes of one `vdpbf16ps`, every weight
+read once), where oneDNN's bfloat16 product at 16 rows reached about 0.4 of the memory's bandwidth
+on one thread; oneDNN keeps float32 and any shape whose kernel probe fails.
+
+`PackedHead.of(model)` packs a model's head once, `PackedLinears.of(model)` every linear layer
+of it (the head included): on CPU, in float32 or bfloat16 (where oneDNN has bfloat16 kernels, or
+this CPU AVX512-BF16), where `probe` holds for the shape (a row comes out the same for any row
+count from 4 up, so batch invariance holds, and within float rounding of `F.linear`). The bound:
+each packed copy costs its weight's size in memory once more (the model's linear weights, once). Packed forwards switch them on for
 their own thread (`scope`); every other call of the model, on any thread, takes each layer's own
 forward, so ordinary forwards are unchanged.
 """
