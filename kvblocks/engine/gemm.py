@@ -56,7 +56,7 @@ def library() -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = args, result
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError):
         return None
-    return lib
+    return lib if lib.kvb_linear_peak(1, 0) == 0 else None  # built without AVX512-BF16: 2
 
 
 def _avx512_bf16() -> bool:
