@@ -730,8 +730,8 @@ def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) ->
     report.notes.append(
         f"{dtype} on CPU, {args.reply} greedy tokens per request (ignore_eos), logprobs with the top 2; alone = "
         "each request submitted once the previous one finished (cached: the shared system prompt is a hit "
-        "from the second on; uncached: the cache emptied before each); all at once = 16 requests submitted together "
-        f"(batch 16, 80 tokens/step, the server's defaults); margin = top-1 minus top-2 logprob of the reference at the first "
+        f"from the second on; uncached: the cache emptied before each); all at once = {args.agents} requests submitted "
+        f"together (batch 16, 80 tokens/step, the server's defaults); margin = top-1 minus top-2 logprob of the reference at the first "
         f"differing token; {elapsed:.0f} s for the {len(EXACT_RUNS)} runs"
     )
     return report
