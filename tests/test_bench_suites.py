@@ -20,6 +20,7 @@ from kvblocks.bench import fixtures, specdec
 from kvblocks.bench import server as loadtest
 from kvblocks.bench.server_agents import Sent
 from kvblocks.cli.commands import main
+from kvblocks.engine import gemm
 
 QUIET = ["--warmup", "0", "--no-progress", "--no-plots", "--no-fail"]  # tiny models miss targets
 
@@ -344,6 +345,11 @@ def test_weights_suite_holds_a_packed_decode_step_against_the_memory_bandwidth(t
     ratio = step["achieved / measured read bandwidth (the engine's default)"]
     assert step[packed] > 0 and ratio > 0
     assert ratio == pytest.approx(step[packed] / memory["read bandwidth (sum of a float32 tensor)"])
+    if gemm.library() is not None:  # the ceiling beside the achieved fraction
+        ceiling = step["compute ceiling at 4 rows (peak multiply-add rate)"]
+        assert ceiling > 0
+        share = step["ceiling / measured read bandwidth (at most 1)"]
+        assert share == pytest.approx(min(1.0, ceiling / memory["read bandwidth (sum of a float32 tensor)"]))
 
 
 def test_server_peers_only_needs_a_peer_and_the_batched_server(capsys):
