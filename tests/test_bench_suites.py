@@ -7,6 +7,7 @@ numbers themselves are the benchmarks' business.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -14,10 +15,12 @@ import numpy as np
 import pytest
 from server_proc import smollm2_dir, tiny_model_dir
 
+from kvblocks import models
 from kvblocks.bench import fixtures, specdec
 from kvblocks.bench import server as loadtest
 from kvblocks.bench.server_agents import Sent
 from kvblocks.cli.commands import main
+from kvblocks.engine import gemm
 from kvblocks.launch import redis_server
 from kvblocks.launch.service import ServiceError
 
@@ -200,10 +203,32 @@ def test_packed_engine_suites_run_on_a_tiny_model(tmp_path, capsys):
     assert exact["greedy flips, BatchEngine invariant, all at once vs BatchEngine invariant, alone"] == 0
     key = "share of replies with bit-identical logprobs, BatchEngine invariant, all at once vs BatchEngine invariant, alone"
     assert exact[key] == 1
+    assert exact["greedy flips, BatchEngine invariant, alone vs BatchEngine invariant, alone, uncached"] == 0
     memory = checks(reports, "memory")
     assert memory["RSS growth, Engine (batch 1)"] >= 0 and memory["RSS growth, BatchEngine"] >= 0
     assert checks(reports, "ttft-cached")["TTFT BatchEngine / ideal"] > 0
     assert checks(reports, "head-of-line")["short-request TTFT loaded / idle, Engine (batch 1)"] > 0
+
+
+def test_packed_exactness_in_bfloat16_holds_cached_uncached_and_batched_alone(tmp_path, capsys):
+    sizes = {"agents": 3, "reply": 6, "system-tokens": 60}
+    args = ["packed", "--model", str(tiny_model_dir()), *(f"--{k}={v}" for k, v in sizes.items())]
+    summary = run_suite(tmp_path, capsys, *args, "--only", "exactness", "--dtype", "bfloat16")
+    assert summary["reports"][0]["params"]["dtype"] == "bfloat16"
+    exact = checks(summary, "exactness")
+    for run, reference in (
+        ("BatchEngine invariant, alone", "BatchEngine invariant, alone, uncached"),
+        ("BatchEngine invariant, all at once", "BatchEngine invariant, alone, uncached"),
+        ("BatchEngine invariant, all at once", "BatchEngine invariant, alone"),
+    ):
+        assert exact[f"greedy flips, {run} vs {reference}"] == 0
+        assert exact[f"share of replies with bit-identical logprobs, {run} vs {reference}"] == 1
+
+
+def test_suites_off_the_packed_engine_decide_dtype_auto_as_float32():
+    assert fixtures.model_dtype(argparse.Namespace(dtype="auto"), packed=False) == "float32"
+    assert fixtures.model_dtype(argparse.Namespace(dtype="bfloat16"), packed=False) == "bfloat16"
+    assert fixtures.model_dtype(argparse.Namespace(dtype="auto"), packed=True) == models.default_dtype()
 
 
 @pytest.mark.parametrize("shape", ["lfm2", "qwen3_next", "bamba"])
@@ -323,6 +348,11 @@ def test_weights_suite_holds_a_packed_decode_step_against_the_memory_bandwidth(t
     ratio = step["achieved / measured read bandwidth (the engine's default)"]
     assert step[packed] > 0 and ratio > 0
     assert ratio == pytest.approx(step[packed] / memory["read bandwidth (sum of a float32 tensor)"])
+    if gemm.library() is not None:  # the ceiling beside the achieved fraction
+        ceiling = step["compute ceiling at 4 rows (peak multiply-add rate)"]
+        assert ceiling > 0
+        share = step["ceiling / measured read bandwidth (at most 1)"]
+        assert share == pytest.approx(min(1.0, ceiling / memory["read bandwidth (sum of a float32 tensor)"]))
 
 
 def test_server_peers_only_needs_a_peer_and_the_batched_server(capsys):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvblocks.bench import fixtures
 from kvblocks.bench.blocks_data import Task, agent_tasks, rag_tasks
 from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, progress
 from kvblocks.cli.argtypes import positive_int
@@ -50,6 +51,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         "full prefill and prefix-only reuse, on the --model (SmolLM2-135M-Instruct) and a tiny random llama "
         "over its tokenizer (--only model|tiny).",
         model=True,
+        dtype=True,
         only=("model", "tiny"),
         options=[
             Option("--questions", positive_int, 6, "RAG questions (default 6)"),
@@ -81,7 +83,8 @@ def blend_shares(text: str) -> tuple[float, ...]:
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
     from kvblocks import models
 
-    model, tokenizer = models.load(args.model)
+    dtype = fixtures.model_dtype(args, packed=False)  # one request per forward: auto is float32, as in serve
+    model, tokenizer = fixtures.load_model(args.model, dtype)
     tasks = rag_tasks(args.questions, args.docs, args.seed) + agent_tasks(args.turns, 3, args.seed)
     only = set(args.only or ("model", "tiny"))
     reports = []
@@ -95,6 +98,8 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
                 "blocks-tiny", "a tiny random llama", tiny, tokenizer, tasks, opts, args.shares, False
             )
         )
+    for report in reports:
+        report.params["dtype"] = dtype if report.name == "blocks-model" else "float32"
     return reports
 
 

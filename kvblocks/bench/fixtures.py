@@ -24,6 +24,26 @@ def load_model(name: str | None, dtype: str = "float32", device: str = "cpu"):
         raise UserError(str(exc)) from exc
 
 
+def model_dtype(args, packed: bool) -> str:
+    """A suite's `--dtype`, `auto` decided as `kvblocks serve` decides it: bfloat16 on a CPU with
+    native BF16 where the suite runs the batch-invariant packed engine (`packed`), the only path whose
+    half-dtype rows round alike cached and uncached, batched and alone; float32 elsewhere, said on stderr."""
+    from kvblocks import models
+
+    if args.dtype != "auto":
+        return args.dtype
+    dtype = models.default_dtype()
+    if dtype != "float32" and not packed:
+        print(
+            f"kvblocks: --dtype auto: float32, as {dtype} is exact only in the batch-invariant packed "
+            "engine, which this suite does not run",
+            file=sys.stderr,
+            flush=True,
+        )
+        return "float32"
+    return dtype
+
+
 def model_name(model) -> str:
     """The name a report gives the model: its path, else its architecture."""
     return getattr(model.config, "name_or_path", "") or model.config.model_type

@@ -152,6 +152,14 @@ HARNESS_OPTIONS = (
            "target, in the same direction (repeatable)", repeat=True, metavar="METRIC=VALUE"),
 )  # fmt: skip
 MODEL_OPTION = Option("--model", None, None, "model path (default: SmolLM2-135M-Instruct)")
+DTYPE_OPTION = Option(
+    "--dtype",
+    None,
+    "auto",
+    "dtype of the model, as `kvblocks serve --dtype` (default auto: bfloat16 on a CPU with native BF16 "
+    "where the suite runs the batch-invariant packed engine, else float32)",
+    choices=("auto", "float32", "bfloat16", "float16", "float64"),
+)
 
 
 def add_suite(
@@ -162,16 +170,19 @@ def add_suite(
     help: str,
     description: str,
     model: bool = False,
+    dtype: bool = False,
     only: Sequence[str] = (),
     options: Sequence[Option | Group] = (),
 ) -> argparse.ArgumentParser:
-    """Register `kvblocks bench NAME`: the harness options, `--model` and `--only CHOICE` if asked for,
+    """Register `kvblocks bench NAME`: the harness options, `--model`, `--dtype` and `--only CHOICE` if asked for,
     then the suite's own option table. `run(args, opts)` returns the reports; they are published under
     NAME and checked (exit status 1 when a target is missed, unless --no-fail)."""
     p = suites.add_parser(name, help=help, description=description)
     add_options(p, HARNESS_OPTIONS)
     if model:
         MODEL_OPTION.add_to(p)
+    if dtype:
+        DTYPE_OPTION.add_to(p)
     if only:
         Option(
             "--only", None, None, "run only this benchmark (repeatable)", choices=only, repeat=True

@@ -91,15 +91,20 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         help="decode throughput: one packed forward over the pool vs one forward per request",
         description="Decode steps of B requests as one packed forward (kvblocks.engine.attention) vs one at a time.",
         model=True,
+        dtype=True,
         only=BENCHMARKS,
         options=OPTIONS,
     )
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
-    model, tokenizer = fixtures.load_model(args.model)
+    dtype = fixtures.model_dtype(args, packed=True)
+    model, tokenizer = fixtures.load_model(args.model, dtype)
     suites = dict(zip(BENCHMARKS, (decode, head_of_line, memory, ttft, exactness, flood)))
-    return [suites[name](model, tokenizer, args, opts) for name in args.only or BENCHMARKS]
+    reports = [suites[name](model, tokenizer, args, opts) for name in args.only or BENCHMARKS]
+    for report in reports:
+        report.params["dtype"] = dtype
+    return reports
 
 
 PACKED, SOLO = "packed forward", "one request at a time"
@@ -632,14 +637,18 @@ def ttft(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Repo
     return report
 
 
+UNCACHED = "BatchEngine invariant, alone, uncached"
 EXACT_RUNS = (  # name, batch size, batch-invariant, how the requests are sent
     ("Engine, alone", 1, True, "alone"),
+    (UNCACHED, 16, True, "uncached"),
     ("BatchEngine invariant, alone", 16, True, "alone"),
     ("BatchEngine invariant, all at once", 16, True, "together"),
     ("BatchEngine --no-batch-invariant, alone", 16, False, "alone"),
     ("BatchEngine --no-batch-invariant, all at once", 16, False, "together"),
 )
 EXACT_PAIRS = (  # run, reference; flips are a target only against the invariant engine alone
+    ("BatchEngine invariant, alone", UNCACHED),
+    ("BatchEngine invariant, all at once", UNCACHED),
     ("BatchEngine invariant, all at once", "BatchEngine invariant, alone"),
     ("BatchEngine invariant, all at once", "Engine, alone"),
     ("BatchEngine --no-batch-invariant, all at once", "BatchEngine --no-batch-invariant, alone"),
@@ -648,10 +657,15 @@ EXACT_PAIRS = (  # run, reference; flips are a target only against the invariant
 )
 
 
-def send(engine, prompts: list[list[int]], reply: int, together: bool) -> list[EngineCall]:
-    """Greedy replies with top-2 logprobs: each request once the previous finished, or all at once."""
+def send(
+    engine, prompts: list[list[int]], reply: int, together: bool, uncached: bool = False
+) -> list[EngineCall]:
+    """Greedy replies with top-2 logprobs: each request once the previous finished (`uncached`: the
+    cache emptied before each), or all at once."""
     calls = []
     for ids in prompts:
+        if uncached:
+            engine.cache.clear()
         calls.append(EngineCall(engine, ids, reply, logprobs=2))
         if not together:
             calls[-1].wait()
@@ -693,11 +707,12 @@ def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) ->
     ]
     prompts = [encode_prompt(tokenizer, chat) for chat in chats]
     runs: dict[str, list[EngineCall]] = {}
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     t0 = time.perf_counter()
     for name, batch, invariant, how in EXACT_RUNS:
         engine = _engine(model, tokenizer, batch, invariant=invariant)
         try:
-            runs[name] = send(engine, prompts, args.reply, together=how == "together")
+            runs[name] = send(engine, prompts, args.reply, how == "together", how == "uncached")
         finally:
             engine.stop()
     elapsed = time.perf_counter() - t0
@@ -706,7 +721,7 @@ def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) ->
     report = Report("exactness", title, params)
     for name, reference in EXACT_PAIRS:
         flips, exact, worst = compare(runs[name], runs[reference])
-        invariant = reference == "BatchEngine invariant, alone"  # what batch invariance promises
+        invariant = reference in (UNCACHED, "BatchEngine invariant, alone")  # what batch invariance promises
         report.checks.append(
             Check(f"greedy flips, {name} vs {reference}", len(flips), "", 0 if invariant else None)
         )
@@ -718,10 +733,11 @@ def exactness(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) ->
             + f"; largest chosen-token logprob difference before any flip {worst:.2e}"
         )
     report.notes.append(
-        f"fp32 on CPU, {args.reply} greedy tokens per request (ignore_eos), logprobs with the top 2; alone = "
-        "each request submitted once the previous one finished; all at once = 16 requests submitted together "
-        f"(batch 16, 80 tokens/step, the server's defaults); margin = top-1 minus top-2 logprob of the reference at the first "
-        f"differing token; {elapsed:.0f} s for the five runs"
+        f"{dtype} on CPU, {args.reply} greedy tokens per request (ignore_eos), logprobs with the top 2; alone = "
+        "each request submitted once the previous one finished (cached: the shared system prompt is a hit "
+        f"from the second on; uncached: the cache emptied before each); all at once = {args.agents} requests submitted "
+        f"together (batch 16, 80 tokens/step, the server's defaults); margin = top-1 minus top-2 logprob of the reference at the first "
+        f"differing token; {elapsed:.0f} s for the {len(EXACT_RUNS)} runs"
     )
     return report
 

@@ -111,6 +111,7 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         help="speculative decoding: measured vs predicted speed-up, vs transformers' assisted generation",
         description="Speculative decoding on the target --model with three drafters, checked against targets.",
         model=True,
+        dtype=True,
         only=BENCHMARKS,
         options=OPTIONS,
     )
@@ -131,7 +132,8 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
                 f"--{w.kind}-tokens ({w.max_new_tokens}) must be at least 2 x (gamma + 1) = {2 * (w.gamma + 1)}: "
                 "the first round is left out of the decode rate"
             )
-    model, tokenizer = fixtures.load_model(args.model)
+    dtype = fixtures.model_dtype(args, packed=False)  # a round is one segment: auto is float32, as in serve
+    model, tokenizer = fixtures.load_model(args.model, dtype)
     layers = model.config.num_hidden_layers
     sweep = _layer_list(args.sweep_layers, layers) if "sweep" in selected else []
     if "self" in selected and not 0 < args.self_layers < layers:
@@ -146,6 +148,8 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
         from kvblocks.bench.specdec_trees import bench_trees
 
         reports += bench_trees(opts, model, tokenizer, args)
+    for report in reports:
+        report.params["dtype"] = dtype
     return reports
 
 

@@ -221,7 +221,21 @@ def linears_alone(model, runner, rows: int) -> Callable[[], None]:
     return run
 
 
+def compute_ceiling(dtype, rows: int) -> float | None:
+    """Weight bytes per second the core's multiply-adds can serve to `rows` rows, at most: its peak
+    rate of the product's instruction (`gemm.peak`: `vdpbf16ps` for bfloat16, `vfmadd231ps` for
+    float32, 16 lanes) times the weight bytes one instruction serves, 64 / rows (a 64-byte vector of
+    weights meets one row per instruction; 4 bytes at 16 rows in either dtype). None where the
+    kernel is not built here."""
+    from kvblocks.engine import gemm
+
+    rate = gemm.peak(dtype)
+    return None if rate is None else rate * 64 / rows
+
+
 def step_report(args: argparse.Namespace, opts: BenchOptions, dtype: str, read_bw: float) -> Report:
+    import torch
+
     model = build_model(args, dtype)
     nbytes = linear_bytes(model)
     both = Step(model, args.requests, args.context)
@@ -236,6 +250,7 @@ def step_report(args: argparse.Namespace, opts: BenchOptions, dtype: str, read_b
     title = f"A decode step of {args.requests} requests, {dtype}: weight bandwidth"
     report = Report(f"weights-{dtype}", title, params, samples, baseline=PLAIN)
     achieved = {name: nbytes / report.median(name) / GB for name in runners}
+    ceiling = compute_ceiling(getattr(torch, dtype), args.requests)
     report.checks = [
         Check(f"step time, {PACKED}", report.median(PACKED) * 1e3, "ms"),
         Check(f"step time, {PLAIN}", report.median(PLAIN) * 1e3, "ms"),
@@ -249,10 +264,23 @@ def step_report(args: argparse.Namespace, opts: BenchOptions, dtype: str, read_b
             True,
         ),
         Check(f"achieved / measured read bandwidth, {PLAIN}", achieved[PLAIN] / read_bw),
+        *(
+            []
+            if ceiling is None
+            else [
+                Check(
+                    f"compute ceiling at {args.requests} rows (peak multiply-add rate)", ceiling / GB, "GB/s"
+                ),
+                Check("ceiling / measured read bandwidth (at most 1)", min(1.0, ceiling / GB / read_bw)),
+            ]
+        ),
         Check(f"linear layers alone at {args.requests} rows, reordered", nbytes / alone[PACKED] / GB, "GB/s"),
         Check(f"linear layers alone at {args.requests} rows, as kept", nbytes / alone[PLAIN] / GB, "GB/s"),
     ]
+    from kvblocks.engine.head import KernelLinear
+
     packed = runners[PACKED].head
+    kernels = sum(isinstance(p, KernelLinear) for p in getattr(packed, "layers", {}).values())
     report.notes = [
         f"weight bytes read per step = every linear layer's weight and bias, the output head once "
         f"({nbytes / 1e6:,.0f} MB); achieved = those bytes / the step's median time; measured read "
@@ -262,14 +290,21 @@ def step_report(args: argparse.Namespace, opts: BenchOptions, dtype: str, read_b
         "output head runs on the last row of each (logits_to_keep)",
         "reordered: "
         + (
-            f"{len(packed.layers)} linear layers on weights reordered once for oneDNN "
+            f"{len(packed.layers)} linear layers on weights packed once, {kernels} of them for "
+            f"kvblocks' bfloat16 kernel (csrc/linear.cpp), the others reordered for oneDNN "
             f"({packed.nbytes / 1e6:,.0f} MB beside the model's own)"
             if packed is not None
-            else "none (no oneDNN, or its probe failed in this dtype)"
+            else "none (no oneDNN or kernel, or their probes failed in this dtype)"
         ),
         "linear layers alone: each linear layer once on random input of the batch's rows, no attention, "
         "norms or Python around them",
     ]
+    if ceiling is not None:
+        report.notes.append(
+            f"compute ceiling: the core's peak rate of the product's multiply-add ({ceiling * args.requests / 64 / 1e9:.2f} "
+            f"G instructions/s, 16 lanes, a broadcast memory operand, CPU time) x 64 / {args.requests} weight bytes "
+            "per instruction; the step cannot read weights faster than the lower of it and the read bandwidth"
+        )
     if args.profile:
         from kvblocks.bench import stepprofile
 

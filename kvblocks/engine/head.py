@@ -1,4 +1,4 @@
-"""The linear layers of packed forwards on CPU: their weights reordered once for oneDNN.
+"""The linear layers of packed forwards on CPU: their weights packed once (for oneDNN, or kvblocks' kernel).
 
 A decode step of a real model is mostly reading weights: every linear layer's weight once per step
 (Qwen2.5-Coder-1.5B: 1.5 billion weights, 3.1 GB in bfloat16, 6.2 GB in float32). What `F.linear`
@@ -9,11 +9,16 @@ BENCHMARKS.md, `kvblocks bench weights`). The output head is the largest product
 step (SmolLM2-135M: 49,152 x 576 float32 weights), where the reordered weight took it from 38-48 ms
 to 22-23 ms at 16 rows.
 
-`PackedHead.of(model)` reorders a model's head once, `PackedLinears.of(model)` every linear layer
-of it (the head included): on CPU, in float32 or bfloat16 (where oneDNN has bfloat16 kernels), where `probe`
-holds for the shape (a row comes out the same for any row count from 4 up, so batch invariance
-holds, and within float rounding of `F.linear`). The bound: each reordered copy costs its weight's
-size in memory once more (the model's linear weights, once). Packed forwards switch them on for
+In bfloat16 on a CPU with AVX512-BF16, a layer goes to kvblocks' own kernel instead (`KernelLinear`,
+`kvblocks.engine.gemm`: the 16 rows of a decode step in the lanes of one `vdpbf16ps`, every weight
+read once), where oneDNN's bfloat16 product at 16 rows reached about 0.4 of the memory's bandwidth
+on one thread; oneDNN keeps float32 and any shape whose kernel probe fails.
+
+`PackedHead.of(model)` packs a model's head once, `PackedLinears.of(model)` every linear layer
+of it (the head included): on CPU, in float32 or bfloat16 (where oneDNN has bfloat16 kernels, or
+this CPU AVX512-BF16), where `probe` holds for the shape (a row comes out the same for any row
+count from 4 up, so batch invariance holds, and within float rounding of `F.linear`). The bound:
+each packed copy costs its weight's size in memory once more (the model's linear weights, once). Packed forwards switch them on for
 their own thread (`scope`); every other call of the model, on any thread, takes each layer's own
 forward, so ordinary forwards are unchanged.
 """
@@ -74,9 +79,7 @@ class PackedHead:
         with _lock:
             if module in _heads:
                 return _heads[module]
-            head = cls(module) if _eligible(module) else None
-            if head is not None and not head.probe():
-                head = None
+            head = _choose(module, PROBE_ROWS, {})
             if head is not None:
                 module.forward = types.MethodType(_forward, module)
             _heads[module] = head
@@ -90,9 +93,16 @@ class PackedHead:
         if key != self._key:
             with self._lock:
                 if key != self._key:
-                    self._weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.rows_hint)
+                    self._weight = self.pack(w.detach())
                     self._key = key
         return self._weight
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` in the layout `product` takes (oneDNN's blocked one)."""
+        return torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
+
+    def product(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.module.bias, "none", [], "")
 
     @property
     def nbytes(self) -> int:
@@ -104,9 +114,13 @@ class PackedHead:
         return self if module is self.module else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not _eligible(self.module):  # moved off the CPU or to another dtype since
+        if not self.eligible(self.module):  # moved off the CPU or to another dtype since
             return torch.nn.Linear.forward(self.module, x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight(), self.module.bias, "none", [], "")
+        return self.product(x, self.weight())
+
+    @staticmethod
+    def eligible(module) -> bool:
+        return _eligible(module)
 
     def probe(self) -> bool:
         """Whether a row of the packed product is the same for every row count in `PROBE_ROWS`, and
@@ -121,6 +135,36 @@ class PackedHead:
             plain = F.linear(x[:4], w, self.module.bias)
             tol = _TOLERANCE[w.dtype]
             return torch.allclose(full[:4], plain, rtol=tol, atol=tol * float(plain.abs().max()))
+
+
+class KernelLinear(PackedHead):
+    """A bfloat16 linear layer on `kvblocks.engine.gemm`'s kernel (16 rows in the lanes of a vector,
+    weights read once as broadcast operands): 0.6-0.7 of the memory's bandwidth at 16 rows where
+    oneDNN's bfloat16 product reached about 0.4 (BENCHMARKS.md, weights). Preferred to oneDNN where
+    its probe holds for the shape."""
+
+    @staticmethod
+    def eligible(module) -> bool:
+        from kvblocks.engine import gemm
+
+        return (
+            type(module) is torch.nn.Linear
+            and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.bfloat16
+            and module.in_features % 2 == 0
+            and (module.bias is None or module.bias.dtype == torch.bfloat16)
+            and gemm.library() is not None
+        )
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        from kvblocks.engine import gemm
+
+        return gemm.pack(weight.contiguous())
+
+    def product(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        from kvblocks.engine import gemm
+
+        return gemm.linear(x, packed, self.module.out_features, self.module.bias)
 
 
 class PackedLinears:
@@ -141,8 +185,8 @@ class PackedLinears:
     @classmethod
     def of(cls, model) -> PackedLinears | None:
         """The model's packed layers (made once per model), or None where none can be used. The
-        probe runs once per shape and dtype (what oneDNN's choice of kernel depends on), on the
-        first layer of that shape."""
+        probe runs once per kind, shape and dtype (what oneDNN's choice of kernel depends on), on
+        the first layer of that shape."""
         with _lock:
             if model in _models:
                 return _models[model]
@@ -150,17 +194,13 @@ class PackedLinears:
         layers: dict[torch.nn.Module, PackedHead] = {}
         holds: dict[tuple, bool] = {}
         for module in model.modules():
-            if module is model.get_output_embeddings() or not _eligible(module):
+            if module is model.get_output_embeddings() or type(module) is not torch.nn.Linear:
                 continue
             with _lock:
                 if module in _heads:
                     packed = _heads[module]
                 else:
-                    packed = PackedHead(module, rows=LAYER_PROBE_ROWS)
-                    shape = (*module.weight.shape, module.weight.dtype, module.bias is not None)
-                    if shape not in holds:
-                        holds[shape] = packed.probe()
-                    packed = packed if holds[shape] else None
+                    packed = _choose(module, LAYER_PROBE_ROWS, holds)
                     if packed is not None:
                         module.forward = types.MethodType(_forward, module)
                     _heads[module] = packed
@@ -172,6 +212,21 @@ class PackedLinears:
         with _lock:
             _models[model] = out
         return out
+
+
+def _choose(module, rows: tuple[int, ...], holds: dict[tuple, bool]) -> PackedHead | None:
+    """`module` packed by the first kind that takes it and whose probe holds for its shape (the
+    kernel's, then oneDNN's), or None; `holds` keeps each probe's answer per kind and shape."""
+    for kind in (KernelLinear, PackedHead):
+        if not kind.eligible(module):
+            continue
+        packed = kind(module, rows=rows)
+        shape = (kind, *module.weight.shape, module.weight.dtype, module.bias is not None)
+        if shape not in holds:
+            holds[shape] = packed.probe()
+        if holds[shape]:
+            return packed
+    return None
 
 
 def _eligible(module) -> bool:

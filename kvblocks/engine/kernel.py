@@ -98,14 +98,23 @@ def _folder() -> Path:
     return cache_home() / "kernels"
 
 
-def _build(compiler: str) -> Path:
+def build(source: Path) -> Path:
+    """The path of `source` (a file of `csrc/`) built as a library for this CPU, as this kernel is
+    built; raises RuntimeError where there is no compiler or the build fails."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (set CXX, or install g++ or clang++)")
+    return _build(compiler, source)
+
+
+def _build(compiler: str, source: Path = SOURCE) -> Path:
     """The library's path, compiled first if this source, flags, compiler and CPU have none yet."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), *FLAGS, compiler, version, _cpu_identity()]).encode()
+        "\0".join([source.read_text(), *FLAGS, compiler, version, _cpu_identity()]).encode()
     ).hexdigest()[:20]
     folder = _folder()
-    target = folder / f"attend-{key}.so"
+    target = folder / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
@@ -113,7 +122,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", partial, str(SOURCE)],
+            [compiler, *FLAGS, "-o", partial, str(source)],
             capture_output=True,
             text=True,
             timeout=BUILD_SECONDS,

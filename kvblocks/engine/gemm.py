@@ -1,0 +1,125 @@
+"""Products of few rows over bfloat16 weights packed once: the CPU kernel `csrc/linear.cpp`.
+
+A batch decode step multiplies 16 rows or fewer by every weight of the model, so it runs at the
+rate the weights stream in from memory if the arithmetic keeps up. On a CPU with AVX512-BF16 and no
+AMX, oneDNN's bfloat16 product at 16 rows read the Qwen2.5-Coder-1.5B layers' weights at about 0.4
+of the memory's bandwidth on one thread; this kernel puts the 16 rows in the 16 lanes of a vector and
+reads each pair of weights once as a broadcast operand of one `vdpbf16ps` (BENCHMARKS.md, weights).
+A row's result depends only on its own inputs and the weights (see the source's header), so batch-
+invariant forwards can use it for every row count; `kvblocks.engine.head` probes that per shape
+before it does.
+
+It is built at first use as the attention kernel is (`kernel.build`: the machine's compiler,
+`-march=native`, the kvblocks cache folder), and only where this CPU has AVX512-BF16;
+`KVBLOCKS_KERNEL=0` turns it off with the attention kernel. The bound: a packed weight is the
+weight's size once more (its columns padded to a multiple of 24).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from kvblocks.engine import kernel
+
+SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
+BYTES_PER_INSTRUCTION = 4  # weight bytes one instruction serves to 16 rows, bfloat16 or float32
+_ARGS = {
+    "kvb_linear_packed_size": ([ctypes.c_int64] * 2, ctypes.c_int64),
+    "kvb_linear_pack_bf16": ([ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p], ctypes.c_int),
+    "kvb_linear_bf16": (
+        [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64]
+        + [ctypes.c_void_p] * 2
+        + [ctypes.c_int64],
+        ctypes.c_int,
+    ),
+    "kvb_linear_peak": ([ctypes.c_int64, ctypes.c_int], ctypes.c_int),
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, built if needed; None where this CPU has no AVX512-BF16, there is no
+    compiler, or `KVBLOCKS_KERNEL=0`."""
+    if os.environ.get(kernel.ENV, "1") == "0" or not _avx512_bf16():
+        return None
+    try:
+        lib = ctypes.CDLL(str(kernel.build(SOURCE)))
+        for name, (args, result) in _ARGS.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, result
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError):
+        return None
+    return lib if lib.kvb_linear_peak(1, 0) == 0 else None  # built without AVX512-BF16: 2
+
+
+def _avx512_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16 (what the kernel's instruction is)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [n, k] (bfloat16, k even, rows contiguous) in the kernel's layout."""
+    lib = library()
+    assert lib is not None and weight.dtype == torch.bfloat16 and weight.stride(-1) == 1
+    n, k = weight.shape
+    out = torch.empty(lib.kvb_linear_packed_size(n, k), dtype=torch.bfloat16)
+    if lib.kvb_linear_pack_bf16(weight.data_ptr(), n, k, weight.stride(0), out.data_ptr()):
+        raise ValueError(f"the linear kernel takes an even number of input features, not {k}")
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ weight.T + bias` over the `pack`ed weight of `n` output features, in bfloat16."""
+    lib = library()
+    assert lib is not None
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if rows.stride(-1) != 1 or rows.dtype != torch.bfloat16:
+        rows = rows.contiguous().to(torch.bfloat16)
+    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    b = None if bias is None else bias.detach().contiguous()
+    code = lib.kvb_linear_bf16(
+        rows.data_ptr(),
+        rows.shape[0],
+        rows.shape[1],
+        rows.stride(0),
+        packed.data_ptr(),
+        n,
+        None if b is None else b.data_ptr(),
+        out.data_ptr(),
+        n,
+    )
+    if code:
+        raise RuntimeError(f"the linear kernel refused its arguments (code {code}): {tuple(shape)} x {n}")
+    return out.reshape(*shape[:-1], n)
+
+
+def peak(dtype: torch.dtype, seconds: float = 0.2) -> float | None:
+    """Instructions per second this core runs of the product's multiply-add for `dtype` (bfloat16:
+    `vdpbf16ps`, float32: `vfmadd231ps`, each on 16 lanes with a broadcast memory operand), median of
+    three runs of CPU time; None where the kernel is not built here."""
+    lib = library()
+    if lib is None or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    kind = 0 if dtype == torch.bfloat16 else 1
+    rounds = 1_000_000
+    start = time.process_time()
+    lib.kvb_linear_peak(rounds, kind)
+    rounds = max(rounds, int(rounds * seconds / max(time.process_time() - start, 1e-6)))
+    rates = []
+    for _ in range(3):
+        start = time.process_time()
+        lib.kvb_linear_peak(rounds, kind)
+        rates.append(24 * rounds / max(time.process_time() - start, 1e-9))
+    return sorted(rates)[1]
