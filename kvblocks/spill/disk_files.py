@@ -141,7 +141,7 @@ def degraded_reason(exc: OSError, root: Path) -> str:
     return ""
 
 
-def entries(path: str | Path) -> list[os.DirEntry]:
+def entries(path: str | Path) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(path) as it:
             return list(it)
