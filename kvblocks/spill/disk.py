@@ -81,7 +81,7 @@ class DiskTier:
 
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         capacity_bytes: int,
         *,
         fsync: bool = False,
@@ -233,14 +233,14 @@ class DiskTier:
         self.rescan()
 
     def _make_room(self, name: str, size: int) -> None:
-        evicted = []
+        evicted: list[tuple[str, Value]] = []
         while (victim := self.index.victim(name, size)) is not None:
             record = read_record(record_path(self.root, victim), victim) if self._demote is not None else None
             if self.index.unlink(victim):
                 self._count(evictions=1)
                 if record is not None:
                     evicted.append(record)
-        if evicted:
+        if evicted and self._demote is not None:
             self._demote(evicted)
 
     # ---- files ---------------------------------------------------------------------------
@@ -282,7 +282,7 @@ class DiskTier:
     def _damaged(self, name: str, inode: int) -> None:
         self._count(damaged_deleted=int(self.index.unlink(name, inode)))
 
-    def _write(self, name: str, head: bytes, value: bytes) -> bool:
+    def _write(self, name: str, head: bytes, value: Value) -> bool:
         path = record_path(self.root, name)
         temp = temp_path(path, name)
         try:
