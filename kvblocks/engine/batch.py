@@ -18,7 +18,7 @@ from kvblocks.engine.attention.dispatch import supports
 from kvblocks.engine.attention.forward import graphs_default, scratch_slots
 from kvblocks.engine.loop import Engine
 from kvblocks.engine.model_runner import StepForward
-from kvblocks.engine.scheduler import CHUNK, BatchLimits, Scheduler
+from kvblocks.engine.scheduler import CHUNK, BatchLimits
 from kvblocks.generate.generator import CachedGenerator
 from kvblocks.telemetry.metrics import Metrics
 
@@ -123,9 +123,3 @@ class BatchEngine(Engine):
     def deferred(self) -> int:
         """Admissions put off because the pool lacked room for the prompt."""
         return self._batches().deferred
-
-    def _batches(self) -> Scheduler:
-        """The packed steps' scheduler: the engine makes one for its `packed` forward, always given here."""
-        if self.scheduler is None:
-            raise RuntimeError("a batched engine without its scheduler")
-        return self.scheduler

@@ -67,11 +67,11 @@ class Frontend:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def submit(self, prompt: object, emit: Emit, *, tenant: str = "", **options: Any) -> Request:
+    def submit(self, prompt: Prompt, emit: Emit, *, tenant: str = "", **options: Any) -> Request:
         return self._engine.submit(prompt, emit, tenant=tenant, **options)
 
     def submit_all(
-        self, items: Iterable[tuple[object, Emit, dict[str, Any]]], tenant: str = ""
+        self, items: Iterable[tuple[Prompt, Emit, dict[str, Any]]], tenant: str = ""
     ) -> list[Request]:
         return self._engine.submit_all(items, tenant=tenant)
 
