@@ -117,9 +117,9 @@ class BatchEngine(Engine):
 
     @property
     def preemptions(self) -> int:
-        return self.scheduler.preemptions
+        return self._batches().preemptions
 
     @property
     def deferred(self) -> int:
         """Admissions put off because the pool lacked room for the prompt."""
-        return self.scheduler.deferred
+        return self._batches().deferred

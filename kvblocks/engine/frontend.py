@@ -8,12 +8,22 @@ the generator or the engine's insides.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvblocks.engine.loop import Engine
 from kvblocks.engine.request import Emit, Load, Request
 from kvblocks.generate.params import GenerationParams
+from kvblocks.generate.text import Prompt
+
+if TYPE_CHECKING:
+    from kvblocks.adapters.hf_trie import KVCacheTrie
+    from kvblocks.blocks.prefill import BlockPrefill
+    from kvblocks.cache.explain import Explanation
+    from kvblocks.cache.namespace import Namespace
+    from kvblocks.seq2seq.cache import Seq2SeqCache
+    from kvblocks.seq2seq.generator import Seq2SeqCachedGenerator
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,20 +54,25 @@ class Frontend:
         self.max_active = engine.max_active
         self.tokenizer = gen.tokenizer
         self.cache = gen.cache  # the prefix trie (None: --no-cache)
-        self.encoder_decoder = isinstance(gen, Seq2SeqCachedGenerator)
+        self._seq2seq = gen if isinstance(gen, Seq2SeqCachedGenerator) else None
+        self.encoder_decoder = self._seq2seq is not None
         # what the stats report and a flush empties: a seq2seq model's whole cache (source records,
         # decoder trie, encoder work), else the trie
-        self.full_cache = gen.seq2seq if self.encoder_decoder else gen.cache
+        self.full_cache: Seq2SeqCache | KVCacheTrie | None = (
+            self._seq2seq.seq2seq if self._seq2seq is not None else gen.cache
+        )
         self.packed_weight_bytes = engine.packed_weight_bytes if isinstance(engine, BatchEngine) else 0
         self.max_context: int | None = gen.max_context
         self.vocab_size: int = gen.vocab_size
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def submit(self, prompt, emit: Emit, *, tenant: str = "", **options) -> Request:
+    def submit(self, prompt: Prompt, emit: Emit, *, tenant: str = "", **options: Any) -> Request:
         return self._engine.submit(prompt, emit, tenant=tenant, **options)
 
-    def submit_all(self, items: Iterable[tuple[object, Emit, dict]], tenant: str = "") -> list[Request]:
+    def submit_all(
+        self, items: Iterable[tuple[Prompt, Emit, dict[str, Any]]], tenant: str = ""
+    ) -> list[Request]:
         return self._engine.submit_all(items, tenant=tenant)
 
     def cancel(self, request: Request) -> None:
@@ -76,7 +91,7 @@ class Frontend:
     def queued(self) -> int:
         return self._engine.queued
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """The engine's part of `/v1/cache/stats`."""
         return {
             "active": self._engine.active,
@@ -104,28 +119,33 @@ class Frontend:
             architectures=tuple(getattr(config, "architectures", None) or ()),
         )
 
-    def encode(self, prompt) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int]:
         return self._gen.encode(prompt)
 
     def check_params(self, params: GenerationParams) -> None:
         """Raise ParamError naming what this generator cannot honour."""
         self._gen.check_params(params)
 
-    def block_prefill(self):
+    def block_prefill(self) -> BlockPrefill:
         """The model's KV block fill (ParamError where the model cannot move cached keys)."""
         return self._gen.block_prefill()
 
-    def encode_source(self, source) -> list[int]:
-        return self._gen.encode_source(source)
+    def encode_source(self, source: Prompt) -> list[int]:
+        return self._encoder_decoder().encode_source(source)
 
-    def decoder_ids(self, decoder) -> list[int]:
-        return self._gen.decoder_ids(decoder)
+    def decoder_ids(self, decoder: str | Sequence[int]) -> list[int]:
+        return self._encoder_decoder().decoder_ids(decoder)
 
     @property
     def start_id(self) -> int:
-        return self._gen.start_id
+        return int(self._encoder_decoder().start_id)
 
-    def namespace(self):
+    def _encoder_decoder(self) -> Seq2SeqCachedGenerator:
+        if self._seq2seq is None:
+            raise TypeError("the served model is not an encoder-decoder model")
+        return self._seq2seq
+
+    def namespace(self) -> Namespace:
         """The cache namespace of the served weights (computed from them when there is no cache)."""
         from kvblocks.cache.namespace import namespace_for
 
@@ -133,14 +153,19 @@ class Frontend:
 
     # ---- the prefix cache ------------------------------------------------------------------------
 
-    def explain(self, ids: list[int], **options):
+    def explain(self, ids: list[int], **options: Any) -> Explanation:
         """`kvblocks.cache.explain.explain` on this cache and tokenizer."""
         from kvblocks.cache.explain import explain
 
-        return explain(self.cache, self.tokenizer, ids, **options)
+        return explain(self._trie(), self.tokenizer, ids, **options)
 
-    def inspect(self, tenant, limit: int, tree: bool, max_nodes: int):
+    def inspect(self, tenant: str | None, limit: int, tree: bool, max_nodes: int) -> dict[str, Any]:
         """`kvblocks.cache.inspection.inspect_prefixes` on this cache and tokenizer."""
         from kvblocks.cache.inspection import inspect_prefixes
 
-        return inspect_prefixes(self.cache, self.tokenizer, tenant, limit, tree, max_nodes)
+        return inspect_prefixes(self._trie(), self.tokenizer, tenant, limit, tree, max_nodes)
+
+    def _trie(self) -> KVCacheTrie:
+        if self.cache is None:
+            raise RuntimeError("this server runs without a prefix cache")
+        return self.cache

@@ -35,14 +35,20 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kvblocks.cache.pool import KVPool
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kvblocks.engine.attention.batch import Segment
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +83,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def bucket(segments: Sequence, max_rows: int = MAX_ROWS, groups: int = 1) -> Layout | None:
+def bucket(segments: Sequence[Segment], max_rows: int = MAX_ROWS, groups: int = 1) -> Layout | None:
     """The layout a forward of `segments` (`attention.batch.Segment`) is padded to, or None where padding would
     cost more than launching its kernels one by one, or where its mask (`groups` query heads per K/V
     head) would exceed `MAX_MASK_ELEMENTS`."""
@@ -105,7 +111,7 @@ class StaticBatch:
         self.pool = pool
         self.layout = layout
         sizes = (g * w, g * w, g * w, g * length, g * length, g * k)
-        self.ids, self.positions, self.writes, reads, keys, self.keep = buffer.split(sizes)
+        self.ids, self.positions, self.writes, reads, keys, self.keep = torch.split(buffer, list(sizes))
         self.reads = reads.view(g, length)
         self.key_positions = keys.view(g, length)
         self._bias: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -171,18 +177,20 @@ class _Entry:
         self.host = torch.zeros(total, dtype=torch.int64, pin_memory=pinned)
         self.device = torch.zeros(total, dtype=torch.int64, device=pool.device)
         self.batch = StaticBatch(pool, layout, self.device)
-        self.copied = torch.cuda.Event() if pinned else None  # the last copy out of `host` is done
-        self.graph = None
+        # the last copy out of `host` is done (torch leaves Event.__new__ unannotated)
+        self.copied = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
+        self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
-    def fill(self, segments: Sequence, scratch: int) -> None:
+    def fill(self, segments: Sequence[Segment], scratch: int) -> None:
         """The segments' ids, positions and slots into the input buffers (padding as the module says)."""
         layout = self.batch.layout
         g, w, length, k = layout.segments, layout.width, layout.length, layout.keep
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has read `host`
         ids, positions, writes, reads, keys, keep = (
-            part.numpy() for part in self.host.split((g * w, g * w, g * w, g * length, g * length, g * k))
+            part.numpy()
+            for part in torch.split(self.host, [g * w, g * w, g * w, g * length, g * length, g * k])
         )
         ids[:], positions[:], writes[:] = 0, 0, scratch
         reads[:], keys[:] = scratch, _FAR
@@ -211,7 +219,7 @@ class GraphedForwards:
 
     def __init__(
         self,
-        model,
+        model: PreTrainedModel,
         pool: KVPool,
         scratch: int,
         capture: bool | None = None,
@@ -239,7 +247,7 @@ class GraphedForwards:
         self.capture_seconds = 0.0  # host time spent warming up and capturing layouts
         self.warmup_seconds = 0.0  # of which the warm-up forwards
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Replays, captures (and the seconds they took), evictions, forwards left eager, graphs
         held and why graphs are off."""
         with self._lock:
@@ -247,7 +255,7 @@ class GraphedForwards:
             held["warmup_seconds"] = round(self.warmup_seconds, 4)
             return self.counts | held | {"disabled": self.disabled}
 
-    def forward(self, segments: Sequence) -> list[torch.Tensor] | None:
+    def forward(self, segments: Sequence[Segment]) -> list[torch.Tensor] | None:
         layout = None if self.disabled else bucket(segments, self.max_rows, self._groups)
         entry = self._entries.get(layout) if layout is not None else None
         if entry is None and layout is not None and not self._recurs(layout):
@@ -270,7 +278,8 @@ class GraphedForwards:
                 logits_to_keep=batch.keep,
                 **{BATCH_KEYWORD: batch},
             )
-            return out.logits[0]
+            logits: torch.Tensor = out.logits[0]
+            return logits
 
         if layout not in self._entries:
             start = time.perf_counter()
@@ -289,7 +298,7 @@ class GraphedForwards:
                     self.counts["evictions"] += 1
         else:
             self._entries.move_to_end(layout)
-        if entry.graph is not None:
+        if entry.graph is not None and entry.logits is not None:  # captured: the graph wrote its output
             entry.graph.replay()
             logits = entry.logits.clone()  # the graph's output is overwritten by its next replay
         else:
@@ -310,7 +319,7 @@ class GraphedForwards:
             self._seen.popitem(last=False)
         return False
 
-    def _capture(self, entry: _Entry, run) -> None:
+    def _capture(self, entry: _Entry, run: Callable[[], torch.Tensor]) -> None:
         """Warm the layout's forward up on a side stream (lazy initialisation stays out of the graph),
         then capture it; without capture, only check that it runs."""
         if not self.capture:
@@ -318,7 +327,7 @@ class GraphedForwards:
             return
         device = self.pool.device
         with torch.cuda.device(device):
-            stream = torch.cuda.Stream(device)
+            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 start = time.perf_counter()

@@ -21,6 +21,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from kvblocks.blocks.segments import Block, is_segmented
 from kvblocks.engine import speculative
@@ -38,7 +39,14 @@ from kvblocks.engine.serial import SerialRunner
 from kvblocks.engine.slots import SlotManager
 from kvblocks.generate.generator import CachedGenerator
 from kvblocks.generate.params import ConstraintError
+from kvblocks.generate.text import Prompt
 from kvblocks.telemetry.metrics import CacheCollector, Metrics, Seq2SeqCollector
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvblocks.blocks.report import StoredBlock
+    from kvblocks.generate.decoding import Piece
 
 __all__ = ["Engine", "EngineError", "Load", "QueueFullError", "Request"]
 
@@ -61,8 +69,9 @@ class Engine:
         self.metrics = metrics or Metrics()
         if generator.cache is not None:
             self.metrics.register(CacheCollector(generator.cache))
-        if getattr(generator, "seq2seq", None) is not None:
-            self.metrics.register(Seq2SeqCollector(generator.seq2seq))
+        seq2seq = getattr(generator, "seq2seq", None)  # an encoder-decoder generator's whole cache
+        if seq2seq is not None:
+            self.metrics.register(Seq2SeqCollector(seq2seq))
         self.max_active = max_active
         # the work done for each tenant lately: the scheduler charges its steps, other parts of the
         # server (tokenizing, KV block fills) charge theirs with `ledger.charge(tenant, tokens)`
@@ -79,6 +88,8 @@ class Engine:
         self.intake: SequenceFactory | None = None
         self.rounds = generator if isinstance(generator, speculative.Rounds) else None
         if packed is not None:
+            if generator.cache is None:
+                raise ValueError("packed forwards need a prefix cache")
             self.runner, batch_limits = packed
             self.slots = SlotManager(generator.cache)
             self.intake = SequenceFactory(
@@ -104,12 +115,14 @@ class Engine:
         self.room.wake()
         self._thread.join(timeout)
 
-    def submit(self, prompt, emit: Emit, *, tenant: str = "", **options) -> Request:
+    def submit(self, prompt: Prompt, emit: Emit, *, tenant: str = "", **options: Any) -> Request:
         """Queue one request; `options` are `CachedGenerator.stream`'s (`params`, `salt`, ...): an
         unknown one is a TypeError here. QueueFullError when its tenant's line or the room is full."""
         return self.submit_all([(prompt, emit, options)], tenant=tenant)[0]
 
-    def submit_all(self, items: Iterable[tuple[object, Emit, dict]], tenant: str = "") -> list[Request]:
+    def submit_all(
+        self, items: Iterable[tuple[Prompt, Emit, dict[str, Any]]], tenant: str = ""
+    ) -> list[Request]:
         """Queue several requests of one tenant together, or none (QueueFullError): the branches of
         one HTTP request are refused as a whole, never half admitted."""
         requests = []
@@ -140,13 +153,13 @@ class Engine:
     def active(self) -> int:
         return len(self._running) + len(self.serial.active)
 
-    def graph_stats(self) -> dict | None:
+    def graph_stats(self) -> dict[str, Any] | None:
         """The packed runner's CUDA-graph counters (`GraphedForwards.stats`); None where its forwards
         replay no graphs (serial engine, CPU, batch-invariant, other attention modes, --no-cuda-graphs)."""
         graphs = self.runner.packed.graphs if self.runner is not None else None
         return graphs.stats() if graphs is not None else None
 
-    def kernel_stats(self) -> dict | None:
+    def kernel_stats(self) -> dict[str, Any] | None:
         """Whether the packed runner's attention reads short segments' keys in place with the CPU kernel
         (`kvblocks.engine.kernel`), and if not, why; None for the serial engine."""
         if self.runner is None:
@@ -216,7 +229,7 @@ class Engine:
             self._end(self.scheduler.admit(Counter(r.tenant for r in self._running_requests())))
 
     def _step_packed(self) -> None:
-        if self.scheduler is None:
+        if self.runner is None:
             return
         for s in list(self._running):
             if s.request.cancelled.is_set():
@@ -229,7 +242,13 @@ class Engine:
         self._postprocess(step.batch, outputs)
 
     def _schedule_batch(self) -> Step:
-        return self.scheduler.schedule()
+        return self._batches().schedule()
+
+    def _batches(self) -> Scheduler:
+        """The packed path's scheduler (what only a packed engine's steps reach)."""
+        if self.scheduler is None:
+            raise RuntimeError("this engine runs no packed forwards")
+        return self.scheduler
 
     # ---- the guard: every phase's faults end here -----------------------------------------------
 
@@ -273,7 +292,7 @@ class Engine:
 
     def _drop(self, s: Sequence) -> None:
         """A cancelled or failed sequence: its own slots go back, its lock is released."""
-        self.scheduler.remove(s)
+        self._batches().remove(s)
         self.slots.release(s)
         trace_ended(s.request, outcome="ended")
         if s.draft is not None:
@@ -281,7 +300,7 @@ class Engine:
 
     # ---- the packed path: postprocessing -------------------------------------------------------
 
-    def _postprocess(self, batch: Batch, outputs: list) -> None:
+    def _postprocess(self, batch: Batch, outputs: list[torch.Tensor | Failure]) -> None:
         for (s, n), logits in zip(batch, outputs):
             if isinstance(logits, Failure) or s not in self._running:
                 continue
@@ -291,7 +310,7 @@ class Engine:
                 self._fail(s, exc, "sampling")
 
 
-def _known_tokens(prompt) -> int:
+def _known_tokens(prompt: object) -> int:
     """How many token ids `prompt` holds where it is ids (flat, or id segments and KV blocks), for the
     load a router reads; 0 for text, which is tokenised later."""
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -307,7 +326,7 @@ def _guarded(emit: Emit, request: Request) -> Emit:
     """`emit` as the engine thread calls it: a consumer whose callback raises loses its request
     (cancelled, the traceback on stderr), never the engine thread or the other requests."""
 
-    def call(item) -> None:
+    def call(item: Piece | StoredBlock | BaseException) -> None:
         try:
             emit(item)
         except Exception:

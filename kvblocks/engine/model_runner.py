@@ -8,6 +8,7 @@ scheduling or caching policy.
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,14 +19,19 @@ from kvblocks.engine.attention.forward import PackedForward
 from kvblocks.engine.scheduler import Batch, Failure, chunk_ends
 from kvblocks.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kvblocks.cache.pool import KVPool
+
 
 class StepForward:
     """A step's sequences as segments of one `PackedForward`; a fault fails only its own sequence."""
 
     def __init__(
         self,
-        model,
-        pool,
+        model: PreTrainedModel,
+        pool: KVPool,
         invariant: bool,
         chunk: int,
         scratch: np.ndarray | None,

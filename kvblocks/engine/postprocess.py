@@ -37,6 +37,7 @@ class Postprocessor:
     def advance(self, s: Sequence, n: int, logits: torch.Tensor) -> None:
         """The `n` tokens `s` fed hold KV now; the tokens they yield go through the per-token rule."""
         if s.proposal:
+            assert self.rounds is not None, "only speculative rounds propose drafts"
             tokens = speculative.settle(self.rounds, s, logits, self.slots)
         else:
             s.computed += n
@@ -65,6 +66,7 @@ class Postprocessor:
         if s.draft is not None:
             s.draft.end(s.sequence)
         piece = s.out.conclude(piece, now, cached_tokens=s.cached_tokens, spec=s.spec)
+        assert piece.result is not None, "a concluded piece carries the result"
         self.report.record(s.request, piece.result)
         s.request.emit(piece)
         if s.marked:

@@ -122,7 +122,7 @@ class Scheduler:
 
     # ---- admission ------------------------------------------------------------------------------
 
-    def admit(self, running: Counter) -> list[Failure]:
+    def admit(self, running: Counter[str]) -> list[Failure]:
         """Tenants in fair order (`WaitingRoom.fair_order`, `running` counting each tenant's running
         requests); returns the sequences that failed on the way in."""
         admission = AdmissionPass(self)
@@ -146,7 +146,7 @@ class Scheduler:
                 s.waited += 1
         return self._handed_back()
 
-    def _make_place(self, tenant: str, running: Counter) -> bool:
+    def _make_place(self, tenant: str, running: Counter[str]) -> bool:
         """With every place taken, preempt a decoding request of the tenant holding the most places
         per unit of weight, when `tenant` would still hold no more per weight than it after the
         swap: a tenant cannot keep the whole batch while another waits (`max_running` or not), and
@@ -263,6 +263,7 @@ class Scheduler:
         s.held_back = 0
         if s.draft is None or take != s.left:
             return take if self._reserve(s, s.computed + take, batch) else 0
+        assert self.rounds is not None, "only speculative rounds start drafts"
         room = min(speculative.room(s), budget - take)  # a draft/verify round
         if not self._reserve(s, s.computed + take + room, batch):  # slots first: drafting consumes the rng
             return 0

@@ -51,7 +51,7 @@ from kvblocks.spill.disk_files import (
     write_file,
 )
 from kvblocks.spill.disk_index import DiskIndex
-from kvblocks.spill.tier import TierHealth, TierUnavailable
+from kvblocks.spill.tier import TierHealth, TierUnavailable, Value
 
 __all__ = ["FRAME", "DiskTier", "write_file"]
 
@@ -81,7 +81,7 @@ class DiskTier:
 
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         capacity_bytes: int,
         *,
         fsync: bool = False,
@@ -104,12 +104,12 @@ class DiskTier:
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._health = TierHealth("ok")
         self._blocked_until = 0.0
-        self._demote: Callable[[list[tuple[str, bytes]]], None] | None = None
+        self._demote: Callable[[list[tuple[str, Value]]], None] | None = None
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.index = DiskIndex(self.root, capacity_bytes, touch_interval_s)
         self.rescan()
 
-    def bind_demote(self, demote: Callable[[list[tuple[str, bytes]]], None]) -> None:
+    def bind_demote(self, demote: Callable[[list[tuple[str, Value]]], None]) -> None:
         """`demote(items)` receives the records eviction removes (read back before their files go),
         so a stack under write-back hands them to the tier below."""
         self._demote = demote
@@ -130,13 +130,13 @@ class DiskTier:
             out.append(size - extra if size > extra else -1)
         return out
 
-    def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[bytes | None]:
+    def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[Value | None]:
         """Every file is opened and its read-ahead asked for first, so a cold run's reads reach the
         device together rather than one file after another; then each is read and its frame checked."""
         deadline = time.monotonic() + self.read_budget_s
         names = [file_name(key) for key in keys]
         files = [self._open(name) for name in names]
-        out: list[bytes | None] = [None] * len(keys)
+        out: list[Value | None] = [None] * len(keys)
         try:
             for i, (key, f, limit) in enumerate(zip(keys, files, limits)):
                 if i and time.monotonic() > deadline:  # the run so far is used; the rest is computed
@@ -152,7 +152,7 @@ class DiskTier:
         self._count(hits=len(hit), misses=len(keys) - len(hit))
         return out
 
-    def put(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def put(self, items: Sequence[tuple[str, Value]]) -> int:
         """Write each record (evicting the least recently used first); returns the bytes written.
         While the disk is full or read-only nothing is written (counted, never raised); a directory
         deleted under the tier is recreated."""
@@ -233,14 +233,14 @@ class DiskTier:
         self.rescan()
 
     def _make_room(self, name: str, size: int) -> None:
-        evicted = []
+        evicted: list[tuple[str, Value]] = []
         while (victim := self.index.victim(name, size)) is not None:
             record = read_record(record_path(self.root, victim), victim) if self._demote is not None else None
             if self.index.unlink(victim):
                 self._count(evictions=1)
                 if record is not None:
                     evicted.append(record)
-        if evicted:
+        if evicted and self._demote is not None:
             self._demote(evicted)
 
     # ---- files ---------------------------------------------------------------------------
@@ -282,7 +282,7 @@ class DiskTier:
     def _damaged(self, name: str, inode: int) -> None:
         self._count(damaged_deleted=int(self.index.unlink(name, inode)))
 
-    def _write(self, name: str, head: bytes, value: bytes) -> bool:
+    def _write(self, name: str, head: bytes, value: Value) -> bool:
         path = record_path(self.root, name)
         temp = temp_path(path, name)
         try:

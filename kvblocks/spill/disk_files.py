@@ -86,7 +86,7 @@ def framed_key(head: bytes) -> str | None:
         return None
 
 
-def write_file(fd: int, head: bytes, value: bytes, fsync: bool) -> None:
+def write_file(fd: int, head: bytes, value: bytes | memoryview, fsync: bool) -> None:
     """Write a whole file and close it (the seam where tests make the disk full). A short write
     (a size limit reached) is retried, and the retry raises what stopped it."""
     try:
@@ -141,7 +141,7 @@ def degraded_reason(exc: OSError, root: Path) -> str:
     return ""
 
 
-def entries(path: str | Path) -> list[os.DirEntry]:
+def entries(path: str | Path) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(path) as it:
             return list(it)

@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from kvblocks.spill.lru import BytesLRU
-from kvblocks.spill.tier import TierHealth
+from kvblocks.spill.tier import TierHealth, Value
 from kvblocks.spill.transfer import pinned_copy
 
-Demote = Callable[[list[tuple[str, bytes]]], None]
+Demote = Callable[[list[tuple[str, Value]]], None]
 
 
 class HostTier:
@@ -58,21 +58,23 @@ class HostTier:
         with self._lock:
             return [self._lru.size(k) for k in keys]
 
-    def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[bytes | None]:
+    def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[Value | None]:
         """Each record (a read-only view of its pinned tensor when pinned), cut to its limit."""
-        out: list = []
+        out: list[Value | None] = []
         with self._lock:
             for key, limit in zip(keys, limits):
                 record = self._records.get(key)
-                if record is not None:
-                    self._lru.touch([key])
-                    record = _view(record)
-                    record = record if len(record) <= limit else record[:limit]
-                out.append(record)
+                if record is None:
+                    out.append(None)
+                    continue
+                self._lru.touch([key])
+                value = _view(record)
+                out.append(value if len(value) <= limit else value[:limit])
         return out
 
-    def put(self, items: Sequence[tuple[str, bytes]]) -> int:
-        written, evicted = 0, []
+    def put(self, items: Sequence[tuple[str, Value]]) -> int:
+        written = 0
+        evicted: list[tuple[str, Value]] = []
         stored = [(key, self._store(value)) for key, value in items if len(value) <= self._lru.capacity]
         with self._lock:
             self._counts["refused_too_large"] += len(items) - len(stored)
@@ -82,6 +84,7 @@ class HostTier:
                 self._lru.pop(key)
                 while not self._lru.fits(size):
                     old = self._lru.victim()
+                    assert old is not None  # the record fits the capacity, so something is held
                     self._lru.pop(old)
                     evicted.append((old, _view(self._records.pop(old))))
                 self._records[key] = record
@@ -128,7 +131,7 @@ class HostTier:
             self._records.clear()
             self._lru.reset(())
 
-    def _store(self, value: bytes) -> bytes | torch.Tensor:
+    def _store(self, value: Value) -> bytes | torch.Tensor:
         """What the tier keeps of `value`: a pinned copy, or the bytes themselves."""
         return pinned_copy(value) if self.pin_memory else bytes(value)
 
@@ -137,6 +140,6 @@ def _nbytes(record: bytes | torch.Tensor) -> int:
     return record.numel() if isinstance(record, torch.Tensor) else len(record)
 
 
-def _view(record: bytes | torch.Tensor) -> bytes | memoryview:
+def _view(record: bytes | torch.Tensor) -> Value:
     """The record's bytes; a pinned tensor's as a read-only view (it keeps the tensor alive)."""
-    return memoryview(record.numpy()).toreadonly() if isinstance(record, torch.Tensor) else record
+    return record.numpy().data.toreadonly() if isinstance(record, torch.Tensor) else record

@@ -20,7 +20,7 @@ import torch
 
 from kvblocks.cache.layout import KVLayout, StateLayout
 from kvblocks.spill.records import ChunkCodec, StateCodec, VerificationError
-from kvblocks.spill.tier import TierUnavailable
+from kvblocks.spill.tier import TierUnavailable, Value
 from kvblocks.spill.tier_counters import TierSlot
 from kvblocks.spill.transfer import is_cuda, upload
 from kvblocks.spill.writer import Confirmed
@@ -28,7 +28,7 @@ from kvblocks.spill.writer import Confirmed
 # (tier slot, key, counter) -> count a refused record and delete it from that tier
 Reject = Callable[[TierSlot, str, str], None]
 # (records verified in a lower tier, that tier's index) -> copy them into the tiers above
-Promote = Callable[[list[tuple[str, bytes]], int, str], None]
+Promote = Callable[[list[tuple[str, Value]], int, str], None]
 
 
 @dataclass(slots=True)
@@ -117,7 +117,7 @@ class Lookup:
         kv = [_join([p[layer] for p in parts]) for layer in range(len(parts[0]))]
         return Fetched(first * c, done * c, upload(kv, self.device), tiers)
 
-    def _run(self, slot: TierSlot, t: Target) -> tuple[list[torch.Tensor | None], list[tuple[str, bytes]]]:
+    def _run(self, slot: TierSlot, t: Target) -> tuple[list[torch.Tensor | None], list[tuple[str, Value]]]:
         """The verified run `slot`'s tier holds of `t`: its KV rows and its (key, record)s."""
         c = self.chunk_tokens
         slot.count(lookups=1, lookup_chunks=len(t.keys))
@@ -140,7 +140,7 @@ class Lookup:
         # Chunks decode straight into their rows of one tensor per layer; the run ends before the
         # first chunk that fails verification.
         restored = self.bound_layout.empty(run * c, pin_memory=is_cuda(self.device))
-        found: list[tuple[str, bytes]] = []
+        found: list[tuple[str, Value]] = []
         for i, raw in enumerate(values):
             if raw is None or len(raw) != lengths[i]:  # replaced since `sizes` answered: next lookup sees it
                 break
@@ -192,7 +192,7 @@ class Lookup:
 
     def _state_in(
         self, slot: TierSlot, namespace_key: str, ids: np.ndarray, ends: list[int], keys: list[str]
-    ) -> tuple[int, torch.Tensor, tuple[str, bytes]] | None:
+    ) -> tuple[int, torch.Tensor, tuple[str, Value]] | None:
         c = self.chunk_tokens
         codec, state = self.state_codec()
         try:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvblocks.spill.records import ChunkCodec
+from kvblocks.spill.tier import Value
 from kvblocks.spill.tier_counters import TierSlot
 from kvblocks.spill.transfer import offload
 from kvblocks.spill.writer import Confirmed, Job, Writer
@@ -110,12 +111,12 @@ class WritePolicy:
         if self.codec.delete_invalid:
             self._enqueue(Job("delete", (slot.index,), (key,)))
 
-    def promote(self, items: list[tuple[str, bytes]], index: int, counter: str) -> None:
+    def promote(self, items: list[tuple[str, Value]], index: int, counter: str) -> None:
         """Records verified in tier `index` are written into the faster tiers above it."""
         nbytes = sum(len(v) for _, v in items)
         self._enqueue(Job("raw", tuple(range(index)), (items,), counter, nbytes=nbytes))
 
-    def demoted(self, index: int, items: list[tuple[str, bytes]]) -> None:
+    def demoted(self, index: int, items: list[tuple[str, Value]]) -> None:
         """Tier `index` evicted `items` by its own bound: under write-back they go one tier down
         (under write-through every tier below has them already). Runs on the writer's thread."""
         if self.mode == "back" and index + 1 < len(self.slots):

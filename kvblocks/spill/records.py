@@ -33,6 +33,7 @@ import xxhash
 
 from kvblocks.cache.layout import KVLayout, StateLayout
 from kvblocks.spill.sealing import NONCE_BYTES, TAG_BYTES, Sealer
+from kvblocks.spill.tier import Value
 
 FORMAT_VERSION = 2
 
@@ -161,7 +162,7 @@ def encode_state_record(
 
 
 def decode_state_record(
-    raw: bytes,
+    raw: Value,
     namespace_key: str,
     tokens: np.ndarray,
     state: StateLayout,
@@ -180,7 +181,7 @@ def decode_state_record(
 
 
 def decode_record(
-    raw: bytes,
+    raw: Value,
     namespace_key: str,
     tokens: np.ndarray,
     layout: KVLayout,
@@ -196,7 +197,7 @@ def decode_record(
 
 
 def decode_record_into(
-    raw: bytes,
+    raw: Value,
     namespace_key: str,
     tokens: np.ndarray,
     layout: KVLayout,
@@ -224,7 +225,7 @@ def decode_record_into(
 
 
 def _open_into(
-    raw: bytes,
+    raw: Value,
     header: dict[str, Any],
     namespace_key: str,
     tokens: np.ndarray,
@@ -285,7 +286,7 @@ def _open_into(
         offset += target.nbytes
 
 
-def _split_record(raw: bytes, payload_bytes: int) -> dict[str, Any] | None:
+def _split_record(raw: Value, payload_bytes: int) -> dict[str, Any] | None:
     """The record's fields with its last one, the payload, as a view of `raw` (no copy), when `raw`
     is shaped as `encode_record` writes it: a map whose last value is a bin of `payload_bytes`.
     None otherwise; `msgpack.unpackb` of the whole value then reports what is wrong."""
@@ -379,7 +380,7 @@ class ChunkCodec(Protocol):
 
     def decode_into(
         self,
-        raw: bytes,
+        raw: Value,
         key: str,
         namespace_key: str,
         tokens: np.ndarray,
@@ -403,7 +404,7 @@ class StateCodec(ChunkCodec, Protocol):
     ) -> bytes: ...
 
     def decode_state(
-        self, raw: bytes, key: str, namespace_key: str, tokens: np.ndarray, state: StateLayout
+        self, raw: Value, key: str, namespace_key: str, tokens: np.ndarray, state: StateLayout
     ) -> torch.Tensor: ...
 
 
@@ -448,7 +449,7 @@ class NativeCodec:
 
     def decode_into(
         self,
-        raw: bytes,
+        raw: Value,
         key: str,
         namespace_key: str,
         tokens: np.ndarray,
@@ -471,6 +472,6 @@ class NativeCodec:
         return encode_state_record(namespace_key, tokens, state, blob, key=key, sealer=self.sealer)
 
     def decode_state(
-        self, raw: bytes, key: str, namespace_key: str, tokens: np.ndarray, state: StateLayout
+        self, raw: Value, key: str, namespace_key: str, tokens: np.ndarray, state: StateLayout
     ) -> torch.Tensor:
         return decode_state_record(raw, namespace_key, tokens, state, key=key, sealer=self.sealer)

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvblocks.spill.redis_conn import REDIS_FAILURES, RedisConnection, wrong_type
-from kvblocks.spill.tier import TierHealth, TierUnavailable
+from kvblocks.spill.tier import TierHealth, TierUnavailable, Value
 
 
 class RedisStore:
@@ -35,14 +35,14 @@ class RedisStore:
         replies = self.connection.pipeline("read", [("strlen", k) for k in keys])
         return [-1 if wrong_type(r) else int(r) for r in replies]
 
-    def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[bytes | None]:
+    def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[Value | None]:
         calls = [("getrange", k, 0, limit - 1) for k, limit in zip(keys, limits)]
         # a key replaced by another type since STRLEN answered: no record there
         return [None if wrong_type(r) or not r else r for r in self.connection.pipeline("read", calls)]
 
     # ---- writes (the write client) -----------------------------------------------------------
 
-    def put(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def put(self, items: Sequence[tuple[str, Value]]) -> int:
         self.connection.pipeline("write", [("set", k, v, None, self.ttl_ms) for k, v in items])
         return sum(len(v) for _, v in items)
 

@@ -28,6 +28,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+# A record's bytes as a tier holds them: bytes, or a read-only view of them (the host tier's pinned
+# records); whoever reads a value takes either.
+Value = bytes | memoryview
+
 
 class TierUnavailable(RuntimeError):
     """The tier cannot answer now (connection refused, disk gone, timeout): a miss, never an error."""
@@ -52,12 +56,12 @@ class Tier(Protocol):
         but cannot be a record (wrong type) is -1. Raises TierUnavailable."""
         ...
 
-    def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[bytes | None]:
+    def get(self, keys: Sequence[str], limits: Sequence[int]) -> list[Value | None]:
         """Each key's value, reading at most `limits[i]` bytes of it; None where absent. A value is
         bytes or a read-only bytes-like view (the host tier's pinned records). Raises TierUnavailable."""
         ...
 
-    def put(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def put(self, items: Sequence[tuple[str, Value]]) -> int:
         """Store each (key, value), replacing what is there; returns the bytes written. A tier at its
         capacity evicts by its own policy first. Raises TierUnavailable."""
         ...

@@ -18,7 +18,7 @@ ordinary synchronous one: pinning needs a CUDA driver, and there is no copy to o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ import torch
 _side_streams: dict[int, Any] = {}
 
 
-def is_cuda(device: torch.device | str | None) -> bool:
+def is_cuda(device: torch.device | str | None) -> TypeGuard[torch.device | str]:
     return device is not None and torch.device(device).type == "cuda"
 
 
@@ -34,11 +34,13 @@ def side_stream(device: torch.device) -> Any:
     """The spill copies' own stream on `device` (one per device, made on first use)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
+        _side_streams[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
     return _side_streams[index]
 
 
-def offload(kv: list[torch.Tensor | None], device: torch.device | None) -> tuple[list, Any]:
+def offload(
+    kv: list[torch.Tensor | None], device: torch.device | None
+) -> tuple[list[torch.Tensor | None], Any]:
     """Host copies of `kv` and the event the reader of those copies waits on (None off a GPU)."""
     if not is_cuda(device):
         return [None if t is None else t.to("cpu", copy=True) for t in kv], None
@@ -59,7 +61,7 @@ def offload(kv: list[torch.Tensor | None], device: torch.device | None) -> tuple
     return out, event
 
 
-def upload(kv: list[torch.Tensor | None], device: torch.device) -> list[torch.Tensor | None]:
+def upload(kv: list[torch.Tensor | None], device: torch.device | None) -> list[torch.Tensor | None]:
     """`kv` (host tensors, pinned on a GPU) on `device`; on CUDA ordered before the current stream's
     next kernels (see the module doc)."""
     if not is_cuda(device):

@@ -96,9 +96,9 @@ class PackedBatch:
             for segment, slots, start in zip(self.segments, self.slots, self.starts):
                 first = 0 if window is None else max(0, start // self._align * self._align - window + 1)
                 if segment.tree is not None:
-                    allowed = trees.visible(start, len(slots), first, segment.tree, window)
+                    visible = trees.visible(start, len(slots), first, segment.tree, window)
                     out.append(
-                        (reader(self.pool, slots[first:]), torch.from_numpy(allowed).to(self.pool.device))
+                        (reader(self.pool, slots[first:]), torch.from_numpy(visible).to(self.pool.device))
                     )
                     continue
                 q = torch.arange(start, len(slots), device=self.pool.device)[:, None]

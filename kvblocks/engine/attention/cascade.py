@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -54,11 +54,19 @@ class Cascade:
         """The sizes of the fixed cuts (`FixedCuts`); None: keys cut where their leading run ends."""
         return None
 
-    def plan(self, batch: PackedBatch, members: Sequence[int]) -> CascadePlan:
+    def plan(self, batch: PackedBatch, members: Sequence[int]) -> LayerPlan:
         return CascadePlan.of(batch, self.min_run, members)
 
     def plan_direct(self, batch: PackedBatch, members: Sequence[int]) -> kernel.Plan:
         return kernel_plan(batch, members, self.min_run)
+
+
+class LayerPlan(Protocol):
+    """What a cascade's plan does for each layer without a window (`CascadePlan`, `FixedCutsPlan`)."""
+
+    def attend(
+        self, pool_layer: torch.Tensor, query: torch.Tensor, batch: PackedBatch, scale: float, groups: int
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)

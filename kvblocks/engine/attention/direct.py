@@ -21,6 +21,8 @@ from kvblocks.engine import kernel
 from kvblocks.engine.attention.batch import leading_run
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from kvblocks.engine.attention.batch import PackedBatch
 
 
@@ -48,7 +50,7 @@ def kernel_plan(batch: PackedBatch, members: Sequence[int], minimum: int) -> ker
     return kernel.Plan.of(groups)
 
 
-def direct_refusal(model, pool: KVPool) -> str | None:
+def direct_refusal(model: PreTrainedModel, pool: KVPool) -> str | None:
     """Why the CPU kernel cannot attend for this model and pool (None: it can): the pool's device
     and dtype, the kernel's build, and its `probe` for every layer's heads."""
     if pool.device.type != "cpu":

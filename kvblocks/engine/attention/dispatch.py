@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +29,9 @@ from kvblocks.engine import graphs, kernel
 from kvblocks.engine.attention.batch import PackedBatch
 from kvblocks.engine.attention.grouped import grouped_attention
 from kvblocks.engine.attention.per_segment import plain_attention, segment_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 NAME = graphs.BATCH_KEYWORD  # the keyword a packed forward's batch travels under to every layer
 ATTENTION_RANGE = "kvblocks.attention"  # the profiler range around `paged_attention`, under a profiler
@@ -57,7 +61,7 @@ def attention_clock() -> Iterator[list[float]]:
         _clock.spent = None
 
 
-def paged_attention(*args, **kwargs):
+def paged_attention(*args: Any, **kwargs: Any) -> Any:
     """The attention interface's signature: `query [1, Hq, T, D]`, `key/value [1, Hkv, T, D]` of the
     packed new tokens (rotary applied). Returns `([1, T, Hq, D], None)`. Under a profiler it runs inside
     a range named `ATTENTION_RANGE`, so a profile can tell attention from the rest of a step (without
@@ -74,17 +78,17 @@ def paged_attention(*args, **kwargs):
 
 
 def _dispatch(
-    module,
+    module: Any,  # the model's attention layer (its family's own class)
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask,
+    attention_mask: Any,
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    **kwargs,
-):
+    **kwargs: Any,
+) -> Any:
     batch: PackedBatch | graphs.StaticBatch | None = kwargs.pop(NAME, None)
     if batch is None:  # an ordinary forward: the model's own implementation, same arguments
         if sliding_window is not None:
@@ -159,7 +163,7 @@ def _planned_attention(
     return out
 
 
-def _fallback(module):
+def _fallback(module: Any) -> Callable[..., Any]:
     """The attention function the model had before `install`: a registered one, or the eager
     function of the module's own modeling file (each family has its own)."""
     import sys
@@ -167,17 +171,20 @@ def _fallback(module):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     original = _wrapped[module.config._attn_implementation]
+    function: Callable[..., Any]
     if original in ALL_ATTENTION_FUNCTIONS:
-        return ALL_ATTENTION_FUNCTIONS[original]
-    return sys.modules[type(module).__module__].eager_attention_forward
+        function = ALL_ATTENTION_FUNCTIONS[original]
+    else:
+        function = sys.modules[type(module).__module__].eager_attention_forward
+    return function
 
 
-def supports(model) -> bool:
+def supports(model: PreTrainedModel) -> bool:
     """True when `model` can run packed forwards (its family is in SUPPORTED)."""
     return getattr(model.config, "model_type", None) in SUPPORTED
 
 
-def install(model) -> None:
+def install(model: PreTrainedModel) -> None:
     """Route the model's attention through `paged_attention`, which falls back to the model's own
     implementation for every call that is not a packed forward. Idempotent."""
     from transformers import AttentionInterface

@@ -157,6 +157,7 @@ class FixedCutsPlan:
             if target is None:
                 results[0, own.rows], sums[0, own.rows] = o, sum_
                 continue
+            assert isinstance(own.rows, torch.Tensor), "a tail with pieces has its rows gathered"
             results[0, own.rows[:rows]], sums[0, own.rows[:rows]] = o[:rows], sum_[:rows]
             pieces[target], piece_sums[target] = o[rows:], sum_[rows:]
         for part, n, fold in self.runs:
@@ -210,6 +211,7 @@ def with_gathered(
     if not members:
         return tail, rows, None
     pieces, target = gathered(batch, tail.length, tail.width, members)
+    assert tail.allowed is not None, "a tail's mask is kept when its rows are padded (MIN_ROWS)"
     allowed = torch.ones(pieces.segments, tail.width, tail.length, dtype=torch.bool, device=target.device)
     own = Own(
         torch.cat((tail.reads, pieces.reads)),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,10 +27,13 @@ from kvblocks.engine.attention.probes import MIN_ROWS, probe_row_invariance
 from kvblocks.engine.attention.strategy import choose
 from kvblocks.engine.head import PackedHead, PackedLinears, scope
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 PACKED_WEIGHTS = ("all", "head", "none")  # `kvblocks serve --packed-weights`
 
 
-def packed_layers(model, which: str) -> PackedLinears | PackedHead | None:
+def packed_layers(model: PreTrainedModel, which: str) -> PackedLinears | PackedHead | None:
     """The reordered weights a forward's packed forwards take: every linear layer's (`"all"`), the
     output head's (`"head"`) or none (`"none"`)."""
     if which not in PACKED_WEIGHTS:
@@ -51,7 +55,7 @@ def scratch_slots(invariant: bool, cuda_graphs: bool) -> int:
     return MIN_ROWS - 1 if invariant else int(cuda_graphs)
 
 
-def check_invariance(model, pool: KVPool) -> None:
+def check_invariance(model: PreTrainedModel, pool: KVPool) -> None:
     """NotImplementedError unless batch-invariant forwards hold for `model` over `pool`."""
     if pool.device.type != "cpu":
         raise NotImplementedError(
@@ -81,7 +85,7 @@ class PackedForward:
 
     def __init__(
         self,
-        model,
+        model: PreTrainedModel,
         pool: KVPool,
         invariant: bool = False,
         chunk: int = 1,

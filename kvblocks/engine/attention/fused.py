@@ -21,7 +21,8 @@ def fused(
     H, R, L]`: the output and each row's log-sum-exp. On CPU one call of the flash kernel (which
     returns the log-sum-exp and reads strided K/V); elsewhere the same math in matrix products."""
     if q.device.type == "cpu":
-        return _flash(q, k, v, attn_mask=bias, scale=scale)
+        out, lse = _flash(q, k, v, attn_mask=bias, scale=scale)
+        return out, lse
     return attend(q, k.transpose(-1, -2), v, scale, bias)
 
 

@@ -53,7 +53,7 @@ class Group:
         rows = np.zeros((len(members), width), dtype=np.int64)
         reads = np.zeros((len(members), length), dtype=np.int64)
         mask = np.zeros((len(members), 1, width, length), dtype=bool)
-        flat = []
+        flat: list[int] = []
         for m, (((a, b), slots, start), first) in enumerate(zip(members, firsts)):
             n, read = b - a, len(slots) - first
             rows[m, :n], rows[m, n:] = np.arange(a, b), b - 1

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from kvblocks.engine import kernel
     from kvblocks.engine.attention.batch import PackedBatch
 
 
@@ -39,6 +40,10 @@ class PerSegment:
     def plan(self, batch: PackedBatch, members: Sequence[int]) -> None:
         """No plan: every segment attends on its own."""
         return None
+
+    def plan_direct(self, batch: PackedBatch, members: Sequence[int]) -> kernel.Plan:
+        """Never called (`direct` is False): the CPU kernel serves cascade attention only."""
+        raise NotImplementedError(f"the attention kernel cannot be used: {self.direct_reason}")
 
 
 def segment_attention(

@@ -10,6 +10,7 @@ batch-invariant). The cascades also hand narrow segments to the CPU kernel where
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvblocks.cache.pool import KVPool
 from kvblocks.engine.attention.cascade import CASCADE_MIN_RUN, Cascade
@@ -19,12 +20,15 @@ from kvblocks.engine.attention.grouped import Grouped
 from kvblocks.engine.attention.per_segment import PerSegment
 from kvblocks.engine.attention.probes import probe_blocks_invariance
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 ATTENTION_MODES = ("cascade", "grouped", "per-segment")  # `kvblocks serve --attention`
 Attention = PerSegment | Grouped | Cascade | FixedCuts
 
 
 def choose(
-    model,
+    model: PreTrainedModel,
     pool: KVPool,
     invariant: bool = False,
     chunk: int = 1,
