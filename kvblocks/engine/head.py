@@ -31,9 +31,13 @@ import types
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Row counts whose shared rows must come out the same (the largest: the reference). From 4 up: batch-
 # invariant forwards give every product at least `probes.MIN_ROWS` (4) rows, and below it oneDNN takes
@@ -53,7 +57,7 @@ def available() -> bool:
     """Whether this torch has oneDNN and its linear over a reordered weight."""
     ops = torch.ops.mkldnn
     return (
-        torch.backends.mkldnn.is_available()
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # unannotated in torch
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")
     )
@@ -73,7 +77,7 @@ class PackedHead:
         self._lock = threading.Lock()
 
     @classmethod
-    def of(cls, model) -> PackedHead | None:
+    def of(cls, model: PreTrainedModel) -> PackedHead | None:
         """The model's packed head (made once per head), or None where it cannot be used."""
         module = model.get_output_embeddings()
         with _lock:
@@ -95,14 +99,17 @@ class PackedHead:
                 if key != self._key:
                     self._weight = self.pack(w.detach())
                     self._key = key
+        assert self._weight is not None, "packed above when the key changed"
         return self._weight
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` in the layout `product` takes (oneDNN's blocked one)."""
-        return torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
+        return packed
 
     def product(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.module.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, self.module.bias, "none", [], "")
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +126,7 @@ class PackedHead:
         return self.product(x, self.weight())
 
     @staticmethod
-    def eligible(module) -> bool:
+    def eligible(module: torch.nn.Module) -> bool:
         return _eligible(module)
 
     def probe(self) -> bool:
@@ -144,7 +151,7 @@ class KernelLinear(PackedHead):
     its probe holds for the shape."""
 
     @staticmethod
-    def eligible(module) -> bool:
+    def eligible(module: torch.nn.Module) -> bool:
         from kvblocks.engine import gemm
 
         return (
@@ -183,7 +190,7 @@ class PackedLinears:
         return sum(p.nbytes for p in self.layers.values())
 
     @classmethod
-    def of(cls, model) -> PackedLinears | None:
+    def of(cls, model: PreTrainedModel) -> PackedLinears | None:
         """The model's packed layers (made once per model), or None where none can be used. The
         probe runs once per kind, shape and dtype (what oneDNN's choice of kernel depends on), on
         the first layer of that shape."""
@@ -192,7 +199,7 @@ class PackedLinears:
                 return _models[model]
         head = PackedHead.of(model)
         layers: dict[torch.nn.Module, PackedHead] = {}
-        holds: dict[tuple, bool] = {}
+        holds: dict[tuple[object, ...], bool] = {}
         for module in model.modules():
             if module is model.get_output_embeddings() or type(module) is not torch.nn.Linear:
                 continue
@@ -202,7 +209,7 @@ class PackedLinears:
                 else:
                     packed = _choose(module, LAYER_PROBE_ROWS, holds)
                     if packed is not None:
-                        module.forward = types.MethodType(_forward, module)
+                        module.forward = types.MethodType(_forward, module)  # type: ignore[method-assign]  # the packed product in `scope`
                     _heads[module] = packed
             if packed is not None:
                 layers[module] = packed
@@ -214,7 +221,9 @@ class PackedLinears:
         return out
 
 
-def _choose(module, rows: tuple[int, ...], holds: dict[tuple, bool]) -> PackedHead | None:
+def _choose(
+    module: torch.nn.Linear, rows: tuple[int, ...], holds: dict[tuple[object, ...], bool]
+) -> PackedHead | None:
     """`module` packed by the first kind that takes it and whose probe holds for its shape (the
     kernel's, then oneDNN's), or None; `holds` keeps each probe's answer per kind and shape."""
     for kind in (KernelLinear, PackedHead):
@@ -229,7 +238,7 @@ def _choose(module, rows: tuple[int, ...], holds: dict[tuple, bool]) -> PackedHe
     return None
 
 
-def _eligible(module) -> bool:
+def _eligible(module: torch.nn.Module) -> bool:
     return (
         type(module) is torch.nn.Linear
         and module.weight.device.type == "cpu"
@@ -249,7 +258,7 @@ def _dtypes() -> tuple[torch.dtype, ...]:
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A layer's forward once packed: the packed product inside `scope` on this thread, the
     module's own forward everywhere else (a copy of the module, unregistered, takes its own)."""
-    held = getattr(_scope, "head", None)
+    held: PackedHead | PackedLinears | None = getattr(_scope, "head", None)
     packed = None if held is None else held.for_module(module)
     if packed is not None:
         return packed(x)

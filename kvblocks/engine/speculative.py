@@ -20,6 +20,11 @@ from kvblocks.specdec.tree import DraftTree, Shape
 if TYPE_CHECKING:
     from kvblocks.engine.sequence import Sequence
     from kvblocks.engine.slots import SlotManager
+    from kvblocks.generate.sampling import SamplingParams
+    from kvblocks.specdec.drafters import Drafter, DraftSession
+    from kvblocks.specdec.tree import Sure, TreeShape
+
+Proposal = tuple[list[int], "torch.Tensor | None", "torch.Tensor | None"]
 
 
 @runtime_checkable
@@ -27,13 +32,53 @@ class Rounds(Protocol):
     """What a generator offers for its decoding to run as rounds of the packed forward
     (`SpeculativeGenerator` does)."""
 
-    drafter: object
+    drafter: Drafter
     gamma: int
     max_gamma: int
+    tree: TreeShape | None  # draft trees' shape, None for chains
+    sure: Sure  # how sure scored trees were, shared by every request
 
-    def propose(self, session, committed, gamma, params, rng): ...
+    def propose(
+        self,
+        session: DraftSession,
+        committed: list[int],
+        gamma: int,
+        params: SamplingParams,
+        rng: torch.Generator | None,
+    ) -> Proposal: ...
 
-    def settle(self, logits, proposal, params, rng, stats, gamma): ...
+    def settle(
+        self,
+        logits: torch.Tensor,
+        proposal: Proposal,
+        params: SamplingParams,
+        rng: torch.Generator | None,
+        stats: SpecStats,
+        gamma: int,
+    ) -> tuple[int, int, int]: ...
+
+    def propose_tree(
+        self,
+        session: DraftSession,
+        committed: list[int],
+        shape: Shape,
+        params: SamplingParams,
+        rng: torch.Generator | None,
+        others: int = 0,
+        room: int | None = None,
+    ) -> DraftTree: ...
+
+    def fed_tokens(self, tree: DraftTree) -> list[int]: ...
+
+    def settle_tree(
+        self,
+        logits: torch.Tensor,
+        tree: DraftTree,
+        params: SamplingParams,
+        rng: torch.Generator | None,
+        stats: SpecStats,
+        shape: Shape,
+    ) -> tuple[list[int], int]: ...
 
 
 def start(generator: Rounds, s: Sequence) -> None:
@@ -41,8 +86,8 @@ def start(generator: Rounds, s: Sequence) -> None:
     s.draft = generator.drafter.start(s.ids, s.salt)
     s.gamma = generator.gamma
     s.spec = SpecStats(s.gamma)
-    if getattr(generator, "tree", None) is not None:
-        s.shape = Shape(generator.tree, shared=getattr(generator, "sure", None))
+    if generator.tree is not None:
+        s.shape = Shape(generator.tree, shared=generator.sure)
 
 
 def room(s: Sequence) -> int:
@@ -54,6 +99,7 @@ def propose(generator: Rounds, s: Sequence, room: int, others: int = 0) -> int:
     """Draft this round's tokens for `s` (at most `room`; a tree smaller beside `others` running
     requests); returns how many."""
     params, rng = s.params.sampling, s.out.rng
+    assert s.draft is not None, "`start` opened the request's draft session"
     if s.shape is not None:
         tree = generator.propose_tree(s.draft, s.sequence, s.shape, params, rng, others, room)
         s.proposal = (generator.fed_tokens(tree), tree, None)
@@ -79,9 +125,11 @@ def settle(
     if isinstance(proposal[1], DraftTree):
         return _settle_tree(generator, s, proposal[1], logits, slots)
     drafts = proposal[0]
+    assert s.spec is not None, "`start` set the request's stats"
     n, token, s.gamma = generator.settle(logits, proposal, s.params.sampling, s.out.rng, s.spec, s.gamma)
     s.computed += 1 + n  # the fed token and the accepted drafts hold KV now
     slots.trim(s, s.computed)
+    assert s.draft is not None, "`start` opened the request's draft session"
     s.draft.rollback(len(s.sequence) + n)
     return list(zip([*drafts[:n], token], logits))
 
@@ -93,9 +141,11 @@ def _settle_tree(
     stays where the forward wrote it), every other node's slots go back."""
     head = len(logits) - len(tree)  # committed tokens fed before the tree (its root last)
     rows = logits[head - 1 :]
+    assert s.spec is not None and s.shape is not None, "`start` set the request's stats and shape"
     path, token = generator.settle_tree(rows, tree, s.params.sampling, s.out.rng, s.spec, s.shape)
     base = s.computed + head
     slots.keep(s, base, path)
     s.computed = base + len(path)
+    assert s.draft is not None, "`start` opened the request's draft session"
     s.draft.rollback(len(s.sequence) + len(path))
     return list(zip([*tree.path_tokens(path), token], rows[[0, *(i + 1 for i in path)]]))
