@@ -230,6 +230,29 @@ def test_a_busier_tenants_prompt_work_is_one_cut_a_step_while_another_tenant_is_
     assert outputs(seen) == outputs(seen_alone)
 
 
+def test_a_tenants_prompt_work_is_one_cut_a_step_across_the_packed_and_the_one_request_path():
+    """A busier tenant with a long prompt in the packed batch and prompt log-probabilities on the
+    one-request path: while another tenant is active, a step holds the cut of one or the forward of
+    the other, never both (each is a forward's fixed cost the other tenant's next token waits for)."""
+    model = tiny_llama(torch.bfloat16)
+    engine = bf16_engine(model)
+    forwards = Forwards(model)
+    victim = Requests()
+    victim.submit(engine, "first", [9, 10, 11, 12], "victim")
+    while not victim.done["first"].is_set():
+        engine.step()
+    seen = Requests()
+    seen.submit(engine, "packed", [(5 * i) % 128 for i in range(200)], "attacker")
+    seen.submit(engine, "serial", *ATTACK["logprobs"][:1], "attacker", **ATTACK["logprobs"][1])
+    both = serial_steps = 0
+    while not (seen.done["packed"].is_set() and seen.done["serial"].is_set()):
+        widths = forwards.during(engine.step)
+        prompt_forward = any(n > 1 for n in widths)
+        serial_steps += prompt_forward
+        both += prompt_forward and "attacker" in engine.scheduler.prompted
+    assert serial_steps >= len(ATTACK["logprobs"][0]) // CHUNK and both == 0
+
+
 # ---- over real HTTP: the server's default engine on a CPU with native bf16 ---------------------------
 
 SERVER_KEYS = {"attacker": "sk-serial-attacker", "victim": "sk-serial-victim", "ops": "sk-serial-ops"}

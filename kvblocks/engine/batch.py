@@ -117,6 +117,7 @@ class BatchEngine(Engine):
             # shared (float32), a prompt's KV enters the trie from one forward, as the packed path's bits
             self.serial.cut = batch.contended_prefill
             self.serial.contended = self._contended
+            self.serial.prompted = lambda: self.scheduler.prompted
 
     def _contended(self, tenant: str) -> bool:
         """Whether `tenant` was served more than another tenant with work (the one-request path's

@@ -77,6 +77,7 @@ class Scheduler:
         self.step_no = 0
         self.deferred = 0  # admissions put off because the pool lacked room for the prompt
         self.preemptions = 0
+        self.prompted: set[str] = set()  # tenants with prompt tokens in the last step scheduled
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -230,6 +231,7 @@ class Scheduler:
                     shares[tenant] -= take
         for s, take in batch:  # the work of this step, charged to whom it is for
             self.room.ledger.charge(s.request.tenant, take)
+        self.prompted = {s.request.tenant for s, _ in batch if not s.generated}
         return batch
 
     def prefill_shares(self, budget: int) -> dict[str, int]:

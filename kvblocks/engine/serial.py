@@ -16,9 +16,10 @@ tokens are charged to its tenant (`charge`: the engine's `TenantLedger`, which t
 With `cut` (the batched engine on a CPU, where a step's time grows with its rows and whoever arrives
 waits for the step in flight), all of a prompt's work, its plain prefill included, runs in forwards
 of at most `cut` tokens, and while `contended(tenant)` (another tenant with work was served less)
-one such forward a step for all of that tenant's requests together: the other tenant's next token
-waits for one short forward, not for a step's worth per request. The forwards depend on the request
-alone, never on the contention, so its bits do not either.
+one such forward a step for all of that tenant's requests together, none where the tenant's prompt
+work had its cut of the step's packed batch (`prompted`): the other tenant's next token waits for
+one short forward, not for a step's worth per request. The forwards depend on the request alone,
+never on the contention, so its bits do not either.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class SerialRunner:
         self.cut: int | None = None  # the width of every prompt forward (None: `block_chunk`, blocks only)
         self.contended: Callable[[str], bool] = lambda tenant: False  # see the module's docstring
         self.prompting: set[Request] = set()  # requests whose next step is prompt work
+        # tenants whose prompt work already ran in this loop step's other forwards (the packed batch)
+        self.prompted: Callable[[], set[str]] = set
 
     def has_room(self) -> bool:
         return len(self.active) < self.max_active
@@ -95,7 +98,7 @@ class SerialRunner:
     def step(self) -> None:
         """A stream step of each request; with `cut`, a tenant's prompt work is one forward of the
         step while it is `contended`, whatever its number of requests (the first in line goes)."""
-        worked: set[str] = set()  # tenants whose prompt work ran a forward this step
+        worked = set(self.prompted())  # tenants whose prompt work ran a forward this step
         for request in list(self.active):
             if request in self.prompting and request.tenant in worked and self.contended(request.tenant):
                 continue
