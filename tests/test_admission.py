@@ -86,6 +86,21 @@ def test_fair_order_counts_tokens_not_only_running_requests():
     assert room.fair_order({"flood": 1, "gold": 1, "light": 1}) == ["gold", "light", "flood"]
 
 
+def test_a_tenant_starts_no_request_beyond_its_weighted_share_of_the_places_while_another_is_active():
+    limits = {"gold": TenantLimits(weight=3.0)}
+    room = WaitingRoom(limits_of=lambda t: limits.get(t, TenantLimits()))
+    room.ledger.clock = lambda: 0.0
+    room.put_all("flood", [Item("flood")] * 20)
+    assert room.fair_order({"flood": 7}, places=8, recent_s=2.0) == ["flood"]  # alone: every place
+    room.ledger.charge("victim", 1)  # served just now: active, with nothing waiting or running
+    assert room.fair_order({"flood": 4}, places=8, recent_s=2.0) == []
+    assert room.fair_order({"flood": 3}, places=8, recent_s=2.0) == ["flood"]
+    assert room.fair_order({"flood": 7}) == ["flood"]  # without places: no share
+    room.put_all("gold", [Item("gold")])  # weight 3 of 5: 4 of 8 places, flood and victim 1 each
+    assert room.place_shares(8, {"flood": 1}, 2.0) == {"flood": 1, "victim": 1, "gold": 4}
+    assert room.fair_order({"flood": 1, "gold": 3}, places=8, recent_s=2.0) == ["gold"]
+
+
 def test_cancelled_requests_at_the_head_of_a_line_leave_it():
     dropped = []
     room = WaitingRoom(on_cancelled=lambda: dropped.append(1))
@@ -134,6 +149,23 @@ def test_a_flooding_tenant_gets_its_share_and_a_newcomer_is_admitted_next(model)
         engine._step_packed()
     engine._admit()
     assert "victim" in running_tenants(engine)
+
+
+def test_without_max_running_a_flooder_takes_its_share_of_the_batch_while_another_tenant_is_active(model):
+    engine = engine_for(model, batch=8)
+    engine.ledger.clock = lambda: 0.0
+    submit(engine, "flood", 40)
+    engine._admit()
+    assert running_tenants(engine) == ["flood"] * 8  # alone: the whole batch
+    engine = engine_for(model, batch=8)
+    engine.ledger.clock = lambda: 0.0
+    engine.ledger.charge("victim", 1)  # its last reply just went out; its next request is coming
+    submit(engine, "flood", 40)
+    engine._admit()
+    assert running_tenants(engine) == ["flood"] * 4
+    submit(engine, "victim", 1)
+    engine._admit()  # a free place at once: nobody is preempted
+    assert running_tenants(engine) == ["flood"] * 4 + ["victim"] and engine.preemptions == 0
 
 
 def run_until_idle(engine) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pickle
 import threading
 import time
@@ -16,7 +17,7 @@ import pytest
 from server_proc import start_server, stop_cleanly, tiny_model_dir
 
 from kvblocks.server.errors import APIError, parse_body
-from kvblocks.server.parsing import INLINE_BODY_BYTES, BodyParser
+from kvblocks.server.parsing import INLINE_BODY_BYTES, WORKER_NICENESS, BodyParser
 from kvblocks.server.schemas import ChatCompletionRequest
 
 MODEL = "tiny"
@@ -110,6 +111,16 @@ def test_large_bodies_are_parsed_one_per_tenant_and_at_most_workers_at_once():
     assert asyncio.run(burst()) == [b"A", b"B", b"C"] * 4
     assert peaks["all"] == 2 and peaks[b"A"] == peaks[b"B"] == peaks[b"C"] == 1
     assert not parser._per_tenant  # a tenant's gate goes with its last body
+
+
+def test_parsing_workers_run_nicer_than_the_server_so_the_engine_keeps_its_core():
+    parser = BodyParser(workers=1)
+    parser.start()
+    try:
+        niceness = parser._pool.submit(os.nice, 0).result()
+    finally:
+        parser.stop()
+    assert niceness == min(19, os.nice(0) + WORKER_NICENESS)
 
 
 def test_a_large_body_with_an_unknown_argument_is_the_same_400_as_a_small_one(server):

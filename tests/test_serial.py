@@ -4,14 +4,19 @@ other requests, and is charged to its tenant in the engine's `TenantLedger`."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
+import httpx
+import openai
+import pytest
 import torch
 from conftest import IdTokenizer, tiny_llama
+from server_proc import start_server, stop_cleanly, wait_idle
 
 from kvblocks import Block, CachedGenerator, GenerationParams, KVCacheTrie, Scope, StoredBlock
-from kvblocks.engine.batch import BatchEngine
+from kvblocks.engine.batch import CHUNK, BatchEngine
 from kvblocks.engine.loop import Engine
 
 
@@ -130,3 +135,188 @@ def test_a_block_stored_ahead_runs_a_forward_per_step_charged_to_its_tenant_besi
         [[1, 2], Block(doc), [3]], max_new_tokens=1, kv_mode="concat", salt=Scope("attacker", "")
     )
     assert hit.blocks.block_fill_tokens == 0
+
+
+# ---- the one-cut rule on the batched engine in half precision (the server's CPU default) ------------
+
+
+def bf16_engine(model) -> BatchEngine:
+    """The server's engine on a CPU in bf16 (batch-invariant, 16-token cuts); its ledger's clock
+    stands still, so a tenant charged once stays recent and the charges add up exactly."""
+    gen = CachedGenerator(model, IdTokenizer(), KVCacheTrie.for_model(model, capacity_tokens=4096))
+    engine = BatchEngine(gen, max_batch_size=4, max_batch_tokens=80, invariant=True)
+    engine.ledger.clock = lambda: 0.0
+    return engine
+
+
+class Forwards:
+    """The widths of the one-request path's forwards (the packed path's forward passes no cache)."""
+
+    def __init__(self, model) -> None:
+        self.widths: list[int] = []
+        model.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs) -> None:
+        if kwargs.get("use_cache"):
+            self.widths.append(kwargs["input_ids"].shape[1])
+
+    def during(self, step) -> list[int]:
+        before = len(self.widths)
+        step()
+        return self.widths[before:]
+
+
+ATTACK = {
+    "logprobs": ([(13 * i) % 128 for i in range(150)], {"prompt_logprobs": 1}),
+    "blend": (
+        [[1, 2, 3] * 10, *[Block([(7 * i + j) % 128 for j in range(20)]) for i in range(6)], [4, 5] * 20],
+        {"kv_mode": "blend", "blend_recompute": 0.3},
+    ),
+}
+
+
+def attack(engine: BatchEngine) -> Requests:
+    seen = Requests()
+    for tag, (prompt, params) in ATTACK.items():
+        seen.submit(engine, tag, prompt, "attacker", **params)
+    return seen
+
+
+def outputs(seen: Requests) -> dict[str, tuple]:
+    """Each request's tokens and log-probabilities (prompt ones included), bit for bit."""
+    out = {}
+    for tag in ATTACK:
+        r = seen.results[tag]
+        prompt = [(lp.token, lp.logprob) for lp in r.prompt_logprobs or [] if lp is not None]
+        out[tag] = (r.token_ids, prompt, [(lp.token, lp.logprob) for lp in r.logprobs or []])
+    return out
+
+
+def test_a_busier_tenants_prompt_work_is_one_cut_a_step_while_another_tenant_is_active_and_keeps_its_bits():
+    """In bf16 the one-request path's KV stays its own, so its prompt work (prompt log-probabilities,
+    block fills, the blend's probe and recompute, the plain prefill) runs in 16-token forwards. Alone,
+    each of a tenant's requests takes a forward a step; while another tenant was served less, the
+    tenant's requests together take one forward a step, so the other tenant's next token waits for a
+    16-token forward at most. Its outputs are the bits it gets alone."""
+    model = tiny_llama(torch.bfloat16)
+    alone = bf16_engine(model)
+    assert alone.serial.cut == CHUNK and not alone.serial.shares_kv
+    forwards = Forwards(model)
+    seen_alone = attack(alone)
+    steps_alone = []
+    while not all(seen_alone.done[tag].is_set() for tag in ATTACK):
+        steps_alone.append(forwards.during(alone.step))
+    assert max(max(w, default=0) for w in steps_alone) <= CHUNK
+    assert max(len(w) for w in steps_alone) == 2  # alone, both requests advance every step
+
+    engine = bf16_engine(model)
+    victim = Requests()
+    victim.submit(engine, "first", [9, 10, 11, 12], "victim")
+    while not victim.done["first"].is_set():
+        engine.step()  # the victim was served: active (recent) from here on, and served less
+    seen = attack(engine)
+    steps, turns = [], 0
+    while not all(seen.done[tag].is_set() for tag in ATTACK):
+        if turns % 7 == 3:  # the victim's next request arrives between steps
+            victim.submit(engine, f"turn {turns}", [9, 10, 11, 12, turns % 100], "victim")
+        widths = forwards.during(engine.step)
+        steps.append(widths)
+        if turns % 7 == 3:  # its first token came in the step after it arrived
+            assert any(tag == f"turn {turns}" for tag, _ in victim.events)
+        turns += 1
+    prompt_steps = [w for w in steps if any(n > 1 for n in w)]
+    assert all(len([n for n in w if n > 1]) == 1 and max(w) <= CHUNK for w in prompt_steps), steps
+    assert len(steps) > len(steps_alone)  # the price: one forward a step instead of one per request
+    assert outputs(seen) == outputs(seen_alone)
+
+
+def test_a_tenants_prompt_work_is_one_cut_a_step_across_the_packed_and_the_one_request_path():
+    """A busier tenant with a long prompt in the packed batch and prompt log-probabilities on the
+    one-request path: while another tenant is active, a step holds the cut of one or the forward of
+    the other, never both (each is a forward's fixed cost the other tenant's next token waits for)."""
+    model = tiny_llama(torch.bfloat16)
+    engine = bf16_engine(model)
+    forwards = Forwards(model)
+    victim = Requests()
+    victim.submit(engine, "first", [9, 10, 11, 12], "victim")
+    while not victim.done["first"].is_set():
+        engine.step()
+    seen = Requests()
+    seen.submit(engine, "packed", [(5 * i) % 128 for i in range(200)], "attacker")
+    seen.submit(engine, "serial", *ATTACK["logprobs"][:1], "attacker", **ATTACK["logprobs"][1])
+    both = serial_steps = 0
+    while not (seen.done["packed"].is_set() and seen.done["serial"].is_set()):
+        widths = forwards.during(engine.step)
+        prompt_forward = any(n > 1 for n in widths)
+        serial_steps += prompt_forward
+        both += prompt_forward and "attacker" in engine.scheduler.prompted
+    assert serial_steps >= len(ATTACK["logprobs"][0]) // CHUNK and both == 0
+
+
+# ---- over real HTTP: the server's default engine on a CPU with native bf16 ---------------------------
+
+SERVER_KEYS = {"attacker": "sk-serial-attacker", "victim": "sk-serial-victim", "ops": "sk-serial-ops"}
+
+
+@pytest.fixture(scope="module")
+def bf16_server(tmp_path_factory):
+    from kvblocks import models
+
+    if not models.native_bf16():
+        pytest.skip("the one-cut rule of the one-request path is for half precision; this CPU runs float32")
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys = [{"key": k, "tenant": t, "admin": t == "ops"} for t, k in SERVER_KEYS.items()]
+    path.write_text(json.dumps({"keys": keys}))
+    server = start_server("--served-model-name", "m", "--dtype", "bfloat16", "--api-keys", str(path))
+    yield server
+    stop_cleanly(server)
+
+
+def test_a_long_prompt_logprobs_request_does_not_hold_another_tenants_request_and_keeps_its_bits(bf16_server):
+    """The real model in bf16, as `kvblocks serve` runs by default here. An echo with log-probabilities
+    (prompt log-probabilities: the one-request path) over a ~1,500-token prompt was one forward, which
+    every other tenant's next token waited for; now it is 16-token forwards, one a step while the
+    victim is active, so the victim's whole request ends long before it. Its log-probabilities are
+    those it gets alone, bit for bit."""
+    prompt = " ".join(f"item{i % 97} is filed under shelf {i % 13}." for i in range(150))
+    attack = {"model": "m", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1}
+    ask = {
+        "model": "m",
+        "prompt": "Count: 1 2 3",
+        "max_tokens": 4,
+        "extra_body": {"ignore_eos": True},
+        "stream": True,
+    }
+
+    def client(tenant: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{bf16_server.url}/v1", api_key=SERVER_KEYS[tenant], max_retries=0)
+
+    attacker, victim = client("attacker"), client("victim")
+    alone = attacker.completions.create(**attack)
+    assert alone.usage.prompt_tokens > 1000
+    ended: dict[str, float] = {}
+    answer: dict = {}
+
+    def send_attack() -> None:
+        answer["r"] = attacker.completions.create(**attack)
+        ended["attacker"] = time.monotonic()
+
+    victim.completions.create(**{**ask, "stream": False})  # active: served within the last 2 s
+    thread = threading.Thread(target=send_attack)
+    thread.start()
+    with httpx.Client(
+        base_url=bf16_server.url, headers={"Authorization": f"Bearer {SERVER_KEYS['ops']}"}
+    ) as ops:
+        while ops.get("/v1/cache/stats").json()["engine"]["active"] == 0:  # the attack is running
+            time.sleep(0.01)
+        started = time.monotonic()
+        chunks = list(victim.completions.create(**ask))
+        ended["victim"] = time.monotonic()
+        thread.join()
+        wait_idle(ops)
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    assert ended["victim"] < ended["attacker"], (
+        f"the victim's 4 tokens took {ended['victim'] - started:.2f} s and ended after the attack"
+    )
+    assert answer["r"].choices[0].logprobs.token_logprobs == alone.choices[0].logprobs.token_logprobs
+    assert answer["r"].choices[0].text == alone.choices[0].text

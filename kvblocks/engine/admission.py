@@ -8,6 +8,11 @@ unit of weight first, counting the tokens the `TenantLedger` was charged for the
 skipping tenants at their `max_running`. A tenant flooding with thousands of long prompts therefore
 gets its weighted share of the engine and no more while others wait. Each step looks at a few queue
 heads per tenant, never a whole queue.
+
+Given the batch's `places`, a tenant also starts no request beyond its weighted share of them while
+other tenants are active (waiting, running, or served within `recent_s`): with or without
+`max_running`, a flooder's rows leave room in each step for the others, whose next request then
+starts at once. Alone, a tenant may take every place.
 """
 
 from __future__ import annotations
@@ -165,21 +170,52 @@ class WaitingRoom:
             self.on_cancelled()
         return heads
 
-    def fair_order(self, running: Mapping[str, int], skip: set[str] = frozenset()) -> list[str]:
+    def fair_order(
+        self,
+        running: Mapping[str, int],
+        skip: set[str] = frozenset(),
+        places: int | None = None,
+        recent_s: float = 0.0,
+    ) -> list[str]:
         """Tenants with waiting work that may run one more request, the least served first: least
         recent work (charged tokens, plus `REQUEST_TOKENS` a running request and the one it would
-        start) per unit of weight."""
+        start) per unit of weight. With `places`, a tenant at its share of them (`place_shares`) may
+        not run one more."""
         with self._lock:
             heads = [(tenant, queue[0].submitted) for tenant, queue in self._queues.items() if queue]
+        shares = self.place_shares(places, running, recent_s) if places is not None else {}
         order = []
         for tenant, since in heads:
             limits = self.limits_of(tenant)
             now = running.get(tenant, 0)
-            if tenant in skip or (limits.max_running is not None and now >= limits.max_running):
+            at_max = limits.max_running is not None and now >= limits.max_running
+            if tenant in skip or at_max or now >= shares.get(tenant, now + 1):
                 continue
             work = self.ledger.work(tenant) + (now + 1) * REQUEST_TOKENS
             order.append((work / limits.weight, since, tenant))
         return [tenant for *_, tenant in sorted(order)]
+
+    def place_shares(self, places: int, running: Mapping[str, int], recent_s: float) -> dict[str, int]:
+        """Each active tenant's weighted share of `places` (at least one), where more than one is
+        active: waiting here, running (`running`) or charged within `recent_s`. Empty: one alone."""
+        active = self._active(running, recent_s)
+        if len(active) < 2:
+            return {}
+        weights = {t: self.limits_of(t).weight for t in active}
+        total = sum(weights.values())
+        return {t: max(1, int(places * w / total)) for t, w in weights.items()}
+
+    def busier(self, tenant: str, running: Iterable[str], recent_s: float) -> bool:
+        """Whether another active tenant (waiting here, in `running`, or charged within `recent_s`)
+        has less recent work per weight than `tenant`: whatever `tenant`'s work holds up in a step,
+        that tenant's next request or token waits for."""
+        others = self._active({t: 1 for t in running}, recent_s) - {tenant}
+        mine = self.ledger.usage(tenant)
+        return any(self.ledger.usage(t) < mine for t in others)
+
+    def _active(self, running: Mapping[str, int], recent_s: float) -> set[str]:
+        busy = {t for t, n in running.items() if n > 0}
+        return self.tenants() | busy | (self.ledger.recent(recent_s) if recent_s > 0 else set())
 
     def items(self) -> list:
         """Every waiting item (a copy, safe from any thread)."""

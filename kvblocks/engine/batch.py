@@ -18,7 +18,7 @@ from kvblocks.engine.attention.dispatch import supports
 from kvblocks.engine.attention.forward import graphs_default, scratch_slots
 from kvblocks.engine.loop import Engine
 from kvblocks.engine.model_runner import StepForward
-from kvblocks.engine.scheduler import CHUNK, BatchLimits
+from kvblocks.engine.scheduler import CHUNK, RECENT_S, BatchLimits
 from kvblocks.generate.generator import CachedGenerator
 from kvblocks.telemetry.metrics import Metrics
 
@@ -114,6 +114,18 @@ class BatchEngine(Engine):
         # forwards: what it computes stays its own, so every prefix in the trie is the packed path's
         # and a request gets the same bits after a hit as alone (float32 shares: tests/test_dtype.py)
         self.serial.shares_kv = not (invariant and cache.pool.dtype in HALF)
+        if batch.contended_prefill > 0 and not self.serial.shares_kv:
+            # its prompt work in cuts too, one a step while contended; only where its KV stays its own:
+            # shared (float32), a prompt's KV enters the trie from one forward, as the packed path's bits
+            self.serial.cut = batch.contended_prefill
+            self.serial.contended = self._contended
+            self.serial.prompted = lambda: self._batches().prompted
+
+    def _contended(self, tenant: str) -> bool:
+        """Whether `tenant` was served more than another tenant with work (the one-request path's
+        rule, as `Scheduler.prefill_shares`' for the packed path)."""
+        running = [s.request.tenant for s in self._running] + [r.tenant for r in self.serial.active]
+        return self.room.busier(tenant, running, RECENT_S)
 
     @property
     def preemptions(self) -> int:

@@ -8,7 +8,8 @@ prefill, fewest tokens left first, under `max_batch_tokens` (`full_batch_tokens`
 place is taken and nobody waits); a step in which some request can get its first token leaves long
 prefills out (head-of-line blocking is then the step in flight plus one short step). Tenants share
 in tokens: while another tenant has work, a tenant's prefill takes at most its weighted share of a
-step, and a tenant holding every batch place gives one up to a tenant under its share. When the
+step, a tenant starts no request beyond its weighted share of the batch places, and a tenant holding
+every batch place gives one up to a tenant under its share. When the
 pool runs out of slots, the busiest tenant's youngest other running request is the preemption
 victim: it waits again, first in its tenant's line, and resumes later.
 
@@ -119,6 +120,7 @@ class Scheduler:
         self.step_no = 0
         self.deferred = 0  # admissions put off because the pool lacked room for the prompt
         self.preemptions = 0
+        self.prompted: set[str] = set()  # tenants with prompt tokens in the last step scheduled
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -128,7 +130,7 @@ class Scheduler:
         admission = AdmissionPass(self)
         done: set[str] = set()
         while True:
-            order = self.room.fair_order(running, done)
+            order = self.room.fair_order(running, done, self.places, RECENT_S)
             if not order:
                 break
             tenant = order[0]
@@ -213,6 +215,7 @@ class Scheduler:
                     shares[tenant] -= take
         for s, take in batch:  # the work of this step, charged to whom it is for
             self.room.ledger.charge(s.request.tenant, take)
+        self.prompted = {s.request.tenant for s, _ in batch if not s.generated}
         return Step(batch, self._handed_back())
 
     def prefill_shares(self, budget: int) -> dict[str, int]:

@@ -12,6 +12,14 @@ A prompt's KV block work (fills, blend probe and recompute: `kvblocks.blocks.pre
 forward of at most `block_chunk` tokens (the engine's per-step budget) per step, before its first
 token, so one request's blocks never hold the loop for more than a step's worth of tokens; the
 tokens are charged to its tenant (`charge`: the engine's `TenantLedger`, which the fair order reads).
+
+With `cut` (the batched engine on a CPU, where a step's time grows with its rows and whoever arrives
+waits for the step in flight), all of a prompt's work, its plain prefill included, runs in forwards
+of at most `cut` tokens, and while `contended(tenant)` (another tenant with work was served less)
+one such forward a step for all of that tenant's requests together, none where the tenant's prompt
+work had its cut of the step's packed batch (`prompted`): the other tenant's next token waits for
+one short forward, not for a step's worth per request. The forwards depend on the request alone,
+never on the contention, so its bits do not either.
 """
 
 from __future__ import annotations
@@ -44,6 +52,11 @@ class SerialRunner:
         self.charge = charge  # (tenant, tokens) of KV block work computed for it
         self.active: list[Request] = []
         self.shares_kv = True  # whether the KV its streams compute enters the trie
+        self.cut: int | None = None  # the width of every prompt forward (None: `block_chunk`, blocks only)
+        self.contended: Callable[[str], bool] = lambda tenant: False  # see the module's docstring
+        self.prompting: set[Request] = set()  # requests whose next step is prompt work
+        # tenants whose prompt work already ran in this loop step's other forwards (the packed batch)
+        self.prompted: Callable[[], set[str]] = set
 
     def has_room(self) -> bool:
         return len(self.active) < self.max_active
@@ -69,25 +82,29 @@ class SerialRunner:
         """Its stream starts on the next `step` (its errors surface there)."""
         trace_admitted(request)
         o = request.options
+        chunk = self.cut or self.block_chunk
         if o.store_block:
-            request.stream = self.generator.store_steps(request.prompt, o.salt, self.block_chunk)
+            request.stream = self.generator.store_steps(request.prompt, o.salt, chunk)
         else:
             own = {} if self.shares_kv else {"share_kv": False}  # a generator of its own may not take it
+            if self.cut is not None:
+                own["prompt_chunk"] = self.cut
             request.stream = self.generator.stream(
-                request.prompt,
-                o.params,
-                salt=o.salt,
-                output_logits=o.output_logits,
-                block_chunk=self.block_chunk,
-                **own,
+                request.prompt, o.params, salt=o.salt, output_logits=o.output_logits, block_chunk=chunk, **own
             )
         self.active.append(request)
+        self.prompting.add(request)
 
     def step(self) -> None:
+        """A stream step of each request; with `cut`, a tenant's prompt work is one forward of the
+        step while it is `contended`, whatever its number of requests (the first in line goes)."""
+        worked = set(self.prompted())  # tenants whose prompt work ran a forward this step
         for request in list(self.active):
-            self._advance(request)
+            if request in self.prompting and request.tenant in worked and self.contended(request.tenant):
+                continue
+            self._advance(request, worked)
 
-    def _advance(self, request: Request) -> None:
+    def _advance(self, request: Request, worked: set[str]) -> None:
         if request.cancelled.is_set():
             self.report.cancelled()
             self.finish(request)
@@ -103,9 +120,12 @@ class SerialRunner:
             self.finish(request)
             request.emit(exc)
             return
-        if isinstance(piece, Working):  # a forward of block work: nothing to say to the client yet
+        if request in self.prompting:
+            worked.add(request.tenant)
+        if isinstance(piece, Working):  # a forward of prompt work: nothing to say to the client yet
             self.charge(request.tenant, piece.tokens)
             return
+        self.prompting.discard(request)  # its last prompt forward gave this piece
         if isinstance(piece, StoredBlock):  # a block stored ahead of use: its one answer
             self.report.metrics.inc("kvblocks_block_fill_tokens_total", piece.tokens - piece.held)
             self.finish(request)
@@ -135,4 +155,5 @@ class SerialRunner:
                 self.report.metrics.inc("kvblocks_engine_errors_total")
         if request in self.active:
             self.active.remove(request)
+        self.prompting.discard(request)
         trace_ended(request, outcome="ended")  # spans a result did not close: cancelled or failed

@@ -189,6 +189,7 @@ class CachedGenerator(BlockSteps):
         salt: Salt = None,
         output_logits: bool = False,
         block_chunk: int | None = None,
+        prompt_chunk: int | None = None,
         share_kv: bool = True,
         **options: Any,
     ) -> Iterator[Piece | Working]:
@@ -197,6 +198,11 @@ class CachedGenerator(BlockSteps):
         `block_chunk`: a prompt's KV block work (`kv_mode` blend or concat) runs in forwards of at
         most this many tokens, each followed by a `Working` step, so an engine can interleave it with
         other requests (None: at once, and only `Piece`s are yielded).
+
+        `prompt_chunk`: the rest of the prompt (after any block work; all of it for prompt
+        log-probabilities) is prefilled in forwards of at most this many tokens too, a `Working` step
+        after each but the one that gives the first token. The forwards depend on the prompt and its
+        hit only, never on when the engine takes them, so the bits do not either (None: one forward).
 
         `share_kv=False`: the KV computed here stays the request's own, never inserted into the cache
         (a prefix it hits is read all the same). The batch-invariant engine serves half-precision
@@ -228,8 +234,12 @@ class CachedGenerator(BlockSteps):
                 blocks = yield from self._prefill_blocks(ids, spans, hit, run, params, block_chunk)
             if run.past is None:
                 run.past = self._new_past(hit, salt)
-            k = params.prompt_logprobs
-            prompt_logprobs = None if k is None else self._prompt_logprobs(ids, run, k)
+            prompt_logprobs = None
+            chunk = prompt_chunk if self._chunks_prefill() else None
+            if params.prompt_logprobs is not None:
+                prompt_logprobs = yield from self._prompt_logprobs(ids, run, params.prompt_logprobs, chunk)
+            elif chunk is not None:  # all but the last forward: `_decode` runs that one
+                yield from self._prefill_steps(ids, run, len(ids) - chunk, chunk)
             tokens = self._decode(ids, run, out)
             piece = yield from self._pieces(tokens, run, out, output_logits)
             tokens.close()
@@ -277,17 +287,44 @@ class CachedGenerator(BlockSteps):
             yield piece
         raise AssertionError("a decode strategy yields tokens until the rule finishes the sequence")
 
-    def _prompt_logprobs(self, ids: list[int], run: DecodeState, k: int) -> list[TokenLogprob | None]:
+    def _prompt_logprobs(
+        self, ids: list[int], run: DecodeState, k: int, chunk: int | None = None
+    ) -> Generator[Working, None, list[TokenLogprob | None]]:
         """Score each prompt token after the first by the positions before it.
 
-        Computes all but the last prompt token; the decode strategy then feeds the last one, as it
-        does after a full cache hit, so the tokens generated next are those of any other request.
+        Computes all but the last prompt token (in forwards of `chunk` tokens, a `Working` step after
+        each, when given); the decode strategy then feeds the last one, as it does after a full cache
+        hit, so the tokens generated next are those of any other request.
         """
         assert run.computed == 0
         if len(ids) == 1:
             return [None]
-        rows = self._prefill(ids, run, len(ids) - 1, keep=0)
+        if chunk is None:
+            rows = self._prefill(ids, run, len(ids) - 1, keep=0)
+        else:
+            steps = yield from self._prefill_steps(ids, run, len(ids) - 1, chunk, keep=0)
+            assert steps is not None, "a prompt of two or more tokens leaves at least one to compute"
+            rows = steps
         return [None, *token_logprobs(rows, ids[1:], k)]
+
+    def _chunks_prefill(self) -> bool:
+        """Whether a prompt may be prefilled in several forwards the same as in one: not where a
+        forward's length changes what is computed (one-token steps, recurrent state)."""
+        return not self.runner.stepwise and (self.cache is None or self.cache.min_prefill == 1)
+
+    def _prefill_steps(
+        self, ids: list[int], run: DecodeState, end: int, chunk: int, keep: int = 1
+    ) -> Generator[Working, None, torch.Tensor | None]:
+        """`_prefill` up to `end` in forwards of at most `chunk` tokens, a `Working` step after each;
+        the logits `_prefill` gives (of every position with `keep=0`), None when nothing was left."""
+        rows: list[torch.Tensor] = []
+        while run.computed < end:
+            start = run.computed
+            rows.append(self._prefill(ids, run, min(end, start + chunk), keep))
+            yield Working(run.computed - start)
+        if not rows:
+            return None
+        return torch.cat(rows) if keep == 0 else rows[-1]
 
     def _commit_prompt(self, run: DecodeState) -> None:
         """Store the prompt's KV as soon as it is computed, not only when the request ends.
