@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvblocks.engine.ledger import TenantLedger
+
+if TYPE_CHECKING:
+    from kvblocks.engine.request import Request
 
 REQUEST_TOKENS = 64  # the work a running request counts as in fair order (about a prompt chunk)
 
@@ -83,7 +87,7 @@ class WaitingRoom:
         self.limits_of = limits_of
         self.ledger = ledger or TenantLedger(lambda tenant: limits_of(tenant).weight)
         self.on_cancelled = on_cancelled  # called for each cancelled request dropped from a line
-        self._queues: dict[str, deque] = {}
+        self._queues: dict[str, deque[Request]] = {}
         self._size = 0
         self._lock = threading.Lock()
         self._nonempty = threading.Condition(self._lock)
@@ -118,7 +122,7 @@ class WaitingRoom:
         with self._lock:
             return {tenant for tenant, queue in self._queues.items() if queue}
 
-    def put_all(self, tenant: str, items: Iterable) -> None:
+    def put_all(self, tenant: str, items: Iterable[Request]) -> None:
         """Queue every item or none of them (a request's branches wait together)."""
         items = list(items)
         with self._lock:
@@ -129,7 +133,7 @@ class WaitingRoom:
             self._size += len(items)
             self._nonempty.notify_all()
 
-    def put_front(self, tenant: str, item) -> None:
+    def put_front(self, tenant: str, item: Request) -> None:
         """A preempted request goes back first in its tenant's line, whatever the bounds."""
         with self._lock:
             self._queues.setdefault(tenant, deque()).appendleft(item)
@@ -146,7 +150,7 @@ class WaitingRoom:
         with self._lock:
             self._nonempty.notify_all()
 
-    def remove(self, tenant: str, item) -> None:
+    def remove(self, tenant: str, item: Request) -> None:
         with self._lock:
             queue = self._queues[tenant]
             queue.remove(item)  # near the head: admission only takes from the first few
@@ -154,7 +158,7 @@ class WaitingRoom:
             if not queue:
                 del self._queues[tenant]
 
-    def heads(self, tenant: str, look: int) -> list:
+    def heads(self, tenant: str, look: int) -> list[Request]:
         """The first `look` items of `tenant`'s line; cancelled ones at its head leave it first."""
         dropped = 0
         with self._lock:
@@ -173,7 +177,7 @@ class WaitingRoom:
     def fair_order(
         self,
         running: Mapping[str, int],
-        skip: set[str] = frozenset(),
+        skip: Set[str] = frozenset(),
         places: int | None = None,
         recent_s: float = 0.0,
     ) -> list[str]:
@@ -217,7 +221,7 @@ class WaitingRoom:
         busy = {t for t, n in running.items() if n > 0}
         return self.tenants() | busy | (self.ledger.recent(recent_s) if recent_s > 0 else set())
 
-    def items(self) -> list:
+    def items(self) -> list[Request]:
         """Every waiting item (a copy, safe from any thread)."""
         with self._lock:
             return [item for queue in self._queues.values() for item in queue]

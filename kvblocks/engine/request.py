@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvblocks.blocks.report import StoredBlock
 from kvblocks.cache.trie import Salt
+from kvblocks.generate.block_steps import Working
 from kvblocks.generate.decoding import Piece
 from kvblocks.generate.params import GenerationParams, params_of
 from kvblocks.generate.text import Prompt
@@ -65,7 +66,9 @@ class Request:
     tenant: str = ""
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    stream: Iterator[Piece] | None = None  # on the one-request path: its `CachedGenerator.stream`
+    stream: Generator[Piece | Working | StoredBlock, None, None] | None = (
+        None  # on the one-request path: its `CachedGenerator.stream`
+    )
     last_token_at: float = 0.0
     tokens: int = 0  # prompt ids plus tokens generated so far (the request's KV footprint)
     sequence: Sequence | None = None  # its packed-path state, made once at its first admission

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from kvblocks.blocks.report import StoredBlock
 from kvblocks.engine.admission import WaitingRoom
@@ -34,6 +35,9 @@ from kvblocks.engine.report import Reporter, trace_admitted, trace_ended
 from kvblocks.engine.request import EngineError, Request
 from kvblocks.generate.generator import CachedGenerator, Working
 from kvblocks.telemetry import tracing
+
+if TYPE_CHECKING:
+    from kvblocks.blocks.segments import Block
 
 
 class SerialRunner:
@@ -83,10 +87,13 @@ class SerialRunner:
         trace_admitted(request)
         o = request.options
         chunk = self.cut or self.block_chunk
-        if o.store_block:
-            request.stream = self.generator.store_steps(request.prompt, o.salt, chunk)
+        if o.store_block:  # the block routes queue a block's text or ids (`BlockRequest`)
+            block = cast("Block | str | Sequence[int]", request.prompt)
+            request.stream = self.generator.store_steps(block, o.salt, chunk)
         else:
-            own = {} if self.shares_kv else {"share_kv": False}  # a generator of its own may not take it
+            own: dict[str, Any] = (
+                {} if self.shares_kv else {"share_kv": False}
+            )  # a generator of its own may not take it
             if self.cut is not None:
                 own["prompt_chunk"] = self.cut
             request.stream = self.generator.stream(
@@ -109,6 +116,7 @@ class SerialRunner:
             self.report.cancelled()
             self.finish(request)
             return
+        assert request.stream is not None, "`start` gave it its stream; `finish` takes it from the active"
         try:
             with tracing.current(request.spans.get("prefill")):  # the lookup nests under the prefill
                 piece = next(request.stream)

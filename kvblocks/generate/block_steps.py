@@ -7,7 +7,7 @@ can interleave it with other requests.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -126,7 +126,7 @@ class BlockSteps:
 
     def store_steps(
         self, block: Block | str | Sequence[int], salt: Salt = None, chunk: int | None = None
-    ) -> Iterator[Working | StoredBlock]:
+    ) -> Generator[Working | StoredBlock, None, None]:
         """`store_block` as stream steps: a `Working` per forward of at most `chunk` tokens (None:
         one forward), then the `StoredBlock` (the engine runs it so, beside other requests).
         PromptError for an empty block, one outside the vocabulary or the context; ParamError where

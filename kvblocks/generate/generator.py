@@ -192,7 +192,7 @@ class CachedGenerator(BlockSteps):
         prompt_chunk: int | None = None,
         share_kv: bool = True,
         **options: Any,
-    ) -> Iterator[Piece | Working]:
+    ) -> Generator[Piece | Working, None, None]:
         """Yield text as it is generated; the last piece carries the `GenerationResult`.
 
         `block_chunk`: a prompt's KV block work (`kv_mode` blend or concat) runs in forwards of at
