@@ -23,8 +23,9 @@ from kvblocks.cache.trie import Hit, Salt
 from kvblocks.generate.block_steps import BlockSteps, Working
 from kvblocks.generate.decoding import Decoding, GenerationResult, Piece, context_room
 from kvblocks.generate.params import GenerationParams, ParamError, params_of
+from kvblocks.generate.prompt_steps import PromptSteps
 from kvblocks.generate.runner import ModelRunner, context_length, eos_token_ids, vocab_size
-from kvblocks.generate.sampling import LogitsProcessor, TokenLogprob, seeded_rng, token_logprobs
+from kvblocks.generate.sampling import LogitsProcessor, seeded_rng
 from kvblocks.generate.text import Prompt, PromptError, StopTextAssembler, encode_prompt
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class DecodeState:
         )
 
 
-class CachedGenerator(BlockSteps):
+class CachedGenerator(BlockSteps, PromptSteps):
     """Generate with prefix reuse from a `KVCacheTrie` (or with no reuse when `cache` is None)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: Any, cache: KVCacheTrie | None) -> None:
@@ -234,12 +235,7 @@ class CachedGenerator(BlockSteps):
                 blocks = yield from self._prefill_blocks(ids, spans, hit, run, params, block_chunk)
             if run.past is None:
                 run.past = self._new_past(hit, salt)
-            prompt_logprobs = None
-            chunk = prompt_chunk if self._chunks_prefill() else None
-            if params.prompt_logprobs is not None:
-                prompt_logprobs = yield from self._prompt_logprobs(ids, run, params.prompt_logprobs, chunk)
-            elif chunk is not None:  # all but the last forward: `_decode` runs that one
-                yield from self._prefill_steps(ids, run, len(ids) - chunk, chunk)
+            prompt_logprobs = yield from self._prompt_work(ids, run, params.prompt_logprobs, prompt_chunk)
             tokens = self._decode(ids, run, out)
             piece = yield from self._pieces(tokens, run, out, output_logits)
             tokens.close()
@@ -286,45 +282,6 @@ class CachedGenerator(BlockSteps):
                 return piece
             yield piece
         raise AssertionError("a decode strategy yields tokens until the rule finishes the sequence")
-
-    def _prompt_logprobs(
-        self, ids: list[int], run: DecodeState, k: int, chunk: int | None = None
-    ) -> Generator[Working, None, list[TokenLogprob | None]]:
-        """Score each prompt token after the first by the positions before it.
-
-        Computes all but the last prompt token (in forwards of `chunk` tokens, a `Working` step after
-        each, when given); the decode strategy then feeds the last one, as it does after a full cache
-        hit, so the tokens generated next are those of any other request.
-        """
-        assert run.computed == 0
-        if len(ids) == 1:
-            return [None]
-        if chunk is None:
-            rows = self._prefill(ids, run, len(ids) - 1, keep=0)
-        else:
-            steps = yield from self._prefill_steps(ids, run, len(ids) - 1, chunk, keep=0)
-            assert steps is not None, "a prompt of two or more tokens leaves at least one to compute"
-            rows = steps
-        return [None, *token_logprobs(rows, ids[1:], k)]
-
-    def _chunks_prefill(self) -> bool:
-        """Whether a prompt may be prefilled in several forwards the same as in one: not where a
-        forward's length changes what is computed (one-token steps, recurrent state)."""
-        return not self.runner.stepwise and (self.cache is None or self.cache.min_prefill == 1)
-
-    def _prefill_steps(
-        self, ids: list[int], run: DecodeState, end: int, chunk: int, keep: int = 1
-    ) -> Generator[Working, None, torch.Tensor | None]:
-        """`_prefill` up to `end` in forwards of at most `chunk` tokens, a `Working` step after each;
-        the logits `_prefill` gives (of every position with `keep=0`), None when nothing was left."""
-        rows: list[torch.Tensor] = []
-        while run.computed < end:
-            start = run.computed
-            rows.append(self._prefill(ids, run, min(end, start + chunk), keep))
-            yield Working(run.computed - start)
-        if not rows:
-            return None
-        return torch.cat(rows) if keep == 0 else rows[-1]
 
     def _commit_prompt(self, run: DecodeState) -> None:
         """Store the prompt's KV as soon as it is computed, not only when the request ends.
