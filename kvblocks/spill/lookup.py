@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvblocks.cache.layout import KVLayout, StateLayout
-from kvblocks.spill.records import ChunkCodec, StateCodec, VerificationError
+from kvblocks.spill.bound import BoundCodec
+from kvblocks.spill.records import ChunkCodec, VerificationError
 from kvblocks.spill.tier import TierUnavailable, Value
 from kvblocks.spill.tier_counters import TierSlot
 from kvblocks.spill.transfer import is_cuda, upload
@@ -53,7 +53,7 @@ class Target:
     bounds: list[tuple[int, int]]
 
 
-class Lookup:
+class Lookup(BoundCodec):
     """Reads for a `TierStack`; bound to its layout and device once the trie is known."""
 
     def __init__(
@@ -66,21 +66,10 @@ class Lookup:
         reject: Reject,
         promote: Promote,
     ) -> None:
-        self.slots, self.codec, self.chunk_tokens, self.confirmed = slots, codec, chunk_tokens, confirmed
+        super().__init__(codec)
+        self.slots, self.chunk_tokens, self.confirmed = slots, chunk_tokens, confirmed
         self._reject, self._promote = reject, promote
-        self.layout: KVLayout | None = None
-        self.state: StateLayout | None = None
         self.device: torch.device | None = None
-
-    @property
-    def bound_layout(self) -> KVLayout:
-        assert self.layout is not None, "the stack binds its layout before any read or write"
-        return self.layout
-
-    def state_codec(self) -> tuple[StateCodec, StateLayout]:
-        """The codec and layout of state records (the stack asks only when it spills states)."""
-        assert isinstance(self.codec, StateCodec) and self.state is not None
-        return self.codec, self.state
 
     def fetch(self, namespace_key: str, ids: np.ndarray, start: int, limit: int) -> Fetched | None:
         """Longest verified run of chunks continuing a device hit of `start` tokens, within `limit`."""

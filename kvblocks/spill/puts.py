@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvblocks.cache.layout import KVLayout, StateLayout
-from kvblocks.spill.records import ChunkCodec, StateCodec
+from kvblocks.spill.bound import BoundCodec
+from kvblocks.spill.records import ChunkCodec
 from kvblocks.spill.tier_counters import TierSlot
 from kvblocks.spill.writer import Confirmed, Job
 
@@ -22,24 +22,13 @@ from kvblocks.spill.writer import Confirmed, Job
 ReadKV = Callable[[str, np.ndarray, int, int], "list[torch.Tensor | None] | None"]
 
 
-class Puts:
+class Puts(BoundCodec):
     """Runs write jobs against one tier at a time; bound to the trie's layout and reads by `bind`."""
 
     def __init__(self, codec: ChunkCodec, chunk_tokens: int, confirmed: Confirmed) -> None:
-        self.codec, self.chunk_tokens, self.confirmed = codec, chunk_tokens, confirmed
-        self.layout: KVLayout | None = None
-        self.state: StateLayout | None = None
+        super().__init__(codec)
+        self.chunk_tokens, self.confirmed = chunk_tokens, confirmed
         self.read_kv: ReadKV | None = None
-
-    @property
-    def bound_layout(self) -> KVLayout:
-        assert self.layout is not None, "the stack binds its layout before any read or write"
-        return self.layout
-
-    def state_codec(self) -> tuple[StateCodec, StateLayout]:
-        """The codec and layout of state records (the stack asks only when it spills states)."""
-        assert isinstance(self.codec, StateCodec) and self.state is not None
-        return self.codec, self.state
 
     def run(self, job: Job, slot: TierSlot) -> None:
         if job.kind == "through":
