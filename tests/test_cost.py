@@ -113,7 +113,9 @@ def conversations(draw) -> list[dict]:
 
 def estimate_of(body: ChatCompletionRequest) -> int:
     _, _, cost = smollm2()
-    served = SimpleNamespace(config=SimpleNamespace(caps=CountCaps()), engine=SimpleNamespace(max_context=None))
+    served = SimpleNamespace(
+        config=SimpleNamespace(caps=CountCaps()), engine=SimpleNamespace(max_context=None)
+    )
     served.template_cost = cost
     return chat_estimate(served, body).prompt_tokens
 
