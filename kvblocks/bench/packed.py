@@ -225,6 +225,9 @@ def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
     differ = {
         name: sum(p != s for p, s in zip(both.tokens[name], both.tokens[SOLO])) for name in both.runners
     }
+    import torch
+
+    exact = 0 if next(model.parameters()).dtype == torch.float32 else None
     report.checks = [
         Check("decode throughput, packed / one at a time", report.ratio(SOLO, PACKED), "x", 2.5, True),
         Check("decode throughput, batch-invariant / one at a time", report.ratio(SOLO, INVARIANT), "x"),
@@ -238,9 +241,11 @@ def decode(model, tokenizer, args: argparse.Namespace, opts: BenchOptions) -> Re
             report.ratio(GATHERED, INVARIANT),
             "x",
         ),
-        Check("requests whose greedy tokens differ", differ[PACKED], "", 0),
-        Check("requests whose greedy tokens differ, batch-invariant", differ[INVARIANT], "", 0),
-        Check("requests whose greedy tokens differ, keys gathered", differ[GATHERED], "", 0),
+        # the reference is transformers' own forward: equal greedy tokens are promised in float32
+        # only; in half precision the promise is batched = alone in the invariant engine (`exactness`)
+        Check("requests whose greedy tokens differ", differ[PACKED], "", exact),
+        Check("requests whose greedy tokens differ, batch-invariant", differ[INVARIANT], "", exact),
+        Check("requests whose greedy tokens differ, keys gathered", differ[GATHERED], "", exact),
     ]
     report.notes = [
         "tokens/s: " + ", ".join(f"{name} {b / report.median(name):.1f}" for name in (*both.runners, SOLO)),
