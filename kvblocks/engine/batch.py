@@ -10,8 +10,6 @@ for the pool) run on the serial runner between the packed forwards.
 
 from __future__ import annotations
 
-import torch
-
 from kvblocks.engine import speculative
 from kvblocks.engine.admission import LimitsOf, RoomLimits, no_limits
 from kvblocks.engine.attention.dispatch import supports
@@ -23,8 +21,6 @@ from kvblocks.generate.generator import CachedGenerator
 from kvblocks.telemetry.metrics import Metrics
 
 __all__ = ["CHUNK", "BatchEngine", "check_settings"]
-
-HALF = (torch.bfloat16, torch.float16)
 
 
 def check_settings(
@@ -110,13 +106,14 @@ class BatchEngine(Engine):
         # what the weights reordered for the packed forwards cost beside the model's own (`--packed-weights`)
         self.packed_weight_bytes = 0 if head is None else head.nbytes
         super().__init__(generator, metrics, max_active, limits, limits_of, packed=(runner, batch))
-        # the one-request path's kernels round a half-precision KV otherwise than the invariant packed
-        # forwards: what it computes stays its own, so every prefix in the trie is the packed path's
-        # and a request gets the same bits after a hit as alone (float32 shares: tests/test_dtype.py)
-        self.serial.shares_kv = not (invariant and cache.pool.dtype in HALF)
+        # the one-request path's kernels round the KV otherwise than the invariant packed forwards (in
+        # half precision everywhere, in float32 on CPUs whose BLAS picks other kernels by shape, e.g.
+        # AVX2 without AVX-512): what it computes stays its own, so every prefix in the trie is the
+        # packed path's and a request gets the same bits after a hit as alone (tests/test_dtype.py)
+        self.serial.shares_kv = not invariant
         if batch.contended_prefill > 0 and not self.serial.shares_kv:
             # its prompt work in cuts too, one a step while contended; only where its KV stays its own:
-            # shared (float32), a prompt's KV enters the trie from one forward, as the packed path's bits
+            # shared, a prompt's KV would enter the trie from one forward, as the packed path's bits
             self.serial.cut = batch.contended_prefill
             self.serial.contended = self._contended
             self.serial.prompted = lambda: self._batches().prompted

@@ -4,9 +4,10 @@ It serves every request of an engine without a packed path, and the requests the
 not serve (prompt log-probabilities, raw logits, prompts too large for the pool, KV blocks stored
 ahead of use: `CachedGenerator.store_steps`, whose one answer is a `StoredBlock`). Each stream
 holds its own transformers cache and commits to the trie itself when it closes, except where
-`shares_kv` is False: the batch-invariant engine in half precision (`BatchEngine`), where these
-kernels round otherwise than the packed forwards and a prefix they stored would change the bits of a
-later packed request on it; there a serial request reads the trie's prefixes but keeps its KV.
+`shares_kv` is False: the batch-invariant engine (`BatchEngine`), where these kernels round
+otherwise than the packed forwards (in half precision, and in float32 where the BLAS picks other
+kernels by shape) and a prefix they stored would change the bits of a later packed request on it;
+there a serial request reads the trie's prefixes but keeps its KV.
 
 A prompt's KV block work (fills, blend probe and recompute: `kvblocks.blocks.prefill`) runs one
 forward of at most `block_chunk` tokens (the engine's per-step budget) per step, before its first
