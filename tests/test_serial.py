@@ -253,27 +253,23 @@ def test_a_tenants_prompt_work_is_one_cut_a_step_across_the_packed_and_the_one_r
     assert serial_steps >= len(ATTACK["logprobs"][0]) // CHUNK and both == 0
 
 
-# ---- over real HTTP: the server's default engine on a CPU with native bf16 ---------------------------
+# ---- over real HTTP: the server's default engine (bf16 on a CPU with native bf16, else float32) -------
 
 SERVER_KEYS = {"attacker": "sk-serial-attacker", "victim": "sk-serial-victim", "ops": "sk-serial-ops"}
 
 
 @pytest.fixture(scope="module")
-def bf16_server(tmp_path_factory):
-    from kvblocks import models
-
-    if not models.native_bf16():
-        pytest.skip("the one-cut rule of the one-request path is for half precision; this CPU runs float32")
+def cut_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     keys = [{"key": k, "tenant": t, "admin": t == "ops"} for t, k in SERVER_KEYS.items()]
     path.write_text(json.dumps({"keys": keys}))
-    server = start_server("--served-model-name", "m", "--dtype", "bfloat16", "--api-keys", str(path))
+    server = start_server("--served-model-name", "m", "--api-keys", str(path))
     yield server
     stop_cleanly(server)
 
 
-def test_a_long_prompt_logprobs_request_does_not_hold_another_tenants_request_and_keeps_its_bits(bf16_server):
-    """The real model in bf16, as `kvblocks serve` runs by default here. An echo with log-probabilities
+def test_a_long_prompt_logprobs_request_does_not_hold_another_tenants_request_and_keeps_its_bits(cut_server):
+    """The real model in the dtype `kvblocks serve` runs by default here. An echo with log-probabilities
     (prompt log-probabilities: the one-request path) over a ~1,500-token prompt was one forward, which
     every other tenant's next token waited for; now it is 16-token forwards, one a step while the
     victim is active, so the victim's whole request ends long before it. Its log-probabilities are
@@ -289,7 +285,7 @@ def test_a_long_prompt_logprobs_request_does_not_hold_another_tenants_request_an
     }
 
     def client(tenant: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{bf16_server.url}/v1", api_key=SERVER_KEYS[tenant], max_retries=0)
+        return openai.OpenAI(base_url=f"{cut_server.url}/v1", api_key=SERVER_KEYS[tenant], max_retries=0)
 
     attacker, victim = client("attacker"), client("victim")
     alone = attacker.completions.create(**attack)
@@ -305,7 +301,7 @@ def test_a_long_prompt_logprobs_request_does_not_hold_another_tenants_request_an
     thread = threading.Thread(target=send_attack)
     thread.start()
     with httpx.Client(
-        base_url=bf16_server.url, headers={"Authorization": f"Bearer {SERVER_KEYS['ops']}"}
+        base_url=cut_server.url, headers={"Authorization": f"Bearer {SERVER_KEYS['ops']}"}
     ) as ops:
         while ops.get("/v1/cache/stats").json()["engine"]["active"] == 0:  # the attack is running
             time.sleep(0.01)
