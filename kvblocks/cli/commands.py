@@ -1134,7 +1134,7 @@ def _serve_telemetry_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL",
         help="export OpenTelemetry traces over OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces: a span per "
-        "request with queue, match, redis.fetch, prefill, decode and constrained_decoding children "
+        "request with queue, match, spill.fetch, prefill, decode and constrained_decoding children "
         "(needs pip install 'kvblocks[tracing]')",
     )
 
