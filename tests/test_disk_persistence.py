@@ -94,6 +94,34 @@ def test_a_restarted_server_answers_its_first_repeat_from_the_disk(tmp_path):
         stop_cleanly(second)
 
 
+def test_stats_counts_a_restore_from_the_disk_as_a_spill_hit_of_that_tier(tmp_path, capsys, monkeypatch):
+    from kvblocks.cli.commands import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("KVBLOCKS_API_KEY", raising=False)
+    server = serve(tmp_path / "cache")
+    try:
+        ask(server, PROMPTS[0])
+        wait_for_records(tmp_path / "cache", 2)
+        with server.client() as http:  # the device forgets; the disk tier keeps the records
+            assert http.post("/flush_cache").status_code == 200
+            _, cached = ask(server, PROMPTS[0])
+            cache = http.get("/v1/cache/stats").json()["cache"]
+        assert main(["stats", "--url", server.url]) == 0
+        out = capsys.readouterr().out
+    finally:
+        stop_cleanly(server)
+    assert cached >= CHUNK and cache["spill_hit_tokens"] == cache["disk_hit_tokens"] == cached
+    rows = dict(
+        (cells[1].strip(), cells[2].strip())
+        for line in out.splitlines()
+        if len(cells := line.split("│")) == 4
+    )
+    rate = f"{cached / cache['queried_tokens']:.1%}"
+    assert rows["hit rate, spill tiers"] == rows["restored from disk"] == rate
+    assert not any("redis" in label for label in rows)  # no Redis tier here, and none is named
+
+
 def test_after_kill_9_the_restarted_server_still_hits_with_the_same_output(tmp_path):
     root = tmp_path / "cache"
     first = serve(root)

@@ -1,7 +1,7 @@
 """The dtype a model runs in: `--dtype auto` decided per machine, and bf16 kept exact where it is served.
 
 bf16 is served by the batch-invariant packed engine only, without speculative rounds
-(`kvblocks.cli.commands.half_refusal`): there a request's rows round the same alone, in a batch and
+(`kvblocks.cli.build.half_refusal`): there a request's rows round the same alone, in a batch and
 after a cache hit (device or Redis), so its greedy tokens and log-probabilities are bit-identical
 across all of them. These tests check that on tiny random models of the families the real models are (llama,
 qwen2), with prompts that cross several of the engine's 64-position cuts and a 256-position block,
@@ -24,7 +24,8 @@ from server_proc import start_server, stop_cleanly, tiny_model_dir
 from tiny_models import VOCAB, tiny_model
 
 from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie, models
-from kvblocks.cli.commands import build_parser, main, serve_dtype
+from kvblocks.cli.build import serve_dtype
+from kvblocks.cli.commands import build_parser, main
 from kvblocks.engine.batch import BatchEngine
 from kvblocks.engine.scheduler import CHUNK
 

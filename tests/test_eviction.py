@@ -11,6 +11,7 @@ import pytest
 
 from kvblocks.cache.eviction import LRU, POLICIES, GreedyDualFrequency, make_policy
 from kvblocks.cache.radix import RadixTree
+from kvblocks.cli import args as cli_args
 from kvblocks.cli import commands as cli
 
 NS = "ns"
@@ -116,7 +117,7 @@ def test_policies_by_name_and_errors():
         make_policy("arc")
     with pytest.raises(ValueError, match="attention_tokens"):
         GreedyDualFrequency(attention_tokens=0)
-    assert set(cli.EVICTION_POLICIES) == set(POLICIES)
+    assert set(cli_args.EVICTION_POLICIES) == set(POLICIES)
 
 
 def test_serve_and_generate_take_an_eviction_flag():

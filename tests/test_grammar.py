@@ -445,7 +445,7 @@ def test_a_parser_limit_hit_while_decoding_is_a_constraint_error_naming_the_fiel
 
 
 def test_the_cli_defaults_are_the_grammar_limits_defaults():
-    from kvblocks.cli.commands import GRAMMAR_TIMEOUT_S, SCHEMA_BYTES, SCHEMA_DEPTH
+    from kvblocks.cli.args import GRAMMAR_TIMEOUT_S, SCHEMA_BYTES, SCHEMA_DEPTH
 
     assert (
         DEFAULT_LIMITS.max_bytes,

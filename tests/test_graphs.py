@@ -225,7 +225,7 @@ def test_kvblocks_stats_shows_cuda_graph_counters():
 def test_serve_refuses_cuda_graphs_off_cuda_by_name():
     import argparse
 
-    from kvblocks.cli.commands import cuda_graphs
+    from kvblocks.cli.build import cuda_graphs
     from kvblocks.errors import UserError
 
     with pytest.raises(UserError, match="--cuda-graphs needs a CUDA device, not --device cpu"):

@@ -265,8 +265,8 @@ def test_plot_without_matplotlib_is_one_clear_line(kvblocks, monkeypatch, tmp_pa
 
 
 def test_the_clis_copies_of_library_constants_match_the_library():
-    # cli.py keeps its own copies so `--help` and the HTTP-only commands start without torch.
-    from kvblocks.cli import commands as cli
+    # cli/args.py keeps its own copies so `--help` and the HTTP-only commands start without torch.
+    from kvblocks.cli import args as cli
     from kvblocks.generate import tools
     from kvblocks.spill.redis_tier import DEFAULT_TTL_S
 

@@ -145,7 +145,7 @@ def test_block_parts_with_tools_are_refused_by_name(client):
 def test_a_server_default_kv_mode_the_model_cannot_honour_stops_the_start():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from kvblocks.cli.commands import check_kv_mode
+    from kvblocks.cli.build import check_kv_mode
     from kvblocks.generate.text import IdTokenizer
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64)).eval()

@@ -507,7 +507,8 @@ def test_trie_trees_of_earlier_samples_sample_the_target_distribution(hash_targe
 
 
 def test_serve_flags_follow_sglangs_speculative_flags_and_refuse_what_cannot_be_served():
-    from kvblocks.cli.commands import UserError, build_parser, tree_shape
+    from kvblocks.cli.build import tree_shape
+    from kvblocks.cli.commands import UserError, build_parser
 
     parser = build_parser()
     args = parser.parse_args(

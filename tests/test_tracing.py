@@ -1,7 +1,8 @@
-"""OpenTelemetry traces: a span per request, children for queue, match, Redis fetch, prefill, decode
-and constrained decoding, cache attributes without tenant data.
+"""OpenTelemetry traces: a span per request, children for queue, match, spill-tier fetch, prefill,
+decode and constrained decoding, cache attributes without tenant data.
 
-In process with the SDK's in-memory exporter (a real Redis server behind the trie), then through
+In process with the SDK's in-memory exporter (a host tier and a real Redis server behind the trie),
+then through
 `kvblocks serve --otlp-traces-endpoint` against a small OTLP/HTTP receiver on loopback.
 """
 
@@ -19,9 +20,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from server_proc import start_server, stop_cleanly, tiny_model_dir
 from tiny_models import tiny_model
 
-from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie, RedisTier, Scope
+from kvblocks import CachedGenerator, GenerationParams, KVCacheTrie, Scope
 from kvblocks.engine.batch import BatchEngine
 from kvblocks.generate.text import IdTokenizer
+from kvblocks.spill.host import HostTier
+from kvblocks.spill.redis_tier import redis_store
+from kvblocks.spill.stack import TierStack
 from kvblocks.telemetry import tracing
 
 TENANT = "acme-payroll"
@@ -69,7 +73,9 @@ def engine_for(model, cache: KVCacheTrie) -> BatchEngine:
 
 
 def cache_for(model, redis_url: str) -> KVCacheTrie:
-    return KVCacheTrie.for_model(model, capacity_tokens=1024, spill=RedisTier(redis_url, chunk_tokens=16))
+    """A trie over a host-memory tier of its own and the shared Redis, as one process has."""
+    stack = TierStack([HostTier(16 << 20), redis_store(redis_url)], chunk_tokens=16)
+    return KVCacheTrie.for_model(model, capacity_tokens=1024, spill=stack)
 
 
 def test_a_request_restored_from_redis_has_its_phases_as_nested_spans(exporter, redis_url):
@@ -95,7 +101,7 @@ def test_a_request_restored_from_redis_has_its_phases_as_nested_spans(exporter, 
         "queue",
         "prefill",
         "match",
-        "redis.fetch",
+        "spill.fetch",
         "decode",
         "constrained_decoding",
     } <= set(spans)
@@ -103,8 +109,13 @@ def test_a_request_restored_from_redis_has_its_phases_as_nested_spans(exporter, 
     for phase in ("queue", "prefill", "decode", "constrained_decoding"):
         assert spans[phase].parent.span_id == root.context.span_id, phase
     assert spans["match"].parent.span_id == spans["prefill"].context.span_id
-    assert spans["redis.fetch"].parent.span_id == spans["match"].context.span_id
-    assert spans["redis.fetch"].attributes["kvblocks.redis_tokens"] >= 64
+    fetch = spans["spill.fetch"]
+    assert fetch.parent.span_id == spans["match"].context.span_id
+    # the reader's own host tier is empty: every token past the device's came from Redis
+    restored = fetch.attributes["kvblocks.spill_tokens"]
+    assert restored >= 64 and fetch.attributes["kvblocks.device_tokens"] + restored <= len(PROMPT)
+    assert fetch.attributes["kvblocks.redis_tokens"] == restored
+    assert fetch.attributes["kvblocks.host_tokens"] == 0
     assert spans["match"].attributes["kvblocks.cached_tokens"] >= 64
     assert root.attributes["kvblocks.cached_tokens"] >= 64
     assert root.attributes["kvblocks.finish_reason"] == "length"

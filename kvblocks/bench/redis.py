@@ -1,8 +1,8 @@
 """`kvblocks bench redis`: the Redis spill tier against its targets.
 
-- restore: `RedisTier.fetch` of N chunks (pipelined EXISTS and GET, verify, decode, to device)
-  as a throughput ratio to a raw pipelined redis-py GET of the same keys, without and with a
-  secret (sealed records), side by side in one run;
+- restore: `RedisTier.fetch` of N chunks (pipelined STRLEN and bounded GETRANGE, verify, decode,
+  to device) as a throughput ratio to a raw pipelined redis-py GET of the same keys, without and
+  with a secret (sealed records), side by side in one run;
 - ttft: time to first token in "process B", a second process with its own copy of the model and
   an empty pool that finds a 1,000-token prefix process A (this one) wrote to Redis, against no
   cache and against a device hit;
@@ -142,10 +142,10 @@ def random_ids(rng: np.random.Generator, vocab: int, n: int, avoid: int | None =
 PURE_RAW = "raw GET, pure-Python reply parser"
 PURE_FETCH = "RedisTier.fetch, pure-Python reply parser"
 SIDE_NAMES = {
-    "plain": ("raw GET (redis-py pipeline)", "RedisTier.fetch (EXISTS+GET, verify, decode)",
+    "plain": ("raw GET (redis-py pipeline)", "RedisTier.fetch (STRLEN+GETRANGE, verify, decode)",
               "match on an empty pool (fetch + promote into the pool)"),
     "sealed": ("raw GET of the sealed records",
-               "RedisTier.fetch with secret (EXISTS+GET, open, verify, decode)",
+               "RedisTier.fetch with secret (STRLEN+GETRANGE, open, verify, decode)",
                "match on an empty pool, with secret"),
 }  # fmt: skip
 RAW, FETCH, MATCH = SIDE_NAMES["plain"]
@@ -324,7 +324,8 @@ def restore_notes(tokens: int, c: int, nbytes: dict[str, int], stats: dict[str, 
         f"{nbytes['plain'] / MB:.2f} MB of plain records per run ({nbytes['plain'] / tokens:,.0f} B per token, "
         f"KV + framing), {nbytes['sealed'] / MB:.2f} MB sealed ({nbytes['sealed'] / tokens:,.0f} B per token)",
         "raw GET = one redis-py pipeline of GETs of the same keys returning bytes (no parsing); fetch = what a "
-        "device miss runs: chain hashes, a pipelined EXISTS, a pipelined GET, per chunk msgpack unpack, "
+        "device miss runs: chain hashes, a pipelined STRLEN (each record's size against its bounds), a pipelined "
+        "GETRANGE bounded by those sizes, per chunk msgpack unpack, "
         "namespace/token/shape/xxh3 checks, one copy of each layer's slice into that layer's preallocated "
         "tensor for the whole run, finiteness check (`torch.aminmax` per layer slice), `.to(device)` (CPU here)",
         "with secret: keyed BLAKE2b chain hashes and keys, and per chunk streaming AES-256-GCM decryption of "

@@ -1,7 +1,7 @@
-"""The cache's side of the spill tier (`kvblocks.spill`): what a lookup fetches from Redis and
-promotes into the pool, and what the tier's writer reads back out of it.
+"""The cache's side of the spill tiers (`kvblocks.spill`): what a lookup fetches from them (host
+memory, disk, Redis) and promotes into the pool, and what the tiers' writer reads back out of it.
 
-Redis round trips run outside the lock, so the device may change while they are under way;
+Tier round trips run outside the lock, so the device may change while they are under way;
 everything fetched is checked against the tree again, under the lock, before it is stored.
 """
 
@@ -28,7 +28,7 @@ class SpillLink:
 
     def fetch(self, ns: Namespace, ids: np.ndarray, limit: int) -> tuple[Fetched | None, Any]:
         """What the spill tier holds beyond the resident prefix of `ids[:limit]`: KV, and on a
-        recurrent model a (position, snapshot) to serve it from. The Redis round trips run unlocked:
+        recurrent model a (position, snapshot) to serve it from. The tiers' round trips run unlocked:
         other threads go on meanwhile."""
         r, spill = self._resident, self._resident.spill
         assert spill is not None
@@ -39,9 +39,12 @@ class SpillLink:
         spill.on_hit(ns.key, ids, device)  # rewrites chunks Redis lost, off this thread
         fetched = state = None
         if device < limit:
-            with tracing.child("redis.fetch", device_tokens=device) as span:
+            with tracing.child("spill.fetch", device_tokens=device) as span:
                 fetched = spill.fetch(ns.key, ids, device, limit)
-                tracing.annotate(span, redis_tokens=0 if fetched is None else fetched.length)
+                if span is not None:  # tokens past the device's: from every tier, and from each one
+                    given = {} if fetched is None else fetched.tiers
+                    per_tier = {f"{slot.name}_tokens": given.get(slot.name, 0) for slot in spill.slots}
+                    tracing.annotate(span, spill_tokens=sum(given.values()), **per_tier)
         if servable < limit and self._recurrent:  # a recurrent model needs a state there too
             reach = device if fetched is None else max(device, fetched.start + fetched.length)
             state = spill.fetch_state(ns.key, ids, servable, reach)

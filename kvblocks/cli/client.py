@@ -119,12 +119,20 @@ def _rates(now: dict, before: dict | None) -> dict:
     queried = d.get("queried_tokens", 0)
     spill = d.get("spill_hit_tokens", 0)
     device = d.get("hit_tokens", 0) - spill
+    tiers = [t["name"] for t in now.get("spill_tiers") or ()]  # admin only, fastest first
+
+    def rate(tokens: int) -> float:
+        return tokens / queried if queried else 0.0
+
     return {
         "queries": d.get("queries", 0),
         "queried_tokens": queried,
-        "device_hit_rate": device / queried if queried else 0.0,
-        "redis_hit_rate": spill / queried if queried else 0.0,
-        "hit_rate": (device + spill) / queried if queried else 0.0,
+        "device_hit_rate": rate(device),
+        # every spill tier together (host, disk, Redis), and each one's share where the stats name them
+        "spill": bool(tiers) or bool(c1.get("spill_hit_tokens")),
+        "spill_hit_rate": rate(spill),
+        "tier_hit_rates": {name: rate(d.get(f"{name}_hit_tokens", 0)) for name in tiers},
+        "hit_rate": rate(device + spill),
         "tokens_saved": device + spill,
         "occupancy": c1.get("resident_tokens", 0) / c1["capacity_tokens"]
         if c1.get("capacity_tokens")
@@ -151,8 +159,10 @@ def _stats_table(now: dict, r: dict, title: str):
     t.add_row("requests (lookups)", f"{r['queries']:,}")
     t.add_row("prompt tokens looked up", f"{r['queried_tokens']:,}")
     t.add_row("hit rate, device", f"{r['device_hit_rate']:.1%}")
-    if r["redis_errors"] is not None:
-        t.add_row("hit rate, redis", f"{r['redis_hit_rate']:.1%}")
+    if r["spill"]:
+        t.add_row("hit rate, spill tiers", f"{r['spill_hit_rate']:.1%}")
+        for name, rate in r["tier_hit_rates"].items():
+            t.add_row(f"  restored from {name}", f"{rate:.1%}")
     t.add_row("hit rate, total", f"[bold]{r['hit_rate']:.1%}[/bold]")
     t.add_row("prefill tokens saved", f"{r['tokens_saved']:,}")
     t.add_row(
@@ -305,12 +315,12 @@ def _history(client: Client, args: argparse.Namespace, console) -> int:
         raise UserError("the server has fewer than two samples in that span yet; try a longer --since")
     rows = [(b["t"], _rates(b, a)) for a, b in itertools.pairwise(samples)]
     t = Table(title=f"kvblocks cache, last {args.since:g} s ({len(samples)} samples)", header_style="bold")
-    for column in ("time", "lookups", "hit rate", "redis hits", "evicted", "resident"):
+    for column in ("time", "lookups", "hit rate", "spill-tier hits", "evicted", "resident"):
         t.add_column(column, justify="right")
     step = max(1, len(rows) // 20)
     for at, r in rows[::step]:
         t.add_row(time.strftime("%H:%M:%S", time.localtime(at)), f"{r['queries']:,}", f"{r['hit_rate']:.1%}",
-                  f"{r['redis_hit_rate']:.1%}", f"{r['evicted_tokens']:,}", f"{r['resident_tokens']:,}")  # fmt: skip
+                  f"{r['spill_hit_rate']:.1%}", f"{r['evicted_tokens']:,}", f"{r['resident_tokens']:,}")  # fmt: skip
     console.print(t)
     console.print("hit rate " + "".join(_spark(r) for _, r in rows))
     if args.plot:

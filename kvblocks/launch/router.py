@@ -15,6 +15,24 @@ from kvblocks.launch.service import Service, ServiceError
 
 ROUTERS = ("sglang", "vllm")
 
+# How both routers notice a replica that died, and what they do with a request sent to it meanwhile.
+# The health check takes a dead replica out of rotation within about a second. Until then the policy
+# may pick it (cache_aware picks it every time for a prefix it holds), and each failed try is
+# retried through the policy again: the routers' default schedule (5 tries 50 ms apart, x1.5) is
+# over in ~0.4 s, before the health check acts, so the request failed with a 500. This schedule
+# (100 ms doubling to 1 s, 8 tries) outlasts it by seconds; see docs/DEPLOY.md "When a replica dies".
+HEALTH_ARGS = (
+    "--health-check-interval-secs", "1",
+    "--health-failure-threshold", "1",
+    "--health-success-threshold", "1",
+)  # fmt: skip
+RETRY_ARGS = (
+    "--retry-max-retries", "8",
+    "--retry-initial-backoff-ms", "100",
+    "--retry-backoff-multiplier", "2",
+    "--retry-max-backoff-ms", "1000",
+)  # fmt: skip
+
 
 def router_program(kind: str) -> list[str]:
     """The router's own launcher, as installed from the package index (the `test` extra)."""
@@ -59,11 +77,11 @@ class Router:
             "--policy", self.policy,
             "--prometheus-host", HOST,
             "--prometheus-port", str(self.metrics_port),
-            # find workers, and notice one that died or came back, within seconds
+            # find workers, and notice one that died or came back, within seconds; retry a request
+            # that reached a dead one until the health check has taken it out
             "--worker-startup-check-interval", "1",
-            "--health-check-interval-secs", "1",
-            "--health-failure-threshold", "1",
-            "--health-success-threshold", "1",
+            *HEALTH_ARGS,
+            *RETRY_ARGS,
             "--log-level", "warn" if self.kind == "sglang" else "warning",
             *self.args,
         ]  # fmt: skip

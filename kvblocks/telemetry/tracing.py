@@ -1,8 +1,8 @@
 """Optional OpenTelemetry traces: a span per request, with children for where its time went.
 
 `kvblocks serve --otlp-traces-endpoint URL` (vLLM's flag) exports, per request, `kvblocks.request`
-with the children `queue` (waiting for admission), `match` (the prefix lookup, with `redis.fetch`
-inside it when the spill tier is asked), `prefill` (admission to the first token), `decode` (first
+with the children `queue` (waiting for admission), `match` (the prefix lookup, with `spill.fetch`
+inside it when the spill tiers are asked), `prefill` (admission to the first token), `decode` (first
 token to the end) and, under a grammar, `constrained_decoding`. Attributes say what the cache gave:
 cached tokens per tier and the namespace id (a hash: no tenant name, salt or prompt text).
 
