@@ -74,9 +74,9 @@ class PointMassSession(DraftSession):
     draft: Callable[[list[int], int], list[int]]
     # (committed, budget, depth, width) -> a point-mass tree; None: the chain of `draft`
     branches: Callable[[list[int], int, int, int], DraftTree] | None = None
-    # (committed, budget, depth, width, sure) -> a scored tree grown best first (`tree.grow`),
+    # (committed, budget, depth, width, sure, ends) -> a scored tree grown best first (`tree.grow`),
     # `sure` the chance that the target continues as the source did; None: `branches`
-    scored: Callable[[list[int], int, int, int, float], DraftTree] | None = None
+    scored: Callable[[list[int], int, int, int, float, frozenset[int]], DraftTree] | None = None
 
     def propose(
         self, committed: list[int], gamma: int, params: SamplingParams, rng: torch.Generator | None
@@ -88,11 +88,12 @@ class PointMassSession(DraftSession):
             return DraftTree.chain(self.draft(committed, min(depth, budget)))
         return self.branches(committed, budget, depth, width)
 
-    def grow_tree(self, committed, budget, depth, width, sure) -> DraftTree | None:
-        """A scored tree (`tree.grow`), or None where this drafter scores none."""
+    def grow_tree(self, committed, budget, depth, width, sure, ends=frozenset()) -> DraftTree | None:
+        """A scored tree (`tree.grow`, nothing below a token of `ends`), or None where this drafter
+        scores none."""
         if self.scored is None:
             return None
-        return self.scored(committed, budget, depth, width, sure)
+        return self.scored(committed, budget, depth, width, sure, ends)
 
 
 class ModelDrafter(Drafter):
@@ -244,8 +245,8 @@ class PromptLookupDrafter(Drafter):
             lambda committed, budget, depth, width: merge(
                 self.lookups(committed, depth, width, source), budget
             ),
-            lambda committed, budget, depth, width, sure: grow(
-                index.expander(committed, sure), budget, depth, width
+            lambda committed, budget, depth, width, sure, ends: grow(
+                index.expander(committed, sure), budget, depth, width, ends
             ),
         )
 

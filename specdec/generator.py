@@ -13,6 +13,7 @@ before each verify, and after a rejection it is restored and the accepted tokens
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -203,14 +204,18 @@ class SpeculativeGenerator(CachedGenerator):
         gamma: int,
         params: SamplingParams,
         rng: torch.Generator | None,
+        out: Decoding | None = None,
     ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
-        """One round's drafts (at most `gamma`, fewer near the context's end), their drafter
-        probabilities aligned to the target's vocabulary (None from a point-mass drafter) and
-        `tail_q`, the drafter's distribution where a draft the target's vocabulary lacks cut the
-        round short (for `verify`). The batched engine drafts through here too."""
-        room = min(gamma, context_room(self.max_context, len(committed) + 1))
+        """One round's drafts (at most `gamma`, fewer near the context's end or `out`'s budget, none
+        after an end of sequence of `out`), their drafter probabilities aligned to the target's
+        vocabulary (None from a point-mass drafter) and `tail_q`, the drafter's distribution where a
+        draft the target's vocabulary lacks cut the round short (for `verify`). The batched engine
+        drafts through here too."""
+        room = min(gamma, context_room(self.max_context, len(committed) + 1), _left(out))
         proposal = session.propose(committed, room, params, rng) if room > 0 else _NO_DRAFT
         drafts = proposal.tokens[: max(room, 0)]
+        ends = out.ends if out is not None else frozenset()
+        drafts = drafts[: next((i + 1 for i, t in enumerate(drafts) if t in ends), len(drafts))]
         # A draft id the target's vocabulary lacks has p = 0: it is rejected outright, so it is never
         # fed to the target and the round ends there with a residual sample.
         cut = next((i for i, t in enumerate(drafts) if t >= self.target_vocab), len(drafts))
@@ -253,28 +258,33 @@ class SpeculativeGenerator(CachedGenerator):
         rng: torch.Generator | None,
         others: int = 0,
         room: int | None = None,
+        out: Decoding | None = None,
     ) -> DraftTree:
         """One round's draft tree within `shape` (made smaller beside `others` requests, at most
-        `room` nodes), no deeper than the context allows, its q aligned to the target's vocabulary.
-        A node the target's vocabulary lacks is dropped with its subtree, or, in a tree of i.i.d.
-        siblings, kept as a leaf the verification rejects outright (fed as token 0)."""
+        `room` nodes), no deeper than the context or `out`'s budget allows and nothing below an end
+        of sequence of `out`, its q aligned to the target's vocabulary. A node the target's
+        vocabulary lacks is dropped with its subtree, or, in a tree of i.i.d. siblings, kept as a
+        leaf the verification rejects outright (fed as token 0)."""
         tree = None
+        ends = out.ends if out is not None else frozenset()
+        deepest = min(shape.limit.depth, context_room(self.max_context, len(committed) + 1), _left(out))
         if shape.limit.adaptive and isinstance(session, PointMassSession) and session.scored is not None:
             budget = shape.limit.budget if room is None else min(shape.limit.budget, room)
-            depth = min(shape.limit.depth, context_room(self.max_context, len(committed) + 1), budget)
+            depth = min(deepest, budget)
             if depth <= 0:
                 return DraftTree([], [])
-            grown = session.grow_tree(committed, budget, depth, shape.limit.width, shape.sure)
+            grown = session.grow_tree(committed, budget, depth, shape.limit.width, shape.sure, ends)
             tree = grown.truncated(budget, depth)
             scores = [tree.scores[i] for i in tree.ranked()]
             tree = tree.best(best_cut(scores, self.step_cost(), others))
         else:
             budget, width = shape.for_batch(others)
             budget = budget if room is None else min(budget, room)
-            depth = min(shape.limit.depth, context_room(self.max_context, len(committed) + 1), budget)
+            depth = min(deepest, budget)
             if depth <= 0:
                 return DraftTree([], [])
-            tree = session.propose_tree(committed, budget, depth, width, params, rng).truncated(budget, depth)
+            tree = session.propose_tree(committed, budget, depth, width, params, rng)
+            tree = tree.truncated(budget, depth).ended(ends)
         outside = [t >= self.target_vocab for t in tree.tokens]
         if any(outside):
             # keep only nodes with no outside ancestor; an outside node itself stays in a sampled tree
@@ -343,7 +353,7 @@ class SpeculativeGenerator(CachedGenerator):
         drafter = self.drafter.start(ids, run.salt)
         try:
             while True:
-                tree = self.propose_tree(drafter, committed, shape, params, rng)
+                tree = self.propose_tree(drafter, committed, shape, params, rng, out=out)
                 head = committed[run.computed :]
                 t0 = time.perf_counter()
                 logits = self._tree_forward(head, tree, run.past, run.computed)
@@ -397,7 +407,7 @@ class SpeculativeGenerator(CachedGenerator):
             if state is not None and run.computed < len(ids) - 1:  # snapshots along the prompt
                 self._prefill(ids, run, len(ids) - 1)
             while True:
-                proposal = self.propose(drafter, committed, gamma, params, rng)
+                proposal = self.propose(drafter, committed, gamma, params, rng, out)
                 drafts = proposal[0]
                 feed = committed[run.computed :] + drafts
                 saved = hf.capture_state(run.past, state) if state is not None and drafts else None
@@ -451,6 +461,11 @@ def _check_tree_target(model, cache: KVCacheTrie | None) -> None:
             f"draft trees need a target of full-attention layers; a '{config.model_type}' model keeps "
             f"{'recurrent state' if state is not None else 'sliding-window layers'}: draft chains instead"
         )
+
+
+def _left(out: Decoding | None) -> float:
+    """The most drafts a round of `out` can use: its tokens left less the target's own."""
+    return math.inf if out is None else out.left - 1
 
 
 def _judged(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -111,6 +111,13 @@ class DraftTree:
             keep[i] = True
         return self.prune(keep)
 
+    def ended(self, ends: frozenset[int]) -> DraftTree:
+        """Without the nodes below a token of `ends` (the request's end of sequence: nothing after
+        it is ever emitted, so verifying what follows it is rows of the forward spent for nothing)."""
+        if not any(t in ends for t in self.tokens):
+            return self
+        return self.prune([p < 0 or self.tokens[p] not in ends for p in self.parents])
+
     def truncated(self, budget: int, depth: int) -> DraftTree:
         """At most `budget` nodes (the first in depth-first order) of depth at most `depth`."""
         depths = self.depths()
@@ -147,13 +154,18 @@ def depth_first(
 
 
 def grow(
-    expand: Callable[[tuple[int, ...]], list[tuple[int, float]]], budget: int, depth: int, width: int
+    expand: Callable[[tuple[int, ...]], list[tuple[int, float]]],
+    budget: int,
+    depth: int,
+    width: int,
+    ends: frozenset[int] = frozenset(),
 ) -> DraftTree:
     """A point-mass tree grown best first (EAGLE-2's dynamic tree): `expand(path)` gives the
     children after the draft tokens `path` as (token, probability), most likely first; a node's
     score is the product of the probabilities down to it, and the next node added is always the
     best-scored one whose parent is in, so the tree runs deep where its branches are sure and
-    forks where they are not. At most `budget` nodes, `depth` levels, `width` children a node."""
+    forks where they are not. At most `budget` nodes, `depth` levels, `width` children a node; a
+    token of `ends` (the end of sequence) gets no children."""
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
@@ -178,7 +190,8 @@ def grow(
         parents.append(parent)
         scores.append(-neg)
         paths.append(path)
-        push(len(tokens) - 1, path, -neg)
+        if token not in ends:
+            push(len(tokens) - 1, path, -neg)
     return depth_first(tokens, parents, scores=scores)
 
 

@@ -141,6 +141,18 @@ def test_grow_runs_deep_where_branches_are_sure_and_forks_where_they_are_not():
     assert len(grow(lambda path: [], budget=8, depth=4, width=2)) == 0
 
 
+def test_nothing_grows_below_an_end_token():
+    def expand(path):  # 1 -> 2 (the end) -> 3 -> ..., and a weaker 4 beside 1
+        return [(path[-1] + 1 if path else 1, 0.9), (4, 0.2)] if len(path) < 6 else []
+
+    tree = grow(expand, budget=8, depth=6, width=2, ends=frozenset({2}))
+    end = tree.tokens.index(2)
+    assert tree.children(end) == [] and 3 not in tree.path_tokens(range(end + 1))
+    assert len(tree) == 8  # the budget went to the other branches
+    ended = DraftTree([1, 2, 3, 2, 5], [-1, 0, 1, -1, 3]).ended(frozenset({2}))
+    assert ended.tokens == [1, 2, 2] and ended.parents == [-1, 0, -1]
+
+
 def test_ngram_index_follows_every_earlier_occurrence_and_keeps_up_with_the_committed_tokens():
     text = [1, 2, 3, 9, 1, 2, 4, 8, 1, 2, 4]
     index = NgramIndex(1, 2)
@@ -288,6 +300,35 @@ def test_tree_greedy_equals_target_greedy_and_rejected_nodes_never_reach_the_tri
         _assert_only_committed(cache, prompt, answered)
     assert trees > 0, "some rounds must have verified a real tree"
     assert cache.stats()["locked_tokens"] == 0
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, None], ids=["fixed", "adaptive", "chain"])
+def test_rounds_draft_nothing_past_the_end_of_sequence_or_the_budget(target, shape, monkeypatch):
+    # the prompt repeats a run that ends with the end of sequence: lookup drafts across it
+    prompt = [5, 6, 7, EOS, 8, 9] * 3 + [5, 6]
+    plain = CachedGenerator(target, TOK, None)
+    sg = SpeculativeGenerator(target, TOK, None, PromptLookupDrafter(), gamma=8, tree=shape)
+    seen: list[tuple[list[int], list[int], int]] = []  # (tokens, parents, tokens left)
+    name = "propose" if shape is None else "propose_tree"
+    original = getattr(SpeculativeGenerator, name)
+
+    def spy(self, *args, out=None, **kw):
+        if shape is None:
+            *args, out = args
+        made = original(self, *args, out=out, **kw)
+        tree = DraftTree.chain(made[0]) if shape is None else made
+        seen.append((tree.tokens, tree.parents, out.left))
+        return made
+
+    monkeypatch.setattr(SpeculativeGenerator, name, spy)
+    for tokens in (3, 5, 24):
+        seen.clear()
+        want = plain.generate(prompt, max_new_tokens=tokens).token_ids
+        assert sg.generate(prompt, max_new_tokens=tokens).token_ids == want
+        for drafted, parents, left in seen:
+            assert DraftTree(drafted, parents).depth <= left - 1
+            assert all(p < 0 or drafted[p] != EOS for p in parents), "a node below the end of sequence"
+        assert tokens < 24 or any(EOS in drafted for drafted, _, _ in seen)
 
 
 def _assert_only_committed(cache: KVCacheTrie, prompt: list[int], answered: list[list[int]]) -> None:

@@ -20,6 +20,7 @@ from kvblocks.specdec.tree import DraftTree, Shape
 if TYPE_CHECKING:
     from kvblocks.engine.sequence import Sequence
     from kvblocks.engine.slots import SlotManager
+    from kvblocks.generate.decoding import Decoding
     from kvblocks.generate.sampling import SamplingParams
     from kvblocks.specdec.drafters import Drafter, DraftSession
     from kvblocks.specdec.tree import Sure, TreeShape
@@ -45,6 +46,7 @@ class Rounds(Protocol):
         gamma: int,
         params: SamplingParams,
         rng: torch.Generator | None,
+        out: Decoding | None = None,
     ) -> Proposal: ...
 
     def settle(
@@ -66,6 +68,7 @@ class Rounds(Protocol):
         rng: torch.Generator | None,
         others: int = 0,
         room: int | None = None,
+        out: Decoding | None = None,
     ) -> DraftTree: ...
 
     def fed_tokens(self, tree: DraftTree) -> list[int]: ...
@@ -101,10 +104,10 @@ def propose(generator: Rounds, s: Sequence, room: int, others: int = 0) -> int:
     params, rng = s.params.sampling, s.out.rng
     assert s.draft is not None, "`start` opened the request's draft session"
     if s.shape is not None:
-        tree = generator.propose_tree(s.draft, s.sequence, s.shape, params, rng, others, room)
+        tree = generator.propose_tree(s.draft, s.sequence, s.shape, params, rng, others, room, s.out)
         s.proposal = (generator.fed_tokens(tree), tree, None)
         return len(tree)
-    s.proposal = generator.propose(s.draft, s.sequence, room, params, rng)
+    s.proposal = generator.propose(s.draft, s.sequence, room, params, rng, s.out)
     return len(s.proposal[0])
 
 

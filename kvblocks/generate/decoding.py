@@ -84,6 +84,16 @@ class Decoding:
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
 
+    @property
+    def ends(self) -> frozenset[int]:
+        """The tokens that finish this sequence when chosen (a drafter drafts nothing after one)."""
+        return frozenset() if self.params.ignore_eos else self.eos_ids
+
+    @property
+    def left(self) -> int:
+        """Tokens this sequence may still emit."""
+        return self.max_new_tokens - len(self.generated)
+
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from the raw logits of its position: processed, then sampled or argmax."""
         if self.processor is None:
