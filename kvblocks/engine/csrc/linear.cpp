@@ -128,17 +128,33 @@ inline void rows2(const float* xf, const int32_t* w, int64_t p0, int64_t p1, int
   for (int i = 0; i < R; ++i) _mm256_store_ps(st + (r0 + i) * kCols + c0, a[i]);
 }
 
+// `rows2<count>` (1 <= count <= 12): each row runs the same instructions whatever the count.
+inline void rows_of(int64_t count, const float* xf, const int32_t* w, int64_t p0, int64_t p1, int64_t r0,
+                    int64_t c0, float* st, bool first) {
+  switch (count) {
+#define KVB_ROWS(R) \
+  case R:           \
+    return rows2<R>(xf, w, p0, p1, r0, c0, st, first);
+    KVB_ROWS(1) KVB_ROWS(2) KVB_ROWS(3) KVB_ROWS(4) KVB_ROWS(5) KVB_ROWS(6)
+    KVB_ROWS(7) KVB_ROWS(8) KVB_ROWS(9) KVB_ROWS(10) KVB_ROWS(11) KVB_ROWS(12)
+    default:
+      return;
+  }
+}
+
 // The AVX2 tile: as `tile`, with `xf` the tile's inputs widened, [k / 2][2][16] float32 (each pair's
 // even inputs of the 16 rows, then its odd ones), and `state` row-major ([16][kCols]); the block's
-// columns 8 at a time, the rows 8 at a time (16 accumulators' worth of registers at most).
+// columns 8 at a time, the tile's `rows` real rows (1 to 16) 12 at a time (a row's accumulator its
+// own register, so a row is computed alike with any other rows, and padding rows are not computed).
 inline void tile2(const float* xf, const int32_t* w, int64_t p0, int64_t p1, float* state, bool first,
-                  bool last, bool fetch, const float* bias, uint16_t* out) {
+                  bool last, bool fetch, const float* bias, uint16_t* out, int64_t rows) {
   if (fetch)  // the next chunk's weights (the block's next pairs, or the next block's first) into L2
     for (int64_t i = 0; i < (p1 - p0) * kCols; i += 16) _mm_prefetch((const char*)(w + p1 * kCols + i), _MM_HINT_T1);
   for (int64_t c0 = 0; c0 < kCols; c0 += kVec)
-    rows2<12>(xf, w, p0, p1, 0, c0, state, first), rows2<4>(xf, w, p0, p1, 12, c0, state, first);
+    for (int64_t r0 = 0; r0 < rows; r0 += 12)
+      rows_of(rows - r0 < 12 ? rows - r0 : 12, xf, w, p0, p1, r0, c0, state, first);
   if (!last) return;
-  for (int64_t r = 0; r < kRows; ++r)
+  for (int64_t r = 0; r < rows; ++r)
     for (int64_t c0 = 0; c0 < kCols; c0 += kVec) {
       const __m256 sum = _mm256_add_ps(_mm256_load_ps(state + r * kCols + c0), _mm256_loadu_ps(bias + c0));
       const __m256i v = _mm256_castps_si256(sum);
@@ -233,16 +249,16 @@ int kvb_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, c
   auto step = [&](int64_t b, int64_t p0, int64_t t, float* st, bool fetch) {
     const int64_t c0 = b * kCols, cols = n - c0 < kCols ? n - c0 : kCols;
     const int64_t p1 = pairs - p0 < kChunk ? pairs : p0 + kChunk;
+    const int64_t rows = m - t * kRows < kRows ? m - t * kRows : kRows;
     if (p1 == pairs)  // the block's biases, for the sums' last pairs
       for (int64_t j = 0; j < kCols; ++j) biases[j] = bias != nullptr && j < cols ? widen(bias[c0 + j]) : 0.0f;
 #ifdef KVB_HAVE_BF16
     tile(xt + t * pairs * kXt, w + b * pairs * kCols, p0, p1, st, p0 == 0, p1 == pairs, fetch, biases, block);
 #else
     tile2(reinterpret_cast<const float*>(xt + t * pairs * kXt), w + b * pairs * kCols, p0, p1, st, p0 == 0,
-          p1 == pairs, fetch, biases, block);
+          p1 == pairs, fetch, biases, block, rows);
 #endif
     if (p1 < pairs) return;
-    const int64_t rows = m - t * kRows < kRows ? m - t * kRows : kRows;
     for (int64_t r = 0; r < rows; ++r) {
       uint16_t* out = y + (t * kRows + r) * y_stride + c0;
       for (int64_t j = 0; j < cols; ++j) out[j] = block[j * kRows + r];
