@@ -9,8 +9,8 @@ A row's result depends only on its own inputs and the weights (see the source's 
 invariant forwards can use it for every row count; `kvblocks.engine.head` probes that per shape
 before it does. On a CPU with AVX2 and FMA but no AVX512-BF16 (AMD Zen 2/3) the same source builds
 the same sums with 8-lane fused multiply-adds over weights widened to float32 (two instructions per
-weight at 16 rows, so half the rate per weight byte), where torch's own bfloat16 product has no
-fast kernel at all (0.55 GB/s at 16 rows on a Zen 3 core, against 5 or more here).
+weight at 16 rows: a quarter of AVX512-BF16's weight bytes per instruction), where torch's own bfloat16 product has no
+fast kernel at all (0.55 GB/s at 16 rows on a loaded Zen 3 core, against 1.8-2.9 GB/s here).
 
 It is built at first use as the attention kernel is (`kernel.build`: the machine's compiler,
 `-march=native`, the kvblocks cache folder), and only where this CPU has AVX512-BF16 or AVX2 and FMA;

@@ -21,12 +21,14 @@
 // between chunks of input pairs (stored and loaded exactly), so chunking changes nothing.
 //
 // Without AVX512-BF16, on a CPU with AVX2 and FMA (AMD Zen 2/3, Intel Haswell to Alder Lake), the
-// same layout and the same sums: the 16 rows of a tile are the lanes of two 8-lane vectors, each
-// weight of a pair widened to float32 (its 16 bits shifted up: exact) and broadcast, and each lane
-// adds the pair's odd product then its even one with a fused multiply-add, as `vdpbf16ps` does (the
-// product of two bfloat16 values is exact in float32, so each step rounds once, in the same order;
-// only denormals differ: `vdpbf16ps` flushes them). Rounding to bfloat16 is to nearest, ties to even,
-// in integer arithmetic. Two multiply-adds per weight at 16 rows where AVX512-BF16 needs half of one.
+// same layout and the same sums: 8 columns of a block are the lanes of a vector, their weight pairs
+// widened to float32 once per pair step (the 16 bits shifted up: exact), each row of the tile an
+// accumulator of its own (its inputs broadcast), adding the pair's odd product then its even one
+// with a fused multiply-add, as `vdpbf16ps` does (the product of two bfloat16 values is exact in
+// float32, so each step rounds once, in the same order; only denormals differ: `vdpbf16ps` flushes
+// them). Only a tile's real rows are computed, each by the same instructions at any row count.
+// Rounding to bfloat16 is to nearest, ties to even, in integer arithmetic. Two 8-lane multiply-adds
+// per weight at 16 rows where AVX512-BF16 needs half of one 16-lane instruction.
 
 #include <cstdint>
 #include <cstring>
