@@ -122,7 +122,7 @@ def ceiling(dtype: torch.dtype, rows: int) -> float | None:
     rate = peak(dtype)
     if lib is None or rate is None:
         return None
-    macs = lib.kvb_linear_macs(0 if dtype == torch.bfloat16 else 1)
+    macs = int(lib.kvb_linear_macs(0 if dtype == torch.bfloat16 else 1))
     return rate * macs / rows * torch.empty(0, dtype=dtype).element_size()
 
 
