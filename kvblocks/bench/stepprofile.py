@@ -8,7 +8,8 @@ The rest of the step is split by the fastest of three more runs under the PyTorc
 proportions it finds outside the attention calls (wall clock, as the profiler times operators; a
 single profiled run once put a pause of the shared machine into "python/other": 37% of a cascade
 step against 9% of the invariant step on the same shapes, in one benchmark run):
-- matmul: matrix products (the linear layers and the output head, oneDNN's included),
+- matmul: matrix products (the linear layers and the output head, oneDNN's and kvblocks' bfloat16
+  kernel's included: `head.KERNEL_RANGE` names each of its calls),
 - copies: copy, index, gather and concatenation kernels,
 - other kernels: every other operator's own time (norms, activations, rotary),
 - python/other: what no operator accounts for (the interpreter, module calls; in the profiled run
@@ -38,9 +39,10 @@ MATMUL_OPS = frozenset(
         "aten::matmul",
         "aten::linear",
         "mkldnn::_linear_pointwise",  # the output head on its reordered weight (engine/head.py)
+        "kvblocks::linear",  # kvblocks' bfloat16 kernel (engine/head.py, `KERNEL_RANGE`)
     }
 )
-OPERATOR_PREFIXES = ("aten::", "mkldnn::")
+OPERATOR_PREFIXES = ("aten::", "mkldnn::", "kvblocks::")
 COPY_OPS = frozenset(
     {
         "aten::copy_",

@@ -222,15 +222,13 @@ def linears_alone(model, runner, rows: int) -> Callable[[], None]:
 
 
 def compute_ceiling(dtype, rows: int) -> float | None:
-    """Weight bytes per second the core's multiply-adds can serve to `rows` rows, at most: its peak
-    rate of the product's instruction (`gemm.peak`: `vdpbf16ps` for bfloat16, `vfmadd231ps` for
-    float32, 16 lanes) times the weight bytes one instruction serves, 64 / rows (a 64-byte vector of
-    weights meets one row per instruction; 4 bytes at 16 rows in either dtype). None where the
-    kernel is not built here."""
+    """Weight bytes per second the core's multiply-adds can serve to `rows` rows, at most
+    (`gemm.ceiling`: the peak rate of the product's instruction x the weight-row multiply-adds it
+    does / `rows` x the weight's bytes; with AVX512, 4 bytes per instruction at 16 rows in either
+    dtype). None where the kernel is not built here."""
     from kvblocks.engine import gemm
 
-    rate = gemm.peak(dtype)
-    return None if rate is None else rate * 64 / rows
+    return gemm.ceiling(dtype, rows)
 
 
 def step_report(args: argparse.Namespace, opts: BenchOptions, dtype: str, read_bw: float) -> Report:
@@ -301,9 +299,9 @@ def step_report(args: argparse.Namespace, opts: BenchOptions, dtype: str, read_b
     ]
     if ceiling is not None:
         report.notes.append(
-            f"compute ceiling: the core's peak rate of the product's multiply-add ({ceiling * args.requests / 64 / 1e9:.2f} "
-            f"G instructions/s, 16 lanes, a broadcast memory operand, CPU time) x 64 / {args.requests} weight bytes "
-            "per instruction; the step cannot read weights faster than the lower of it and the read bandwidth"
+            "compute ceiling: the core's peak rate of the product's multiply-add (`gemm.peak`, CPU time) x "
+            f"the weight-row multiply-adds of one instruction / {args.requests} rows x the weight's bytes "
+            "(`gemm.ceiling`); the step cannot read weights faster than the lower of it and the read bandwidth"
         )
     if args.profile:
         from kvblocks.bench import stepprofile

@@ -7,10 +7,13 @@ of the memory's bandwidth on one thread; this kernel puts the 16 rows in the 16 
 reads each pair of weights once as a broadcast operand of one `vdpbf16ps` (BENCHMARKS.md, weights).
 A row's result depends only on its own inputs and the weights (see the source's header), so batch-
 invariant forwards can use it for every row count; `kvblocks.engine.head` probes that per shape
-before it does.
+before it does. On a CPU with AVX2 and FMA but no AVX512-BF16 (AMD Zen 2/3) the same source builds
+the same sums with 8-lane fused multiply-adds over weights widened to float32 (two instructions per
+weight at 16 rows: a quarter of AVX512-BF16's weight bytes per instruction), where torch's own bfloat16 product has no
+fast kernel at all (0.55 GB/s at 16 rows on a loaded Zen 3 core, against 1.8-2.9 GB/s here).
 
 It is built at first use as the attention kernel is (`kernel.build`: the machine's compiler,
-`-march=native`, the kvblocks cache folder), and only where this CPU has AVX512-BF16;
+`-march=native`, the kvblocks cache folder), and only where this CPU has AVX512-BF16 or AVX2 and FMA;
 `KVBLOCKS_KERNEL=0` turns it off with the attention kernel. The bound: a packed weight is the
 weight's size once more (its columns padded to a multiple of 24).
 """
@@ -29,7 +32,7 @@ import torch
 from kvblocks.engine import kernel
 
 SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
-BYTES_PER_INSTRUCTION = 4  # weight bytes one instruction serves to 16 rows, bfloat16 or float32
+_CHAINS = {32: 24, 8: 12}  # independent instructions per round of `kvb_linear_peak`, by build (its macs)
 _ARGS = {
     "kvb_linear_packed_size": ([ctypes.c_int64] * 2, ctypes.c_int64),
     "kvb_linear_pack_bf16": ([ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p], ctypes.c_int),
@@ -40,14 +43,15 @@ _ARGS = {
         ctypes.c_int,
     ),
     "kvb_linear_peak": ([ctypes.c_int64, ctypes.c_int], ctypes.c_int),
+    "kvb_linear_macs": ([ctypes.c_int], ctypes.c_int),
 }
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel, built if needed; None where this CPU has no AVX512-BF16, there is no
-    compiler, or `KVBLOCKS_KERNEL=0`."""
-    if os.environ.get(kernel.ENV, "1") == "0" or not _avx512_bf16():
+    """The loaded kernel, built if needed; None where this CPU has neither AVX512-BF16 nor AVX2 and
+    FMA, there is no compiler, or `KVBLOCKS_KERNEL=0`."""
+    if os.environ.get(kernel.ENV, "1") == "0" or not _supported():
         return None
     try:
         lib = ctypes.CDLL(str(kernel.build(SOURCE)))
@@ -56,16 +60,20 @@ def library() -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = args, result
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError):
         return None
-    return lib if lib.kvb_linear_peak(1, 0) == 0 else None  # built without AVX512-BF16: 2
+    return lib if lib.kvb_linear_peak(1, 0) == 0 else None  # built with neither: 2
 
 
-def _avx512_bf16() -> bool:
-    """Whether this CPU has AVX512-BF16 (what the kernel's instruction is)."""
+def _supported() -> bool:
+    """Whether this CPU has AVX512-BF16 (the kernel's instruction) or else AVX2 and FMA."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split())
+                    return "avx512_bf16" in flags or {"avx2", "fma"} <= flags
     except OSError:
-        return False
+        pass
+    return False
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -105,10 +113,24 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     return out.reshape(*shape[:-1], n)
 
 
+def ceiling(dtype: torch.dtype, rows: int) -> float | None:
+    """Weight bytes per second the core's multiply-adds can serve to `rows` rows, at most: `peak`
+    times the weight-row multiply-adds of one instruction (`kvb_linear_macs`: 32 for `vdpbf16ps`, 16
+    for a 16-lane `vfmadd231ps`, 8 for an 8-lane one) / `rows` x the weight's bytes. None where the
+    kernel is not built here."""
+    lib = library()
+    rate = peak(dtype)
+    if lib is None or rate is None:
+        return None
+    macs = int(lib.kvb_linear_macs(0 if dtype == torch.bfloat16 else 1))
+    return rate * macs / rows * torch.empty(0, dtype=dtype).element_size()
+
+
 def peak(dtype: torch.dtype, seconds: float = 0.2) -> float | None:
     """Instructions per second this core runs of the product's multiply-add for `dtype` (bfloat16:
-    `vdpbf16ps`, float32: `vfmadd231ps`, each on 16 lanes with a broadcast memory operand), median of
-    three runs of CPU time; None where the kernel is not built here."""
+    `vdpbf16ps`, float32: `vfmadd231ps`, each on 16 lanes with a broadcast memory operand; in the
+    AVX2 build `vfmadd231ps` on 8 lanes for both), median of three runs of CPU time; None where the
+    kernel is not built here."""
     lib = library()
     if lib is None or dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -121,5 +143,5 @@ def peak(dtype: torch.dtype, seconds: float = 0.2) -> float | None:
     for _ in range(3):
         start = time.process_time()
         lib.kvb_linear_peak(rounds, kind)
-        rates.append(24 * rounds / max(time.process_time() - start, 1e-9))
+        rates.append(_CHAINS[lib.kvb_linear_macs(0)] * rounds / max(time.process_time() - start, 1e-9))
     return sorted(rates)[1]

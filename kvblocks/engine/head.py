@@ -49,6 +49,7 @@ _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # rounding against F.l
 _heads: weakref.WeakKeyDictionary[torch.nn.Module, PackedHead | None] = weakref.WeakKeyDictionary()
 _models: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears | None] = weakref.WeakKeyDictionary()
 _scope = threading.local()
+KERNEL_RANGE = "kvblocks::linear"  # the profiler's name for a `KernelLinear` product (`bench.stepprofile`)
 _lock = threading.Lock()
 
 
@@ -171,7 +172,8 @@ class KernelLinear(PackedHead):
     def product(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         from kvblocks.engine import gemm
 
-        return gemm.linear(x, packed, self.module.out_features, self.module.bias)
+        with torch.profiler.record_function(KERNEL_RANGE):  # a ctypes call is no torch operator
+            return gemm.linear(x, packed, self.module.out_features, self.module.bias)
 
 
 class PackedLinears:

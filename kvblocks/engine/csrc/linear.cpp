@@ -19,6 +19,16 @@
 // inputs and the weights: not on the other rows of the call, how many there are, or which lane it
 // took. Row tiles of 16 are computed one after another, each the same way; a sum is kept in float32
 // between chunks of input pairs (stored and loaded exactly), so chunking changes nothing.
+//
+// Without AVX512-BF16, on a CPU with AVX2 and FMA (AMD Zen 2/3, Intel Haswell to Alder Lake), the
+// same layout and the same sums: 8 columns of a block are the lanes of a vector, their weight pairs
+// widened to float32 once per pair step (the 16 bits shifted up: exact), each row of the tile an
+// accumulator of its own (its inputs broadcast), adding the pair's odd product then its even one
+// with a fused multiply-add, as `vdpbf16ps` does (the product of two bfloat16 values is exact in
+// float32, so each step rounds once, in the same order; only denormals differ: `vdpbf16ps` flushes
+// them). Only a tile's real rows are computed, each by the same instructions at any row count.
+// Rounding to bfloat16 is to nearest, ties to even, in integer arithmetic. Two 8-lane multiply-adds
+// per weight at 16 rows where AVX512-BF16 needs half of one 16-lane instruction.
 
 #include <cstdint>
 #include <cstring>
@@ -26,6 +36,9 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define KVB_HAVE_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVB_HAVE_AVX2 1
 #endif
 
 namespace {
@@ -34,7 +47,11 @@ constexpr int64_t kCols = 24;  // accumulators: one per output column of a block
 constexpr int64_t kRows = 16;  // rows per tile: the lanes of a float32 vector
 // Input pairs of a block run over all row tiles before the next ones (24 KB of weights, in the first
 // level cache while the tiles re-read them); a lane's sum still adds its pairs in order of p.
+#ifdef KVB_HAVE_AVX2
+constexpr int64_t kChunk = 64;  // AVX2: the chunk's weights (6 KB) and widened inputs (8 KB) in L1
+#else
 constexpr int64_t kChunk = 256;
+#endif
 constexpr int64_t kAhead = 4096;  // int32 elements (16 KB) of the weight stream prefetched ahead
 
 inline float widen(uint16_t h) {
@@ -86,6 +103,75 @@ inline void tile(const int32_t* xt, const int32_t* w, int64_t p0, int64_t p1, fl
 }
 #endif
 
+
+#ifdef KVB_HAVE_AVX2
+constexpr int64_t kVec = 8;  // columns of a vector (8 float32 lanes)
+
+// Rows r0 .. r0 + R - 1 of a tile by the 8 columns c0 .. c0 + 7 of a block over the pairs p0 .. p1 - 1:
+// one accumulator per row (its 8 columns in the lanes), each step widening the 8 columns' weight
+// pairs once (`w0` the even weights, `w1` the odd ones) and broadcasting each row's two inputs.
+// `st` the rows' sums, row-major [16][kCols].
+template <int R>
+inline void rows2(const float* xf, const int32_t* w, int64_t p0, int64_t p1, int64_t r0, int64_t c0,
+                  float* st, bool first) {
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  __m256 a[R];
+  for (int i = 0; i < R; ++i) a[i] = first ? _mm256_setzero_ps() : _mm256_load_ps(st + (r0 + i) * kCols + c0);
+  for (int64_t p = p0; p < p1; ++p) {
+    const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * kCols + c0));
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+    const float* xp = xf + p * 2 * kRows + r0;
+    for (int i = 0; i < R; ++i) {
+      a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + kRows + i), w1, a[i]);
+      a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + i), w0, a[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm256_store_ps(st + (r0 + i) * kCols + c0, a[i]);
+}
+
+// `rows2<count>` (1 <= count <= 12): each row runs the same instructions whatever the count.
+inline void rows_of(int64_t count, const float* xf, const int32_t* w, int64_t p0, int64_t p1, int64_t r0,
+                    int64_t c0, float* st, bool first) {
+  switch (count) {
+#define KVB_ROWS(R) \
+  case R:           \
+    return rows2<R>(xf, w, p0, p1, r0, c0, st, first);
+    KVB_ROWS(1) KVB_ROWS(2) KVB_ROWS(3) KVB_ROWS(4) KVB_ROWS(5) KVB_ROWS(6)
+    KVB_ROWS(7) KVB_ROWS(8) KVB_ROWS(9) KVB_ROWS(10) KVB_ROWS(11) KVB_ROWS(12)
+    default:
+      return;
+  }
+}
+
+// The AVX2 tile: as `tile`, with `xf` the tile's inputs widened, [k / 2][2][16] float32 (each pair's
+// even inputs of the 16 rows, then its odd ones), and `state` row-major ([16][kCols]); the block's
+// columns 8 at a time, the tile's `rows` real rows (1 to 16) 12 at a time (a row's accumulator its
+// own register, so a row is computed alike with any other rows, and padding rows are not computed).
+inline void tile2(const float* xf, const int32_t* w, int64_t p0, int64_t p1, float* state, bool first,
+                  bool last, bool fetch, const float* bias, uint16_t* out, int64_t rows) {
+  if (fetch)  // the next chunk's weights (the block's next pairs, or the next block's first) into L2
+    for (int64_t i = 0; i < (p1 - p0) * kCols; i += 16) _mm_prefetch((const char*)(w + p1 * kCols + i), _MM_HINT_T1);
+  for (int64_t c0 = 0; c0 < kCols; c0 += kVec)
+    for (int64_t r0 = 0; r0 < rows; r0 += 12)
+      rows_of(rows - r0 < 12 ? rows - r0 : 12, xf, w, p0, p1, r0, c0, state, first);
+  if (!last) return;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c0 = 0; c0 < kCols; c0 += kVec) {
+      const __m256 sum = _mm256_add_ps(_mm256_load_ps(state + r * kCols + c0), _mm256_loadu_ps(bias + c0));
+      const __m256i v = _mm256_castps_si256(sum);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(v, 16), _mm256_set1_epi32(1));
+      __m256i b = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(v, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+      const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7FFFFFFF)),
+                                             _mm256_set1_epi32(0x7F800000));
+      b = _mm256_blendv_epi8(b, _mm256_or_si256(_mm256_srli_epi32(v, 16), _mm256_set1_epi32(0x40)), nan);
+      alignas(32) uint32_t bits[kVec];  // to nearest, ties to even; a NaN stays a (quiet) NaN
+      _mm256_store_si256(reinterpret_cast<__m256i*>(bits), b);
+      for (int64_t j = 0; j < kVec; ++j) out[(c0 + j) * kRows + r] = uint16_t(bits[j]);
+    }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -110,33 +196,48 @@ int kvb_linear_pack_bf16(const uint16_t* w, int64_t n, int64_t k, int64_t w_stri
   return 0;
 }
 
+#if defined(KVB_HAVE_BF16) || defined(KVB_HAVE_AVX2)
+// Every tile's inputs, lane-major, in `xt` (tiles * pairs * kXt 32-bit elements): with AVX512-BF16
+// xt[t][p][r] = the pair (x[16 t + r][2p], x[16 t + r][2p + 1]); with AVX2 the pair widened to two
+// float32, xt[t][p][0][r] = x[16 t + r][2p] and xt[t][p][1][r] = x[16 t + r][2p + 1]. Rows past m: 0.
+#ifdef KVB_HAVE_BF16
+constexpr int64_t kXt = kRows;
+#else
+constexpr int64_t kXt = 2 * kRows;
+#endif
+void lanes(const uint16_t* x, int64_t m, int64_t pairs, int64_t x_stride, int64_t tiles, int32_t* xt) {
+  std::memset(xt, 0, sizeof(int32_t) * tiles * pairs * kXt);
+  for (int64_t row = 0; row < m; ++row) {
+    const uint16_t* src = x + row * x_stride;
+    int32_t* dst = xt + row / kRows * pairs * kXt + row % kRows;
+    for (int64_t p = 0; p < pairs; ++p) {
+#ifdef KVB_HAVE_BF16
+      std::memcpy(dst + p * kXt, src + 2 * p, 4);
+#else
+      dst[p * kXt] = int32_t(uint32_t(src[2 * p]) << 16);
+      dst[p * kXt + kRows] = int32_t(uint32_t(src[2 * p + 1]) << 16);
+#endif
+    }
+  }
+}
+#endif
+
 // y[m, n] = x[m, k] @ w.T + bias (bias may be null), all bfloat16, float32 sums; x rows `x_stride`
 // apart (k contiguous), y rows `y_stride` apart. Returns 0; 1 where k is odd; 2 where this build
-// has no AVX512-BF16; 3 where its buffers (the inputs once more, in float32 sums of 16 x 24) cannot
-// be allocated.
+// has neither AVX512-BF16 nor AVX2 and FMA; 3 where its buffers (the inputs once more, in float32
+// sums of 16 x 24) cannot be allocated.
 int kvb_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed,
                     int64_t n, const uint16_t* bias, uint16_t* y, int64_t y_stride) {
   if (k % 2) return 1;
-#ifndef KVB_HAVE_BF16
+#if !defined(KVB_HAVE_BF16) && !defined(KVB_HAVE_AVX2)
   (void)x, (void)m, (void)x_stride, (void)packed, (void)n, (void)bias, (void)y, (void)y_stride;
   return 2;
 #else
   const int64_t pairs = k / 2, blocks = (n + kCols - 1) / kCols;
   const int64_t tiles = (m + kRows - 1) / kRows;
-  // every tile's inputs, lane-major: xt[t][p][r] = the pair (x[16 t + r][2p], x[16 t + r][2p + 1])
-  int32_t* xt = static_cast<int32_t*>(_mm_malloc(sizeof(int32_t) * tiles * pairs * kRows, 64));
+  int32_t* xt = static_cast<int32_t*>(_mm_malloc(sizeof(int32_t) * tiles * pairs * kXt, 64));
   if (xt == nullptr) return 3;
-  for (int64_t t = 0; t < tiles; ++t)
-    for (int64_t r = 0; r < kRows; ++r) {
-      const int64_t row = t * kRows + r;
-      int32_t* dst = xt + t * pairs * kRows + r;
-      if (row < m) {
-        const uint16_t* src = x + row * x_stride;
-        for (int64_t p = 0; p < pairs; ++p) std::memcpy(dst + p * kRows, src + 2 * p, 4);
-      } else {
-        for (int64_t p = 0; p < pairs; ++p) dst[p * kRows] = 0;
-      }
-    }
+  lanes(x, m, pairs, x_stride, tiles, xt);
   alignas(64) uint16_t block[kCols * kRows];  // a tile's outputs, column-major
   alignas(64) float biases[kCols];
   // Block after block, each over its pairs chunk by chunk, every row tile over a chunk while the
@@ -150,11 +251,16 @@ int kvb_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, c
   auto step = [&](int64_t b, int64_t p0, int64_t t, float* st, bool fetch) {
     const int64_t c0 = b * kCols, cols = n - c0 < kCols ? n - c0 : kCols;
     const int64_t p1 = pairs - p0 < kChunk ? pairs : p0 + kChunk;
+    const int64_t rows = m - t * kRows < kRows ? m - t * kRows : kRows;
     if (p1 == pairs)  // the block's biases, for the sums' last pairs
       for (int64_t j = 0; j < kCols; ++j) biases[j] = bias != nullptr && j < cols ? widen(bias[c0 + j]) : 0.0f;
-    tile(xt + t * pairs * kRows, w + b * pairs * kCols, p0, p1, st, p0 == 0, p1 == pairs, fetch, biases, block);
+#ifdef KVB_HAVE_BF16
+    tile(xt + t * pairs * kXt, w + b * pairs * kCols, p0, p1, st, p0 == 0, p1 == pairs, fetch, biases, block);
+#else
+    tile2(reinterpret_cast<const float*>(xt + t * pairs * kXt), w + b * pairs * kCols, p0, p1, st, p0 == 0,
+          p1 == pairs, fetch, biases, block, rows);
+#endif
     if (p1 < pairs) return;
-    const int64_t rows = m - t * kRows < kRows ? m - t * kRows : kRows;
     for (int64_t r = 0; r < rows; ++r) {
       uint16_t* out = y + (t * kRows + r) * y_stride + c0;
       for (int64_t j = 0; j < cols; ++j) out[j] = block[j * kRows + r];
@@ -169,15 +275,28 @@ int kvb_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, c
 #endif
 }
 
+// Multiply-adds of one weight and one row (lanes x weights per lane) one instruction of the product
+// does: 32 for `vdpbf16ps` on zmm (16 lanes, a pair each), 16 for `vfmadd231ps` on zmm, 8 on ymm
+// (the AVX2 build, both dtypes); 0 where this build has neither.
+int kvb_linear_macs(int kind) {
+#if defined(KVB_HAVE_BF16)
+  return kind == 0 ? 32 : 16;
+#elif defined(KVB_HAVE_AVX2)
+  (void)kind;
+  return 8;
+#else
+  (void)kind;
+  return 0;
+#endif
+}
+
 // The core's rate of the kernel's instruction: `rounds` x 24 independent `vdpbf16ps` (kind 0) or
 // `vfmadd231ps` (kind 1, the float32 product's) on zmm registers, each with a broadcast memory
-// operand as the kernel's, and nothing else. What a product of 16 rows can reach at most: 4 weight
-// bytes per instruction in either dtype. Returns 0, or 2 where this build has no AVX512-BF16.
+// operand as the kernel's, and nothing else; in the AVX2 build `rounds` x 12 independent
+// `vfmadd231ps` on ymm registers (both kinds). What a product of 16 rows can reach at most:
+// `kvb_linear_macs` / 16 weights per instruction. Returns 0, or 2 where this build has neither.
 int kvb_linear_peak(int64_t rounds, int kind) {
-#ifndef KVB_HAVE_BF16
-  (void)rounds, (void)kind;
-  return 2;
-#else
+#if defined(KVB_HAVE_BF16)
   alignas(64) static const int32_t ones[kCols] = {};
   const int32_t* wp = ones;
   const __m512 x = _mm512_setzero_ps();
@@ -193,6 +312,19 @@ int kvb_linear_peak(int64_t rounds, int kind) {
 #define KVB_SINK(J) __asm__ volatile("" ::"v"(a##J));
   KVB_24(KVB_SINK)
   return 0;
+#elif defined(KVB_HAVE_AVX2)
+  (void)kind;
+  __m256 a[12];
+  for (auto& r : a) r = _mm256_setzero_ps();
+  __m256 x = _mm256_setzero_ps();
+  __asm__ volatile("" : "+x"(x));
+  for (int64_t i = 0; i < rounds; ++i)
+    for (auto& r : a) r = _mm256_fmadd_ps(x, x, r);
+  for (auto& r : a) __asm__ volatile("" ::"x"(r));
+  return 0;
+#else
+  (void)rounds, (void)kind;
+  return 2;
 #endif
 }
 
