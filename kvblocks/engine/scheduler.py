@@ -109,8 +109,10 @@ class Scheduler:
         limits: BatchLimits,
         sequences: Sequences,
         rounds: speculative.Rounds | None = None,
+        elsewhere: Callable[[], int] = lambda: 0,
     ) -> None:
         self.room = room
+        self.elsewhere = elsewhere  # requests running off the packed path (their locks come back)
         self.slots = slots
         self.limits = limits
         self.sequences = sequences
@@ -275,11 +277,12 @@ class Scheduler:
         return take
 
     def _reserve(self, s: Sequence, end: int, batch: Batch) -> bool:
-        """`reserve`; when nothing can make room and `s` runs alone, pinned prefixes fill the rest of
-        the pool: `s` fails."""
+        """`reserve`; when nothing can make room and `s` runs alone, nothing off the packed path
+        running either (the serial runner's requests hold locked prefixes until they end), pinned
+        prefixes fill the rest of the pool: `s` fails."""
         if self.reserve(s, end, batch):
             return True
-        if not batch and self.running == [s]:
+        if not batch and self.running == [s] and not self.elsewhere():
             self.fail(s, PoolFullError("the KV pool is full of pinned prefixes"), None)
         return False
 
