@@ -258,3 +258,19 @@ def test_the_cpu_engine_bounds_a_contended_step_to_one_cut_and_the_limits_defaul
     )
     assert engine.scheduler.limits.contended_prefill == engine.scheduler.limits.chunk == CHUNK
     assert BatchLimits().contended_prefill == 0  # off the CPU: shares only
+
+
+def test_a_request_alone_without_room_waits_while_the_serial_runner_holds_the_pool():
+    """The serial runner's requests hold locked prefixes until they end: a packed request alone that
+    finds no room waits for them (it failed as 'the pool is full of pinned prefixes' in the soak's
+    attack phase); with nothing running anywhere, it fails."""
+    model = tiny_model("llama", torch.float32)
+    for serial_active, fails in ((1, False), (0, True)):
+        slots = SlotManager(KVCacheTrie.for_model(model, capacity_tokens=32))
+        sched = Scheduler(
+            WaitingRoom(), slots, BatchLimits(), lambda r: r.sequence, None, lambda n=serial_active: n
+        )
+        s = sequence(100)
+        sched.running = [s]
+        step = sched.schedule()
+        assert step.batch == [] and bool(step.failed) is fails and (s in sched.running) is not fails
