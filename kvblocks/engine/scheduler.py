@@ -123,6 +123,7 @@ class Scheduler:
         self.deferred = 0  # admissions put off because the pool lacked room for the prompt
         self.preemptions = 0
         self.prompted: set[str] = set()  # tenants with prompt tokens in the last step scheduled
+        self.ended: set[str] = set()  # tenants a request of which finished since the last step scheduled
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -198,6 +199,9 @@ class Scheduler:
         order = sorted(self.running, key=lambda s: (s.left, s.admitted_at))
         urgent = first_in_line(order, self.room.ledger)
         shares = self.prefill_shares(budget)
+        ended, self.ended = self.ended, set()
+        if self.limits.contended_prefill > 0 and ended:
+            shares |= dict.fromkeys(self.busier_than(ended), 0)
         for s in order:
             if urgent is not None and held_back(s, urgent, self.limits.max_wait_steps):
                 continue
@@ -245,6 +249,20 @@ class Scheduler:
             cap = max(least, self.limits.contended_prefill)
             shares = {t: min(share, cap) if usage[t] > lightest else share for t, share in shares.items()}
         return shares
+
+    def busier_than(self, ended: set[str]) -> set[str]:
+        """The running tenants served at least twice as much (recent work per weight) as the least
+        served of `ended`: in the step after that tenant's reply ended they prefill nothing, so the
+        step in flight when its next request arrives (an interactive client sends it within moments)
+        is a short one. Twice: tenants about as busy never hold each other's prefill back."""
+        ledger = self.room.ledger
+        least = min(ledger.usage(t) for t in ended)
+        return {s.request.tenant for s in self.running if ledger.usage(s.request.tenant) >= 2 * least + 1}
+
+    def finished(self, s: Sequence) -> None:
+        """`s` ended with its reply (`remove`, and its tenant's next request is likely moments away)."""
+        self.remove(s)
+        self.ended.add(s.request.tenant)
 
     def budget(self) -> int:
         """This step's token budget: `max_batch_tokens`, or `full_batch_tokens` when larger and every
