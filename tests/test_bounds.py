@@ -8,6 +8,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from server_proc import tiny_model_dir
+from transformers import AutoTokenizer
 
 from kvblocks.engine.ledger import TenantLedger
 from kvblocks.server.bounds import FairGate, char_limit, tokenizing
@@ -142,9 +144,23 @@ def test_char_limit_is_the_context_times_the_longest_token(token_bytes, context,
     assert char_limit(token_bytes, context) == limit
 
 
-def test_a_tenants_time_at_the_gate_is_charged_to_the_engine_ledger_in_tokens():
+def test_a_tenants_time_at_the_gate_is_charged_at_the_engines_rate_of_work():
     ledger = TenantLedger()
+    ledger.ran(100, 0.5)  # the engine does 200 tokens a second
     served = Served(SimpleNamespace(ledger=ledger), ServerConfig("tiny"))
-    served.tokenizing_rate = 1000.0  # tokens per second
     asyncio.run(tokenizing(served.tokenize_gate, "acme", time.sleep, 0.05))
-    assert 45 <= ledger.work("acme") <= 200 and ledger.work("other") == 0
+    assert 9 <= ledger.work("acme") <= 40 and ledger.work("other") == 0
+
+
+def test_resending_a_long_cached_prompt_costs_a_tenant_far_fewer_tokens_than_it_tokenizes():
+    """A victim's every request re-tokenizes its long system prompt, of which the engine computes
+    one token (a cache hit). Charged as tokens tokenized it looked busier than a flooder, and the
+    fair rules then favoured the flooder (issue 41): the gate's time is the engine's time."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
+    text = "You are a support agent for refunds, shipping and invoices. " * 200
+    ledger = TenantLedger()
+    ledger.ran(80, 0.2)  # the engine does 400 tokens a second
+    served = Served(SimpleNamespace(ledger=ledger), ServerConfig("tiny"))
+    ids = asyncio.run(tokenizing(served.tokenize_gate, "victim", tokenizer, text))
+    assert len(ids["input_ids"]) > 2000
+    assert 0 < ledger.work("victim") < 0.05 * len(ids["input_ids"])

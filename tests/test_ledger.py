@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvblocks.engine.ledger import MAX_TENANTS, TenantLedger
+from kvblocks.engine.ledger import MAX_TENANTS, START_RATE, TenantLedger
 
 
 class Clock:
@@ -62,3 +62,23 @@ def test_the_ledger_stays_bounded_whatever_tenants_are_named():
         ledger.charge(f"t{i}", 10 + i)
     assert len(ledger._work) <= MAX_TENANTS
     assert ledger.work(f"t{MAX_TENANTS + 49}") > 0  # the newest, busiest ones are kept
+
+
+def test_time_is_charged_at_the_engines_recent_rate_of_work():
+    ledger = TenantLedger(clock=lambda: 0.0)
+    ledger.charge_time("acme", 0.01)
+    assert ledger.work("acme") == pytest.approx(0.01 * START_RATE)  # no step timed yet
+    for _ in range(200):
+        ledger.ran(80, 0.4)  # 200 tokens a second
+    ledger.charge_time("beta", 0.5)
+    assert ledger.work("beta") == pytest.approx(100, rel=0.01)
+
+
+def test_the_rate_follows_the_machines_load():
+    ledger = TenantLedger()
+    for _ in range(200):
+        ledger.ran(80, 0.1)
+    fast = ledger.tokens_per_second()
+    for _ in range(200):
+        ledger.ran(80, 0.4)
+    assert fast == pytest.approx(800) and ledger.tokens_per_second() == pytest.approx(200, rel=0.05)

@@ -258,3 +258,46 @@ def test_the_cpu_engine_bounds_a_contended_step_to_one_cut_and_the_limits_defaul
     )
     assert engine.scheduler.limits.contended_prefill == engine.scheduler.limits.chunk == CHUNK
     assert BatchLimits().contended_prefill == 0  # off the CPU: shares only
+
+
+def test_a_request_alone_without_room_waits_while_the_serial_runner_holds_the_pool():
+    """The serial runner's requests hold locked prefixes until they end: a packed request alone that
+    finds no room waits for them (it failed as 'the pool is full of pinned prefixes' in the soak's
+    attack phase); with nothing running anywhere, it fails."""
+    model = tiny_model("llama", torch.float32)
+    for serial_active, fails in ((1, False), (0, True)):
+        slots = SlotManager(KVCacheTrie.for_model(model, capacity_tokens=32))
+        sched = Scheduler(
+            WaitingRoom(), slots, BatchLimits(), lambda r: r.sequence, None, lambda n=serial_active: n
+        )
+        s = sequence(100)
+        sched.running = [s]
+        step = sched.schedule()
+        assert step.batch == [] and bool(step.failed) is fails and (s in sched.running) is not fails
+
+
+def test_the_step_after_a_lighter_tenants_reply_ends_holds_no_busier_prefill():
+    """The victim's next request arrives during the step after its reply: that step is decodes only
+    for the flooder, so the step in flight is short; the step after is the flooder's cut again."""
+    sched = server_defaults()
+    flood = [sequence(90, tenant="flood", admitted_at=i) for i in range(2)]
+    decode = sequence(8, 8, generated=1, tenant="flood", admitted_at=2)
+    victim = sequence(10, 10, generated=3, tenant="victim", admitted_at=3)
+    sched.running = [*flood, decode, victim]
+    sched.room.ledger.charge("flood", 5000)
+    sched.room.ledger.charge("victim", 20)
+    sched.finished(victim)  # its last token came in the step before
+    batch = sched.schedule().batch
+    assert prefill_of(batch, "flood") == 0 and (decode, 1) in batch
+    assert 0 < prefill_of(sched.schedule().batch, "flood") <= CHUNK
+
+
+def test_a_tenant_as_busy_as_the_one_whose_reply_ended_keeps_its_prefill():
+    sched = server_defaults()
+    other = sequence(90, tenant="other")
+    ended = sequence(10, 10, generated=3, tenant="agent", admitted_at=1)
+    sched.running = [other, ended]
+    sched.room.ledger.charge("other", 300)
+    sched.room.ledger.charge("agent", 200)
+    sched.finished(ended)
+    assert prefill_of(sched.schedule().batch, "other") > 0

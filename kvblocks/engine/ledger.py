@@ -3,7 +3,9 @@
 Fair shares are shares of work, and work is tokens: a tenant flooding with long prompts costs the
 engine far more than one sending short ones, whatever their running counts. The scheduler charges
 each step's prefill and decode tokens here; work done outside the packed step (tokenizing a prompt,
-filling KV blocks) is charged by whoever does it, through `charge`. A charge decays with a half-life
+filling KV blocks) is charged by whoever does it, through `charge`; work measured in seconds (a tenant's
+time at the tokenizing gate) through `charge_time`, at the engine's own rate of tokens per second, so a
+second of tokenizing weighs what a second of the engine's work does. A charge decays with a half-life
 (`usage` is exponentially weighted recent work, as in weighted fair queuing with decay), so a tenant
 that was busy a minute ago is not held back now, and one that was idle does not bank credit.
 """
@@ -17,6 +19,8 @@ from collections.abc import Callable
 
 HALF_LIFE_S = 5.0  # how fast past work stops counting against a tenant
 MAX_TENANTS = 4096  # entries kept before the negligible ones are dropped
+START_RATE = 500.0  # tokens per second `charge_time` assumes before the engine has timed a step
+STEP_MEMORY = 0.98  # a timed step's weight in the rate, per later step (about the last 50 steps count)
 
 
 class TenantLedger:
@@ -35,6 +39,27 @@ class TenantLedger:
         self.clock = clock
         self._work: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, when they were decayed to)
         self._lock = threading.Lock()
+        self._timed = (0.0, 0.0)  # the engine's decayed (tokens, seconds) of its timed steps
+
+    def ran(self, tokens: int, seconds: float) -> None:
+        """The engine did `tokens` of work in `seconds` (one step): what `tokens_per_second` follows.
+        Older steps weigh less (`STEP_MEMORY`), so the rate follows the machine's load."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        done, spent = self._timed
+        self._timed = (done * STEP_MEMORY + tokens, spent * STEP_MEMORY + seconds)
+
+    def tokens_per_second(self) -> float:
+        """The engine's recent rate of work (START_RATE until it has timed a step)."""
+        done, spent = self._timed
+        return done / spent if spent > 0 else START_RATE
+
+    def charge_time(self, tenant: str, seconds: float) -> None:
+        """`seconds` of work outside the engine were done for `tenant`: charged as the tokens the
+        engine does in that time. Tokenizing a token takes microseconds and computing it milliseconds,
+        so charging tokenized tokens as computed ones would make a tenant that resends a long cached
+        prompt look a thousand times busier than the engine's work for it."""
+        self.charge(tenant, seconds * self.tokens_per_second())
 
     def charge(self, tenant: str, tokens: float) -> None:
         """`tokens` of work were done for `tenant` (prefill, decode, tokenizing, KV block fills)."""

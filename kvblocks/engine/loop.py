@@ -95,7 +95,9 @@ class Engine:
             self.intake = SequenceFactory(
                 generator, self.slots, self.rounds, self.room, self.serial, self.report
             )
-            self.scheduler = Scheduler(self.room, self.slots, batch_limits, self.intake, self.rounds)
+            self.scheduler = Scheduler(
+                self.room, self.slots, batch_limits, self.intake, self.rounds, lambda: len(self.serial.active)
+            )
             self.output = Postprocessor(self.report, self.scheduler, self.slots, self.rounds, self.promotions)
         self._ids = itertools.count(1)
         self._stop = threading.Event()
@@ -237,7 +239,9 @@ class Engine:
                 self._drop(s)
         step = self._schedule_batch()
         self._end(step.failed)
+        start = time.perf_counter()
         outputs = self.runner.run(step.batch)
+        self.ledger.ran(sum(n for _, n in step.batch), time.perf_counter() - start)
         self._end([out for out in outputs if isinstance(out, Failure)])
         self._postprocess(step.batch, outputs)
 

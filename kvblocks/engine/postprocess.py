@@ -61,7 +61,7 @@ class Postprocessor:
             return False
         if prompt is not None:
             self.slots.commit_prompt(s, prompt)
-        self.scheduler.remove(s)
+        self.scheduler.finished(s)
         self.slots.complete(s)
         if s.draft is not None:
             s.draft.end(s.sequence)

@@ -109,8 +109,10 @@ class Scheduler:
         limits: BatchLimits,
         sequences: Sequences,
         rounds: speculative.Rounds | None = None,
+        elsewhere: Callable[[], int] = lambda: 0,
     ) -> None:
         self.room = room
+        self.elsewhere = elsewhere  # requests running off the packed path (their locks come back)
         self.slots = slots
         self.limits = limits
         self.sequences = sequences
@@ -121,6 +123,7 @@ class Scheduler:
         self.deferred = 0  # admissions put off because the pool lacked room for the prompt
         self.preemptions = 0
         self.prompted: set[str] = set()  # tenants with prompt tokens in the last step scheduled
+        self.ended: set[str] = set()  # tenants a request of which finished since the last step scheduled
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -196,6 +199,9 @@ class Scheduler:
         order = sorted(self.running, key=lambda s: (s.left, s.admitted_at))
         urgent = first_in_line(order, self.room.ledger)
         shares = self.prefill_shares(budget)
+        ended, self.ended = self.ended, set()
+        if self.limits.contended_prefill > 0 and ended:
+            shares |= dict.fromkeys(self.busier_than(ended), 0)
         for s in order:
             if urgent is not None and held_back(s, urgent, self.limits.max_wait_steps):
                 continue
@@ -244,6 +250,20 @@ class Scheduler:
             shares = {t: min(share, cap) if usage[t] > lightest else share for t, share in shares.items()}
         return shares
 
+    def busier_than(self, ended: set[str]) -> set[str]:
+        """The running tenants served at least twice as much (recent work per weight) as the least
+        served of `ended`: in the step after that tenant's reply ended they prefill nothing, so the
+        step in flight when its next request arrives (an interactive client sends it within moments)
+        is a short one. Twice: tenants about as busy never hold each other's prefill back."""
+        ledger = self.room.ledger
+        least = min(ledger.usage(t) for t in ended)
+        return {s.request.tenant for s in self.running if ledger.usage(s.request.tenant) >= 2 * least + 1}
+
+    def finished(self, s: Sequence) -> None:
+        """`s` ended with its reply (`remove`, and its tenant's next request is likely moments away)."""
+        self.remove(s)
+        self.ended.add(s.request.tenant)
+
     def budget(self) -> int:
         """This step's token budget: `max_batch_tokens`, or `full_batch_tokens` when larger and every
         batch place is taken with nobody waiting. Then no request can start before a running one
@@ -275,11 +295,12 @@ class Scheduler:
         return take
 
     def _reserve(self, s: Sequence, end: int, batch: Batch) -> bool:
-        """`reserve`; when nothing can make room and `s` runs alone, pinned prefixes fill the rest of
-        the pool: `s` fails."""
+        """`reserve`; when nothing can make room and `s` runs alone, nothing off the packed path
+        running either (the serial runner's requests hold locked prefixes until they end), pinned
+        prefixes fill the rest of the pool: `s` fails."""
         if self.reserve(s, end, batch):
             return True
-        if not batch and self.running == [s]:
+        if not batch and self.running == [s] and not self.elsewhere():
             self.fail(s, PoolFullError("the KV pool is full of pinned prefixes"), None)
         return False
 

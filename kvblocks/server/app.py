@@ -29,7 +29,7 @@ from kvblocks.server import (
     worker_routes,
 )
 from kvblocks.server.bounds import char_limit
-from kvblocks.server.cost import measure, tokenizing_rate
+from kvblocks.server.cost import measure
 from kvblocks.server.errors import APIError, validation_error
 from kvblocks.server.guard import GuardConfig, RequestGuard, error_response
 from kvblocks.server.parsing import BodyParser
@@ -164,7 +164,6 @@ def warm_up(served: Served) -> None:
 
     served.template_cost = measure(tokenizer, None if served.engine.encoder_decoder else render)
     served.prompt_chars = char_limit(served.template_cost.token_bytes, served.engine.max_context)
-    served.tokenizing_rate = tokenizing_rate(tokenizer)
     served.system_fingerprint()
 
 

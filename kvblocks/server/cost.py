@@ -18,7 +18,6 @@ bytes. It stays a lower bound so that a prompt that fits is never refused
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -114,18 +113,6 @@ def measure(tokenizer, render: Callable[[list[dict]], list[int]] | None) -> Temp
         if costs:
             roles[role] = RoleCost(min(c.special for c in costs), min(c.plain for c in costs))
     return TemplateCost(roles, max_token_bytes(tokenizer))
-
-
-def tokenizing_rate(tokenizer, runs: int = 3) -> float:
-    """Tokens per second `tokenizer` makes of ordinary text (the best of `runs`): what turns the
-    time a tenant held the tokenising gate into the tokens the engine's ledger charges."""
-    text = "The quick brown fox jumps over the lazy dog, twice; then it rests. " * 300
-    best = float("inf")
-    for _ in range(runs):
-        start = time.perf_counter()
-        count = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        best = min(best, time.perf_counter() - start)
-    return count / max(best, 1e-6)
 
 
 def _marginal(render, added: set[int], before: list[dict], one: dict) -> RoleCost | None:

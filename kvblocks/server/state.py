@@ -65,9 +65,10 @@ class ServerConfig:
 @dataclass(slots=True)
 class Served:
     """`prompt_chars`: the most characters a prompt that fits the context can have (None: no bound),
-    `template_cost`: what the chat template costs per message, and `tokenizing_rate`, all set at
-    start-up; `tokenize_gate` bounds the tokenisations running at once, shares them fairly by
-    tenant and charges each tenant's time in it to the engine's ledger, in tokens."""
+    and `template_cost`: what the chat template costs per message, both set at start-up;
+    `tokenize_gate` bounds the tokenisations running at once, shares them fairly by tenant and
+    charges each tenant's time in it to the engine's ledger (`TenantLedger.charge_time`: the tokens
+    the engine does in that time)."""
 
     engine: Frontend
     config: ServerConfig
@@ -75,7 +76,6 @@ class Served:
     admission: Admission = field(default_factory=Admission)
     prompt_chars: int | None = None
     template_cost: TemplateCost = field(default_factory=TemplateCost)
-    tokenizing_rate: float = 0.0  # tokens per second, measured at start-up (0: nothing charged)
     tokenize_gate: FairGate = field(init=False)
     history: History | None = None
     pins: PrefixPins | None = None  # `cache_control` pins, made on first use (None: no cache)
@@ -87,7 +87,7 @@ class Served:
         self.tokenize_gate = FairGate(
             MAX_TOKENIZING,
             (lambda tenant: keys.limits(tenant).weight) if keys else (lambda tenant: 1.0),
-            lambda tenant, seconds: self.engine.ledger.charge(tenant, seconds * self.tokenizing_rate),
+            lambda tenant, seconds: self.engine.ledger.charge_time(tenant, seconds),
         )
 
     def system_fingerprint(self) -> str:
