@@ -110,11 +110,10 @@ def test_completions_prompt_blocks_take_the_server_default_kv_mode(client):
                                       extra_body={"prompt_blocks": [blocks[0], *blocks[3:0:-1], blocks[4]]})  # fmt: skip
     assert details(first)["blended_tokens"] > 0  # --kv-mode concat
     assert details(again)["blended_tokens"] == details(first)["blended_tokens"]
-    assert details(again)["cached_tokens"] > 0  # the plain start, committed exactly by the first
-    assert (
-        details(again)["recomputed_tokens"]
-        == details(first)["recomputed_tokens"] - details(again)["cached_tokens"]
-    )
+    # the batch-invariant engine keeps the one-request path's KV to itself (its kernels round
+    # otherwise than the packed forwards'), so the plain start is computed again, not read back
+    assert details(again)["cached_tokens"] == details(first)["cached_tokens"] == 0
+    assert details(again)["recomputed_tokens"] == details(first)["recomputed_tokens"]
 
 
 @pytest.mark.parametrize(
