@@ -275,18 +275,26 @@ def load(model: str | None = None, dtype: str = "float32", device: str = "cpu"):
     return lm, tokenizer
 
 
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The CPU's feature flags from `/proc/cpuinfo` (its `flags` lines), or None where it cannot
+    be read (not Linux)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    return frozenset(
+        f for line in text.splitlines() if line.startswith("flags") for f in line.partition(":")[2].split()
+    )
+
+
 def native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bfloat16 in hardware: a flag of `NATIVE_BF16_FLAGS` in
     `/proc/cpuinfo` on Linux, elsewhere torch's own CPU feature check. Without them oneDNN emulates
     bf16 in float32 units, and bf16 runs no faster than float32."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:  # not Linux
+    flags = cpu_flags(cpuinfo)
+    if flags is None:  # not Linux
         checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
         return any(getattr(torch.cpu, name, bool)() for name in checks)
-    flags = {
-        f for line in text.splitlines() if line.startswith("flags") for f in line.partition(":")[2].split()
-    }
     return not flags.isdisjoint(NATIVE_BF16_FLAGS)
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from kvblocks.engine import kernel
+from kvblocks.models import cpu_flags
 
 SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
 _CHAINS = {32: 24, 8: 12}  # independent instructions per round of `kvb_linear_peak`, by build (its macs)
@@ -65,15 +66,8 @@ def library() -> ctypes.CDLL | None:
 
 def _supported() -> bool:
     """Whether this CPU has AVX512-BF16 (the kernel's instruction) or else AVX2 and FMA."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split())
-                    return "avx512_bf16" in flags or {"avx2", "fma"} <= flags
-    except OSError:
-        pass
-    return False
+    flags = cpu_flags() or frozenset()
+    return "avx512_bf16" in flags or {"avx2", "fma"} <= flags
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
