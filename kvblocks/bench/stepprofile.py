@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvblocks.engine.attention.dispatch import ATTENTION_RANGE, attention_clock
+from kvblocks.engine.head import KERNEL_RANGE
 
 MATMUL_OPS = frozenset(
     {
@@ -39,7 +40,7 @@ MATMUL_OPS = frozenset(
         "aten::matmul",
         "aten::linear",
         "mkldnn::_linear_pointwise",  # the output head on its reordered weight (engine/head.py)
-        "kvblocks::linear",  # kvblocks' bfloat16 kernel (engine/head.py, `KERNEL_RANGE`)
+        KERNEL_RANGE,  # kvblocks' bfloat16 kernel (engine/head.py)
     }
 )
 OPERATOR_PREFIXES = ("aten::", "mkldnn::", "kvblocks::")

@@ -221,16 +221,6 @@ def linears_alone(model, runner, rows: int) -> Callable[[], None]:
     return run
 
 
-def compute_ceiling(dtype, rows: int) -> float | None:
-    """Weight bytes per second the core's multiply-adds can serve to `rows` rows, at most
-    (`gemm.ceiling`: the peak rate of the product's instruction x the weight-row multiply-adds it
-    does / `rows` x the weight's bytes; with AVX512, 4 bytes per instruction at 16 rows in either
-    dtype). None where the kernel is not built here."""
-    from kvblocks.engine import gemm
-
-    return gemm.ceiling(dtype, rows)
-
-
 def step_report(args: argparse.Namespace, opts: BenchOptions, dtype: str, read_bw: float) -> Report:
     import torch
 
@@ -248,7 +238,10 @@ def step_report(args: argparse.Namespace, opts: BenchOptions, dtype: str, read_b
     title = f"A decode step of {args.requests} requests, {dtype}: weight bandwidth"
     report = Report(f"weights-{dtype}", title, params, samples, baseline=PLAIN)
     achieved = {name: nbytes / report.median(name) / GB for name in runners}
-    ceiling = compute_ceiling(getattr(torch, dtype), args.requests)
+    from kvblocks.engine import gemm
+
+    # the most weight bytes a second the core's multiply-adds serve to this many rows (None: no kernel)
+    ceiling = gemm.ceiling(getattr(torch, dtype), args.requests)
     report.checks = [
         Check(f"step time, {PACKED}", report.median(PACKED) * 1e3, "ms"),
         Check(f"step time, {PLAIN}", report.median(PLAIN) * 1e3, "ms"),
