@@ -31,18 +31,41 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+class Clock:
+    """Virtual seconds for the gate: a hold lasts exactly what the test says, however loaded the
+    machine is (a real sleep of 20 ms took 50 ms under CI load and reordered the turns)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def hold(self, seconds: float) -> None:
+        await settle()
+        self.now += seconds
+
+
 def test_places_go_round_robin_across_waiting_tenants_not_in_arrival_order():
     async def scenario() -> list[str]:
-        gate, order = FairGate(1), []
+        clock = Clock()
+        gate, order = FairGate(1, clock=clock), []
 
-        async def job(tenant: str, seconds: float) -> None:
+        async def job(tenant: str, seconds: float, after: asyncio.Event | None = None) -> None:
             async with gate.place(tenant):
                 order.append(tenant)
-                await asyncio.sleep(seconds)
+                if after is not None:
+                    await after.wait()
+                await clock.hold(seconds)
 
-        first = asyncio.create_task(job("a", 0.02))
+        queued = asyncio.Event()
+        first = asyncio.create_task(job("a", 0.02, queued))
         await settle()
-        later = [job("a", 0.02) for _ in range(4)] + [job("b", 0.03) for _ in range(2)]
+        later = [asyncio.create_task(job("a", 0.02)) for _ in range(4)]
+        later += [asyncio.create_task(job("b", 0.03)) for _ in range(2)]
+        await settle()
+        assert gate.waiting("a") == 4 and gate.waiting("b") == 2
+        queued.set()
         await asyncio.gather(first, *later)
         return order
 
@@ -72,12 +95,13 @@ def test_a_tenant_holding_its_share_waits_while_another_tenant_waits():
 def test_weights_share_places_in_proportion():
     async def scenario() -> list[str]:
         weights = {"heavy": 3.0, "light": 1.0}
-        gate, order = FairGate(1, weights.__getitem__), []
+        clock = Clock()
+        gate, order = FairGate(1, weights.__getitem__, clock=clock), []
 
         async def job(tenant: str) -> None:
             async with gate.place(tenant):
                 order.append(tenant)
-                await asyncio.sleep(0.01)
+                await clock.hold(0.01)
 
         await asyncio.gather(*(job(t) for t in ["heavy"] * 12 + ["light"] * 12))
         return order
@@ -120,12 +144,13 @@ def test_the_time_held_is_charged_to_the_tenant():
 
 def test_a_tenant_back_from_idle_saved_up_no_credit():
     async def scenario() -> list[str]:
-        gate, order = FairGate(1), []
+        clock = Clock()
+        gate, order = FairGate(1, clock=clock), []
 
         async def job(tenant: str, seconds: float) -> None:
             async with gate.place(tenant):
                 order.append(tenant)
-                await asyncio.sleep(seconds)
+                await clock.hold(seconds)
 
         await job("idle", 0.0)
         await asyncio.gather(*(job("busy", 0.02) for _ in range(3)))  # busy's clock moves on

@@ -62,17 +62,19 @@ class FairGate:
     a tenant holding its share (`places * weight / the weights of the tenants holding or waiting`)
     takes another only while no tenant under its share waits. Work-conserving: one tenant alone
     may hold every place. A tenant that comes back after idling starts level with the others'
-    clock (no credit saved up while idle). `charge(tenant, seconds)` hears each hold as it ends.
-    Single event loop only (like asyncio.Semaphore)."""
+    clock (no credit saved up while idle). `charge(tenant, seconds)` hears each hold as it ends;
+    `clock` times the holds. Single event loop only (like asyncio.Semaphore)."""
 
     def __init__(
         self,
         places: int,
         weight_of: Callable[[str], float] = lambda tenant: 1.0,
         charge: Callable[[str, float], None] = lambda tenant, seconds: None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         assert places >= 1
         self.places = places
+        self.clock = clock
         self.weight_of = weight_of
         self.charge = charge
         self.holding: Counter[str] = Counter()
@@ -87,11 +89,11 @@ class FairGate:
     async def place(self, tenant: str) -> AsyncIterator[None]:
         """Hold one place for `tenant`; the time held is charged to it when the block ends."""
         await self._acquire(tenant)
-        start = time.perf_counter()
+        start = self.clock()
         try:
             yield
         finally:
-            self._release(tenant, time.perf_counter() - start)
+            self._release(tenant, self.clock() - start)
 
     async def _acquire(self, tenant: str) -> None:
         if not self.holding[tenant] and not self.waiting(tenant):
