@@ -1,6 +1,6 @@
-"""The bfloat16 product of few rows over weights packed once (`kvblocks.engine.gemm`, csrc/linear.cpp):
-a row's result is the same at every row count and in every lane, close to torch's product, and the
-packed layers take it for bfloat16 where it is built."""
+"""The bfloat16 and float32 products of few rows over weights packed once (`kvblocks.engine.gemm`,
+csrc/linear.cpp): a row's result is the same at every row count and in every lane, close to torch's
+product, and the packed layers take it for bfloat16 where it is built (float32 without AVX-512)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tiny_models import tiny_model
 
 from kvblocks.engine import gemm, head
+from kvblocks.models import cpu_flags
 
 pytestmark = pytest.mark.skipif(gemm.library() is None, reason="no AVX512-BF16 here, or no compiler")
 
@@ -58,12 +59,35 @@ def test_an_odd_number_of_input_features_is_refused_and_left_to_onednn():
     assert not head.KernelLinear.eligible(layer)
 
 
-def test_bfloat16_layers_take_the_kernel_and_float32_ones_onednn():
+def test_bfloat16_layers_take_the_kernel_and_float32_ones_where_the_cpu_has_no_avx512():
     packed = head.PackedLinears.of(tiny_model("qwen2", torch.bfloat16))
     assert packed is not None and all(isinstance(p, head.KernelLinear) for p in packed.layers.values())
     packed32 = head.PackedLinears.of(tiny_model("qwen2"))
-    assert packed32 is not None and not any(
-        isinstance(p, head.KernelLinear) for p in packed32.layers.values()
+    assert packed32 is not None
+    kinds = {type(p) for p in packed32.layers.values()}
+    assert kinds == ({head.KernelLinear} if gemm.float32() else {head.PackedHead})
+    assert gemm.float32() == ("avx512f" not in (cpu_flags() or ()))  # built here: AVX2 and FMA
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(24, 64, False), (100, 97, True), (7, 1, True), (257, 130, False)]
+)
+def test_a_float32_row_is_the_same_at_every_row_count_and_within_rounding_of_torch(n, k, bias):
+    if not gemm.float32():
+        pytest.skip("float32 layers keep oneDNN on a CPU with AVX-512")
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(n, k, generator=g), (torch.randn(n, generator=g) if bias else None)
+    packed = gemm.pack(w)
+    x = torch.randn(40, k, generator=g)
+    full = gemm.linear(x, packed, n, b)
+    assert full.shape == (40, n) and full.dtype == torch.float32
+    for rows in (1, 2, 3, 4, 5, 15, 16, 17, 33):
+        assert torch.equal(gemm.linear(x[:rows], packed, n, b), full[:rows])  # fewer rows
+        assert torch.equal(gemm.linear(x[40 - rows :], packed, n, b), full[40 - rows :])  # other lanes
+    reference = F.linear(x.double(), w.double(), None if b is None else b.double())
+    # k float32 roundings of a chain of fused multiply-adds, as any float32 product has
+    torch.testing.assert_close(
+        full.double(), reference, rtol=0, atol=k * 2**-24 * float(reference.abs().max())
     )
 
 

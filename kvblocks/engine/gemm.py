@@ -1,4 +1,4 @@
-"""Products of few rows over bfloat16 weights packed once: the CPU kernel `csrc/linear.cpp`.
+"""Products of few rows over bfloat16 or float32 weights packed once: the CPU kernel `csrc/linear.cpp`.
 
 A batch decode step multiplies 16 rows or fewer by every weight of the model, so it runs at the
 rate the weights stream in from memory if the arithmetic keeps up. On a CPU with AVX512-BF16 and no
@@ -11,6 +11,13 @@ before it does. On a CPU with AVX2 and FMA but no AVX512-BF16 (AMD Zen 2/3) the 
 the same sums with 8-lane fused multiply-adds over weights widened to float32 (two instructions per
 weight at 16 rows: a quarter of AVX512-BF16's weight bytes per instruction), where torch's own bfloat16 product has no
 fast kernel at all (0.55 GB/s at 16 rows on a loaded Zen 3 core, against 1.8-2.9 GB/s here).
+
+On such a CPU float32 is the default dtype, and the same source has a float32 product (`float32`):
+4 rows by 24 columns of 8-lane fused multiply-adds per load of 24 weights, each row's sums in its own
+registers, so a row's result again depends only on its inputs and the weights. It replaces oneDNN's
+float32 product over a reordered weight, whose small-row kernels read the 1.5B model's layers at
+0.29 of the memory's bandwidth at 16 rows (BENCHMARKS.md, weights). Where the CPU has AVX-512,
+oneDNN's 16-lane float32 product stays.
 
 It is built at first use as the attention kernel is (`kernel.build`: the machine's compiler,
 `-march=native`, the kvblocks cache folder), and only where this CPU has AVX512-BF16 or AVX2 and FMA;
@@ -43,6 +50,13 @@ _ARGS = {
         + [ctypes.c_int64],
         ctypes.c_int,
     ),
+    "kvb_linear_pack_f32": ([ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p], None),
+    "kvb_linear_f32": (
+        [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64]
+        + [ctypes.c_void_p] * 2
+        + [ctypes.c_int64],
+        ctypes.c_int,
+    ),
     "kvb_linear_peak": ([ctypes.c_int64, ctypes.c_int], ctypes.c_int),
     "kvb_linear_macs": ([ctypes.c_int], ctypes.c_int),
 }
@@ -70,28 +84,40 @@ def _supported() -> bool:
     return "avx512_bf16" in flags or {"avx2", "fma"} <= flags
 
 
+def float32() -> bool:
+    """Whether float32 layers take the kernel here: where it is built and this CPU has no AVX-512
+    (there float32 is the default dtype, and oneDNN's float32 product has the same 8-lane vectors;
+    with AVX-512, oneDNN's 16-lane product keeps float32)."""
+    flags = cpu_flags() or frozenset()
+    return library() is not None and {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [n, k] (bfloat16, k even, rows contiguous) in the kernel's layout."""
+    """`weight` [n, k] (bfloat16 with k even, or float32; rows contiguous) in the kernel's layout."""
     lib = library()
-    assert lib is not None and weight.dtype == torch.bfloat16 and weight.stride(-1) == 1
+    assert lib is not None and weight.dtype in (torch.bfloat16, torch.float32) and weight.stride(-1) == 1
     n, k = weight.shape
-    out = torch.empty(lib.kvb_linear_packed_size(n, k), dtype=torch.bfloat16)
-    if lib.kvb_linear_pack_bf16(weight.data_ptr(), n, k, weight.stride(0), out.data_ptr()):
+    out = torch.empty(lib.kvb_linear_packed_size(n, k), dtype=weight.dtype)
+    if weight.dtype == torch.float32:
+        lib.kvb_linear_pack_f32(weight.data_ptr(), n, k, weight.stride(0), out.data_ptr())
+    elif lib.kvb_linear_pack_bf16(weight.data_ptr(), n, k, weight.stride(0), out.data_ptr()):
         raise ValueError(f"the linear kernel takes an even number of input features, not {k}")
     return out
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ weight.T + bias` over the `pack`ed weight of `n` output features, in bfloat16."""
+    """`x @ weight.T + bias` over the `pack`ed weight of `n` output features, in the packed weight's
+    dtype (bfloat16 or float32)."""
     lib = library()
     assert lib is not None
-    shape = x.shape
+    dtype, shape = packed.dtype, x.shape
     rows = x.reshape(-1, shape[-1])
-    if rows.stride(-1) != 1 or rows.dtype != torch.bfloat16:
-        rows = rows.contiguous().to(torch.bfloat16)
-    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
-    b = None if bias is None else bias.detach().contiguous()
-    code = lib.kvb_linear_bf16(
+    if rows.stride(-1) != 1 or rows.dtype != dtype:
+        rows = rows.contiguous().to(dtype)
+    out = torch.empty(rows.shape[0], n, dtype=dtype)
+    b = None if bias is None else bias.detach().contiguous().to(dtype)
+    product = lib.kvb_linear_f32 if dtype == torch.float32 else lib.kvb_linear_bf16
+    code = product(
         rows.data_ptr(),
         rows.shape[0],
         rows.shape[1],

@@ -9,10 +9,11 @@ BENCHMARKS.md, `kvblocks bench weights`). The output head is the largest product
 step (SmolLM2-135M: 49,152 x 576 float32 weights), where the reordered weight took it from 38-48 ms
 to 22-23 ms at 16 rows.
 
-In bfloat16 on a CPU with AVX512-BF16, a layer goes to kvblocks' own kernel instead (`KernelLinear`,
-`kvblocks.engine.gemm`: the 16 rows of a decode step in the lanes of one `vdpbf16ps`, every weight
-read once), where oneDNN's bfloat16 product at 16 rows reached about 0.4 of the memory's bandwidth
-on one thread; oneDNN keeps float32 and any shape whose kernel probe fails.
+In bfloat16 (on a CPU with AVX512-BF16, or AVX2 and FMA), a layer goes to kvblocks' own kernel
+instead (`KernelLinear`, `kvblocks.engine.gemm`: the 16 rows of a decode step in the lanes of one
+`vdpbf16ps`, every weight read once), where oneDNN's bfloat16 product at 16 rows reached about 0.4
+of the memory's bandwidth on one thread; in float32 too on a CPU without AVX-512, where float32 is
+the default dtype. oneDNN keeps float32 with AVX-512 and any shape whose kernel probe fails.
 
 `PackedHead.of(model)` packs a model's head once, `PackedLinears.of(model)` every linear layer
 of it (the head included): on CPU, in float32 or bfloat16 (where oneDNN has bfloat16 kernels, or
@@ -146,22 +147,25 @@ class PackedHead:
 
 
 class KernelLinear(PackedHead):
-    """A bfloat16 linear layer on `kvblocks.engine.gemm`'s kernel (16 rows in the lanes of a vector,
-    weights read once as broadcast operands): 0.6-0.7 of the memory's bandwidth at 16 rows where
-    oneDNN's bfloat16 product reached about 0.4 (BENCHMARKS.md, weights). Preferred to oneDNN where
-    its probe holds for the shape."""
+    """A linear layer on `kvblocks.engine.gemm`'s kernel: bfloat16 (16 rows in the lanes of a vector,
+    weights read once as broadcast operands: 0.6-0.7 of the memory's bandwidth at 16 rows where
+    oneDNN's bfloat16 product reached about 0.4), and float32 on a CPU without AVX-512 (`gemm.float32`:
+    4 rows by 24 columns of fused multiply-adds per weight load; BENCHMARKS.md, weights). Preferred
+    to oneDNN where its probe holds for the shape."""
 
     @staticmethod
     def eligible(module: torch.nn.Module) -> bool:
         from kvblocks.engine import gemm
 
+        dtype = module.weight.dtype if isinstance(module, torch.nn.Linear) else None
         return (
             type(module) is torch.nn.Linear
             and module.weight.device.type == "cpu"
-            and module.weight.dtype == torch.bfloat16
-            and module.in_features % 2 == 0
-            and (module.bias is None or module.bias.dtype == torch.bfloat16)
-            and gemm.library() is not None
+            and (module.bias is None or module.bias.dtype == dtype)
+            and (
+                (dtype == torch.bfloat16 and module.in_features % 2 == 0 and gemm.library() is not None)
+                or (dtype == torch.float32 and gemm.float32())
+            )
         )
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:

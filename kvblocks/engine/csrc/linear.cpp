@@ -29,6 +29,14 @@
 // them). Only a tile's real rows are computed, each by the same instructions at any row count.
 // Rounding to bfloat16 is to nearest, ties to even, in integer arithmetic. Two 8-lane multiply-adds
 // per weight at 16 rows where AVX512-BF16 needs half of one 16-lane instruction.
+//
+// Float32 weights (`kvb_linear_f32`, built wherever AVX2 and FMA are): the same blocks of kCols
+// columns, one weight per input column instead of a pair ([n / kCols][k][kCols] float32). An output
+// (row, column) is one chain of fused multiply-adds over the k inputs in order (each step rounds once),
+// then the bias added: in 8-lane vectors of columns, each row's sums in registers of its own (its
+// input broadcast), up to 4 rows by 24 columns at a time (12 accumulators, 3 weight vectors and a
+// broadcast in the 16 registers). A row's result depends only on its own inputs and the weights, as
+// above; the weights are read once per call, a chunk of them in L1 while every row tile uses it.
 
 #include <cstdint>
 #include <cstring>
@@ -39,6 +47,10 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVB_HAVE_AVX2 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVB_HAVE_F32 1
 #endif
 
 namespace {
@@ -53,6 +65,7 @@ constexpr int64_t kChunk = 64;  // AVX2: the chunk's weights (6 KB) and widened 
 constexpr int64_t kChunk = 256;
 #endif
 constexpr int64_t kAhead = 4096;  // int32 elements (16 KB) of the weight stream prefetched ahead
+constexpr int64_t kVecF = 8;  // float32 lanes of an AVX2 vector
 
 inline float widen(uint16_t h) {
   uint32_t bits = uint32_t(h) << 16;
@@ -172,6 +185,69 @@ inline void tile2(const float* xf, const int32_t* w, int64_t p0, int64_t p1, flo
 }
 #endif
 
+#ifdef KVB_HAVE_F32
+constexpr int64_t kChunkF = 64;  // float32: a chunk's weights (6 KB) and a tile's inputs (4 KB) in L1
+
+// Rows r0 .. r0 + R - 1 (R <= 4) of a tile by the 24 columns of a float32 block over the inputs
+// p0 .. p1 - 1: `xt` the tile's inputs lane-major ([k][16]), `w` the block ([k][kCols]), `st` the rows'
+// sums, row-major [16][kCols] (zero first, or where the previous inputs left them). The accumulators
+// are named one by one (GCC keeps an array of vectors in memory, storing it every step).
+#define KVB_F32_ROW(I)                                                                        \
+  __m256 a##I##0 = _mm256_setzero_ps(), a##I##1 = a##I##0, a##I##2 = a##I##0;               \
+  if (R > I && !first) {                                                                    \
+    a##I##0 = _mm256_load_ps(st + (r0 + I) * kCols);                                        \
+    a##I##1 = _mm256_load_ps(st + (r0 + I) * kCols + kVecF);                                \
+    a##I##2 = _mm256_load_ps(st + (r0 + I) * kCols + 2 * kVecF);                            \
+  }
+#define KVB_F32_FMA(I)                                   \
+  if constexpr (R > I) {                                 \
+    const __m256 x = _mm256_broadcast_ss(xp + I);        \
+    a##I##0 = _mm256_fmadd_ps(x, w0, a##I##0);           \
+    a##I##1 = _mm256_fmadd_ps(x, w1, a##I##1);           \
+    a##I##2 = _mm256_fmadd_ps(x, w2, a##I##2);           \
+  }
+#define KVB_F32_SAVE(I)                                           \
+  if constexpr (R > I) {                                          \
+    _mm256_store_ps(st + (r0 + I) * kCols, a##I##0);              \
+    _mm256_store_ps(st + (r0 + I) * kCols + kVecF, a##I##1);      \
+    _mm256_store_ps(st + (r0 + I) * kCols + 2 * kVecF, a##I##2);  \
+  }
+template <int R>
+inline void rows_f32(const float* xt, const float* w, int64_t p0, int64_t p1, int64_t r0, float* st,
+                     bool first) {
+  static_assert(R >= 1 && R <= 4 && kCols == 3 * kVecF, "4 rows by three vectors of columns at most");
+  KVB_F32_ROW(0) KVB_F32_ROW(1) KVB_F32_ROW(2) KVB_F32_ROW(3)
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* wp = w + p * kCols;
+    __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + kVecF), w2 = _mm256_loadu_ps(wp + 2 * kVecF);
+    __asm__("" : "+x"(w0), "+x"(w1), "+x"(w2));  // in registers: loaded once, not once per row
+    const float* xp = xt + p * kRows + r0;
+    KVB_F32_FMA(0) KVB_F32_FMA(1) KVB_F32_FMA(2) KVB_F32_FMA(3)
+  }
+  KVB_F32_SAVE(0) KVB_F32_SAVE(1) KVB_F32_SAVE(2) KVB_F32_SAVE(3)
+}
+
+// A float32 tile's `rows` real rows (1 to 16) over one chunk: 4 rows by the block's 24 columns at a
+// time, the last 1 to 3 rows alike (the same instructions for a row whatever its neighbours).
+inline void tile_f32(const float* xt, const float* w, int64_t p0, int64_t p1, float* st, bool first,
+                     bool fetch, int64_t rows) {
+  if (fetch)  // the next chunk's weights (the block's next inputs, or the next block's first) into L2
+    for (int64_t i = 0; i < (p1 - p0) * kCols; i += 16) _mm_prefetch((const char*)(w + p1 * kCols + i), _MM_HINT_T1);
+  int64_t r0 = 0;
+  for (; r0 + 4 <= rows; r0 += 4) rows_f32<4>(xt, w, p0, p1, r0, st, first);
+  switch (rows - r0) {
+    case 3:
+      return rows_f32<3>(xt, w, p0, p1, r0, st, first);
+    case 2:
+      return rows_f32<2>(xt, w, p0, p1, r0, st, first);
+    case 1:
+      return rows_f32<1>(xt, w, p0, p1, r0, st, first);
+    default:
+      return;
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -269,6 +345,62 @@ int kvb_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, c
   for (int64_t b = 0; b < blocks; ++b)
     for (int64_t p0 = 0; p0 < pairs; p0 += kChunk)
       for (int64_t t = 0; t < tiles; ++t) step(b, p0, t, state + t * kCols * kRows, t == 0);
+  _mm_free(state);
+  _mm_free(xt);
+  return 0;
+#endif
+}
+
+// Pack `w` ([n, k] float32, rows `w_stride` apart) into `out` (kvb_linear_packed_size elements).
+void kvb_linear_pack_f32(const float* w, int64_t n, int64_t k, int64_t w_stride, float* out) {
+  const int64_t blocks = (n + kCols - 1) / kCols;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t p = 0; p < k; ++p)
+      for (int64_t j = 0; j < kCols; ++j) {
+        const int64_t c = b * kCols + j;
+        out[(b * k + p) * kCols + j] = c < n ? w[c * w_stride + p] : 0.0f;
+      }
+}
+
+// y[m, n] = x[m, k] @ w.T + bias (bias may be null), all float32; x rows `x_stride` apart (k
+// contiguous), y rows `y_stride` apart. Returns 0; 2 where this build has no AVX2 and FMA; 3 where
+// its buffers (the inputs once more, and float32 sums of 16 x 24 per row tile) cannot be allocated.
+int kvb_linear_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed, int64_t n,
+                   const float* bias, float* y, int64_t y_stride) {
+#ifndef KVB_HAVE_F32
+  (void)x, (void)m, (void)k, (void)x_stride, (void)packed, (void)n, (void)bias, (void)y, (void)y_stride;
+  return 2;
+#else
+  const int64_t blocks = (n + kCols - 1) / kCols, tiles = (m + kRows - 1) / kRows;
+  float* xt = static_cast<float*>(_mm_malloc(sizeof(float) * tiles * k * kRows, 64));
+  float* state = static_cast<float*>(_mm_malloc(sizeof(float) * tiles * kCols * kRows, 64));
+  if (xt == nullptr || state == nullptr) {
+    _mm_free(xt);
+    _mm_free(state);
+    return 3;
+  }
+  std::memset(xt, 0, sizeof(float) * tiles * k * kRows);
+  std::memset(state, 0, sizeof(float) * tiles * kCols * kRows);  // k = 0: the sums are the biases
+  for (int64_t row = 0; row < m; ++row)  // xt[t][p][r] = x[16 t + r][p]
+    for (int64_t p = 0; p < k; ++p) xt[(row / kRows * k + p) * kRows + row % kRows] = x[row * x_stride + p];
+  // Block after block, each over its inputs chunk by chunk, every row tile over a chunk while the
+  // chunk's weights are in the first level cache: each block's weights read from memory once.
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* w = packed + b * k * kCols;
+    const int64_t c0 = b * kCols, cols = n - c0 < kCols ? n - c0 : kCols;
+    for (int64_t p0 = 0; p0 < k; p0 += kChunkF) {
+      const int64_t p1 = k - p0 < kChunkF ? k : p0 + kChunkF;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t rows = m - t * kRows < kRows ? m - t * kRows : kRows;
+        tile_f32(xt + t * k * kRows, w, p0, p1, state + t * kCols * kRows, p0 == 0, t == 0, rows);
+      }
+    }
+    for (int64_t row = 0; row < m; ++row) {  // the sums, the bias added (one rounding), out
+      const float* sum = state + row * kCols;  // tile row / 16, its row row % 16
+      float* out = y + row * y_stride + c0;
+      for (int64_t j = 0; j < cols; ++j) out[j] = bias == nullptr ? sum[j] : sum[j] + bias[c0 + j];
+    }
+  }
   _mm_free(state);
   _mm_free(xt);
   return 0;
