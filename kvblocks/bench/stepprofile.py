@@ -40,7 +40,7 @@ MATMUL_OPS = frozenset(
         "aten::matmul",
         "aten::linear",
         "mkldnn::_linear_pointwise",  # the output head on its reordered weight (engine/head.py)
-        KERNEL_RANGE,  # kvblocks' bfloat16 kernel (engine/head.py)
+        KERNEL_RANGE,  # kvblocks' linear kernel (engine/head.py)
     }
 )
 OPERATOR_PREFIXES = ("aten::", "mkldnn::", "kvblocks::")

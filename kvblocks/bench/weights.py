@@ -282,7 +282,7 @@ def step_report(args: argparse.Namespace, opts: BenchOptions, dtype: str, read_b
         "reordered: "
         + (
             f"{len(packed.layers)} linear layers on weights packed once, {kernels} of them for "
-            f"kvblocks' bfloat16 kernel (csrc/linear.cpp), the others reordered for oneDNN "
+            f"kvblocks' linear kernel (csrc/linear.cpp), the others reordered for oneDNN "
             f"({packed.nbytes / 1e6:,.0f} MB beside the model's own)"
             if packed is not None
             else "none (no oneDNN or kernel, or their probes failed in this dtype)"

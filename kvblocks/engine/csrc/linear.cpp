@@ -187,6 +187,13 @@ inline void tile2(const float* xf, const int32_t* w, int64_t p0, int64_t p1, flo
 
 #ifdef KVB_HAVE_F32
 constexpr int64_t kChunkF = 64;  // float32: a chunk's weights (6 KB) and a tile's inputs (4 KB) in L1
+#ifndef KVB_F32_AHEAD
+#define KVB_F32_AHEAD 4096
+#endif
+#ifndef KVB_F32_HINT
+#define KVB_F32_HINT _MM_HINT_T0
+#endif
+constexpr int64_t kAheadF = KVB_F32_AHEAD;  // float32 elements (16 KB) of the weight stream prefetched ahead
 
 // Rows r0 .. r0 + R - 1 (R <= 4) of a tile by the 24 columns of a float32 block over the inputs
 // p0 .. p1 - 1: `xt` the tile's inputs lane-major ([k][16]), `w` the block ([k][kCols]), `st` the rows'
@@ -212,13 +219,17 @@ constexpr int64_t kChunkF = 64;  // float32: a chunk's weights (6 KB) and a tile
     _mm256_store_ps(st + (r0 + I) * kCols + kVecF, a##I##1);      \
     _mm256_store_ps(st + (r0 + I) * kCols + 2 * kVecF, a##I##2);  \
   }
-template <int R>
+template <int R, bool Fetch>
 inline void rows_f32(const float* xt, const float* w, int64_t p0, int64_t p1, int64_t r0, float* st,
                      bool first) {
   static_assert(R >= 1 && R <= 4 && kCols == 3 * kVecF, "4 rows by three vectors of columns at most");
   KVB_F32_ROW(0) KVB_F32_ROW(1) KVB_F32_ROW(2) KVB_F32_ROW(3)
   for (int64_t p = p0; p < p1; ++p) {
     const float* wp = w + p * kCols;
+    if constexpr (Fetch) {  // the weights kAheadF ahead, a line and a half per step, as they stream
+      _mm_prefetch((const char*)(wp + kAheadF), KVB_F32_HINT);
+      _mm_prefetch((const char*)(wp + kAheadF + 16), KVB_F32_HINT);
+    }
     __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + kVecF), w2 = _mm256_loadu_ps(wp + 2 * kVecF);
     __asm__("" : "+x"(w0), "+x"(w1), "+x"(w2));  // in registers: loaded once, not once per row
     const float* xp = xt + p * kRows + r0;
@@ -228,20 +239,28 @@ inline void rows_f32(const float* xt, const float* w, int64_t p0, int64_t p1, in
 }
 
 // A float32 tile's `rows` real rows (1 to 16) over one chunk: 4 rows by the block's 24 columns at a
-// time, the last 1 to 3 rows alike (the same instructions for a row whatever its neighbours).
+// time, the last 1 to 3 rows alike (the same instructions for a row whatever its neighbours); the
+// first rows of the first tile (`fetch`) prefetch the weights ahead.
+template <int R>
+inline void rows_f32_of(const float* xt, const float* w, int64_t p0, int64_t p1, int64_t r0, float* st,
+                        bool first, bool fetch) {
+  if (fetch)
+    rows_f32<R, true>(xt, w, p0, p1, r0, st, first);
+  else
+    rows_f32<R, false>(xt, w, p0, p1, r0, st, first);
+}
+
 inline void tile_f32(const float* xt, const float* w, int64_t p0, int64_t p1, float* st, bool first,
                      bool fetch, int64_t rows) {
-  if (fetch)  // the next chunk's weights (the block's next inputs, or the next block's first) into L2
-    for (int64_t i = 0; i < (p1 - p0) * kCols; i += 16) _mm_prefetch((const char*)(w + p1 * kCols + i), _MM_HINT_T1);
   int64_t r0 = 0;
-  for (; r0 + 4 <= rows; r0 += 4) rows_f32<4>(xt, w, p0, p1, r0, st, first);
+  for (; r0 + 4 <= rows; r0 += 4) rows_f32_of<4>(xt, w, p0, p1, r0, st, first, fetch && r0 == 0);
   switch (rows - r0) {
     case 3:
-      return rows_f32<3>(xt, w, p0, p1, r0, st, first);
+      return rows_f32_of<3>(xt, w, p0, p1, r0, st, first, fetch && r0 == 0);
     case 2:
-      return rows_f32<2>(xt, w, p0, p1, r0, st, first);
+      return rows_f32_of<2>(xt, w, p0, p1, r0, st, first, fetch && r0 == 0);
     case 1:
-      return rows_f32<1>(xt, w, p0, p1, r0, st, first);
+      return rows_f32_of<1>(xt, w, p0, p1, r0, st, first, fetch && r0 == 0);
     default:
       return;
   }
