@@ -9,7 +9,9 @@ place is taken and nobody waits); a step in which some request can get its first
 prefills out (head-of-line blocking is then the step in flight plus one short step). Tenants share
 in tokens: while another tenant has work, a tenant's prefill takes at most its weighted share of a
 step, a tenant starts no request beyond its weighted share of the batch places, and a tenant holding
-every batch place gives one up to a tenant under its share. When the
+every batch place gives one up to a tenant under its share. On the CPU, where a step's time is mostly
+fixed, a lighter tenant's first-token step holds no decode of a tenant twice as busy, and `hold`
+says how long the loop waits for a lighter tenant's next request before a step (`Turnarounds`). When the
 pool runs out of slots, the busiest tenant's youngest other running request is the preemption
 victim: it waits again, first in its tenant's line, and resumes later.
 
