@@ -113,6 +113,27 @@ def test_cancelled_requests_at_the_head_of_a_line_leave_it():
     assert len(room) == 1 and len(dropped) == 2
 
 
+def test_waiting_for_a_tenants_next_request_ignores_other_tenants_and_ends_when_it_comes():
+    room = WaitingRoom()
+
+    def flooder_then_victim() -> None:
+        time.sleep(0.05)
+        room.put_all("flood", [Item("flood")])
+        time.sleep(0.05)
+        room.put_all("victim", [Item("victim")])
+
+    putter = threading.Thread(target=flooder_then_victim)
+    start = time.perf_counter()
+    putter.start()
+    room.wait_for({"victim"}, 30.0)
+    elapsed = time.perf_counter() - start
+    putter.join()
+    assert room.waiting("victim") == 1 and 0.1 <= elapsed < 20
+    start = time.perf_counter()
+    room.wait_for({"nobody"}, 0.05)  # nobody comes: the timeout
+    assert time.perf_counter() - start >= 0.05
+
+
 # ---- the batched engine's admission --------------------------------------------------------------
 
 

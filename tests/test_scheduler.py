@@ -14,6 +14,7 @@ from kvblocks.engine.request import Options, Request
 from kvblocks.engine.scheduler import CHUNK, FULL_BATCH_TOKENS, NEAR, RECENT_S, BatchLimits, Scheduler
 from kvblocks.engine.sequence import Sequence
 from kvblocks.engine.slots import SlotManager
+from kvblocks.engine.turnaround import Turnarounds
 from kvblocks.generate.decoding import Decoding
 from kvblocks.generate.text import IdTokenizer, StopTextAssembler
 
@@ -301,3 +302,81 @@ def test_a_tenant_as_busy_as_the_one_whose_reply_ended_keeps_its_prefill():
     sched.room.ledger.charge("agent", 200)
     sched.finished(ended)
     assert prefill_of(sched.schedule().batch, "other") > 0
+
+
+def flooded_with_a_quick_victim(clock: Clock) -> Scheduler:
+    """The server's scheduler with a flooder's prefills and decodes running and a victim whose reply
+    just ended, having come back 20 ms after its previous one; steps take 240 ms."""
+    sched = server_defaults()
+    sched.turns = Turnarounds(clock)
+    sched.turns.stepped(0.24)
+    flood = [sequence(90, tenant="flood", admitted_at=i) for i in range(2)]
+    flood += [sequence(8, 8, generated=1, tenant="flood", admitted_at=2 + i) for i in range(4)]
+    sched.room.ledger.charge("flood", 5000)
+    sched.room.ledger.charge("victim", 20)
+    for turn in range(2):
+        victim = sequence(10, 10, generated=3, tenant="victim", admitted_at=9 + turn)
+        victim.request.submitted = clock.now + 0.02 if turn else clock.now
+        sched.running = [*flood, victim]
+        if turn:
+            sched.turns.arrived("victim", victim.request.submitted)  # its request was admitted
+            clock.now += 1.0
+        sched.finished(victim)
+    return sched
+
+
+def test_the_step_after_a_quick_lighter_tenants_reply_waits_for_its_next_request_a_share_of_a_step():
+    """A step is mostly fixed cost on the CPU (every weight read once): the victim's next request,
+    moments after its reply, would wait for nearly a whole flooder step however few tokens it held.
+    The engine holds the step for 1.5x the victim's last turnaround instead, at most a quarter step."""
+    clock = Clock()
+    sched = flooded_with_a_quick_victim(clock)
+    clock.now += 0.005
+    tenants, seconds = sched.hold()
+    assert tenants == {"victim"} and 0 < seconds <= 0.25 * 0.24
+    assert abs(seconds - (1.5 * 0.02 + 0.005 - 0.005)) < 1e-9
+    clock.now += seconds
+    assert sched.hold() == (set(), 0.0)  # it did not come in time: the flooder's step goes ahead
+
+
+def test_no_hold_for_a_tenant_as_busy_as_those_with_work_or_with_nobody_working_or_off_the_cpu():
+    clock = Clock()
+    sched = flooded_with_a_quick_victim(clock)
+    sched.room.ledger.charge("victim", 5000)  # as busy as the flooder: no one yields to it
+    assert sched.hold() == (set(), 0.0)
+    sched = flooded_with_a_quick_victim(clock)
+    sched.running = []
+    assert sched.hold() == (set(), 0.0)  # an idle engine starts a step as soon as the request comes
+    assert sched.hold(["flood"])[0] == {"victim"}  # the serial runner's work counts as work
+    sched = flooded_with_a_quick_victim(clock)
+    sched.limits = BatchLimits(contended_prefill=0)
+    assert sched.hold() == (set(), 0.0)
+
+
+def test_a_tenant_with_another_request_running_is_not_waited_for():
+    clock = Clock()
+    sched = flooded_with_a_quick_victim(clock)
+    other = sequence(10, 10, generated=1, tenant="victim", admitted_at=20)
+    sched.running.append(other)
+    assert sched.hold() == (set(), 0.0)
+
+
+def test_a_lighter_tenants_first_token_step_holds_no_busier_decodes_and_the_next_step_has_them():
+    """Rows cost little beside a step's fixed cost, but eight decodes still made the victim's own
+    step about 1.3x its step alone; a tenant alone keeps every decode (work-conserving)."""
+    sched = server_defaults()
+    decodes = [sequence(8, 8, generated=1, tenant="flood", admitted_at=i) for i in range(8)]
+    victim = sequence(300, computed=299, tenant="victim", admitted_at=9)
+    sched.running = [*decodes, victim]
+    sched.room.ledger.charge("flood", 5000)
+    sched.room.ledger.charge("victim", 20)
+    assert sched.schedule().batch == [(victim, 1)]
+    victim.computed = 300  # its first token came: it decodes beside the flooder's decodes again
+    victim.out.generated.append(1)
+    victim.sequence.append(1)
+    assert len(sched.schedule().batch) == 9
+    alone = server_defaults()
+    near = sequence(40, tenant="flood", admitted_at=9)
+    alone.running = [*decodes, near]
+    alone.room.ledger.charge("flood", 5000)
+    assert len(alone.schedule().batch) == 9

@@ -39,7 +39,9 @@ from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, ints
 from kvblocks.launch.redis_server import RedisServer
 from kvblocks.launch.service import Service, spawn_serve, wait_serve
 
-TENANTS = ("victim", "alpha", "beta", "flood", "attacker")
+TENANTS = ("victim", "alpha", "beta", "flood", "capped", "attacker")
+BOUNDED = ("capped", "attacker")  # with `max_running` 4 and `max_waiting` 32, as an operator would bound them
+ATTACK_TIMEOUT_S = 300  # an attack request's client timeout: see `attack`
 MODEL = "unknown"  # what a request that names no model sends (sglang-router's placeholder): the served one
 TOPICS = ("refunds", "shipping", "invoices", "passwords", "warranty", "upgrades", "outages", "billing")
 
@@ -83,6 +85,9 @@ class Tally:
     ttft_s: list[float] = field(default_factory=list)
     huge_prompt_s: list[float] = field(default_factory=list)  # time to the 400 of a prompt too long
     attacks: list[tuple[str, int, float]] = field(default_factory=list)  # (attack, status, seconds)
+    # requests the client gave up on (its timeout, not an answer of the server): "tenant: what"
+    timeouts: list[str] = field(default_factory=list)
+    attack_timeouts: list[str] = field(default_factory=list)
 
     def add(self, name: str, value) -> None:
         with self.lock:
@@ -131,7 +136,9 @@ def serve_args(args: argparse.Namespace, keys: Path, redis_url: str, secret: Pat
 
 def write_keys(work: Path) -> Path:
     entries = [{"key": f"sk-soak-{t}-0000", "tenant": t} for t in TENANTS]
-    entries[-1] |= {"max_running": 4, "max_waiting": 32}  # the flooder, as an operator would bound it
+    for entry in entries:
+        if entry["tenant"] in BOUNDED:
+            entry |= {"max_running": 4, "max_waiting": 32}
     entries.append({"key": "sk-soak-admin-0000", "tenant": "ops", "admin": True})
     path = work / "keys.json"
     path.write_text(json.dumps({"keys": entries}))
@@ -163,14 +170,17 @@ def soak(server: Service, redis: RedisServer, args: argparse.Namespace) -> tuple
         "idle_ttft_p99": float(np.percentile(idle.ttft_s, 99)),
         "idle_huge_prompt_s": _median(idle.huge_prompt_s),
     }
-    flooded = Tally()  # the victim while only the flooder runs (the issue's fairness target)
-    traffic(server, redis, args, flooded, 30, faults_on=False, agents=False)
-    readings["flood_ttft_p99"] = float(np.percentile(flooded.ttft_s, 99))
-    readings["flood_429"] = flooded.rejected_429
+    for flooder in ("flood", "capped"):  # the victim while only a flooder runs (the fairness target)
+        flooded = Tally()
+        traffic(server, redis, args, flooded, 30, faults_on=False, agents=False, flooder=flooder)
+        readings[f"{flooder}_ttft_p99"] = float(np.percentile(flooded.ttft_s, 99))
+        readings[f"{flooder}_429"] = flooded.rejected_429
+        readings[f"{flooder}_timeouts"] = flooded.timeouts
     attacked = Tally()  # the victim while only the attacker runs
-    traffic(server, redis, args, attacked, 30, faults_on=False, agents=False, flooder=False, attacker=True)
+    traffic(server, redis, args, attacked, 30, faults_on=False, agents=False, flooder=None, attacker=True)
     readings["attack_ttft_p99"] = float(np.percentile(attacked.ttft_s, 99))
     readings["attack_5xx"] = len(attacked.bad_5xx)
+    readings["attack_timeouts"] = attacked.attack_timeouts
     readings["attacks"] = attacked.attacks
     traffic(server, redis, args, Tally(), max(10, args.duration // 4), faults_on=False)
     readings["warm"] = rss_mib(server)
@@ -185,19 +195,20 @@ def soak(server: Service, redis: RedisServer, args: argparse.Namespace) -> tuple
 
 def traffic(
     server: Service, redis: RedisServer, args, tally: Tally, seconds: int, faults_on: bool,
-    agents: bool = True, flooder: bool = True, attacker: bool | None = None,
+    agents: bool = True, flooder: str | None = "flood", attacker: bool | None = None,
 ) -> None:  # fmt: skip
-    """The victim, the flooder and (by default with `agents`) the attacker for `seconds`; with `agents`,
-    every other tenant's traffic too (and the Redis faults, if on). The flooder runs six clients of
-    eight prompts each: more than its `max_waiting` of 32, so it meets 429s. The attacker runs two
-    clients, each sending the attacks in turn."""
+    """The victim, the `flooder` tenant and (by default with `agents`) the attacker for `seconds`; with
+    `agents`, every other tenant's traffic too (and the Redis faults, if on). The flooder runs six
+    clients of eight prompts each: "flood" without bounds of its own, "capped" with `max_running` 4 and
+    `max_waiting` 32 (fewer than its 48 prompts, so it meets 429s). The attacker runs two clients, each
+    sending the attacks in turn."""
     stop = threading.Event()
     workers = [threading.Thread(target=agent, args=(server, args, tally, t, a, stop))
                for t in ("alpha", "beta") for a in range(args.agents if agents else 0)]  # fmt: skip
     turns = itertools.count()
     steps = [lambda: victim_turn(server, args, tally, next(turns))]
-    if flooder:
-        steps += [lambda: flood(server, tally)] * 6
+    if flooder is not None:
+        steps += [lambda: flood(server, tally, flooder)] * 6
     if agents:
         steps += [lambda: malformed(server, tally), lambda: vanish(server), lambda: health(server, tally)]
     if attacker if attacker is not None else agents:
@@ -237,6 +248,9 @@ def chat(server: Service, tenant: str, body: dict, tally: Tally, timeout: float 
     """A well-formed chat request: its reply text (recorded for the replay), None when refused."""
     try:
         r = client(server).post("/v1/chat/completions", json=body, headers=headers(tenant), timeout=timeout)
+    except httpx.TimeoutException:
+        tally.add("timeouts", f"{tenant}: chat request past the client's {timeout:.0f} s")
+        return None
     except httpx.TransportError as exc:
         tally.add("good_5xx", f"{tenant}: transport error {exc}")
         return None
@@ -272,11 +286,12 @@ def victim_turn(server: Service, args, tally: Tally, i: int) -> None:
         "messages": [{"role": "system", "content": system_prompt("victim", args.system_tokens)},
                      {"role": "user", "content": f"Question {i % 5}: where is my order?"}],
     }  # fmt: skip
+    session = client(server)  # made before the clock starts: an agent's SDK client exists before it asks
     start = time.perf_counter()
     first, text = None, ""
     try:
-        with client(server).stream("POST", "/v1/chat/completions", json=body, headers=headers("victim"),
-                                   timeout=300) as r:  # fmt: skip
+        with session.stream("POST", "/v1/chat/completions", json=body, headers=headers("victim"),
+                            timeout=300) as r:  # fmt: skip
             if r.status_code != 200:
                 r.read()
                 tally.answered("victim", r)
@@ -292,6 +307,9 @@ def victim_turn(server: Service, args, tally: Tally, i: int) -> None:
                 if delta.get("content") and first is None:
                     first = time.perf_counter() - start
                 text += delta.get("content") or ""
+    except httpx.TimeoutException:
+        tally.add("timeouts", "victim: stream past the client's 300 s")
+        return
     except httpx.TransportError as exc:
         tally.add("good_5xx", f"victim: transport error {exc}")
         return
@@ -299,15 +317,18 @@ def victim_turn(server: Service, args, tally: Tally, i: int) -> None:
     tally.add("replies", ({**body, "stream": False}, text))
 
 
-def flood(server: Service, tally: Tally) -> None:
-    """Eight prompts per request, as fast as the server answers; 429s are what it should get."""
+def flood(server: Service, tally: Tally, tenant: str) -> None:
+    """Eight prompts per request, as fast as the server answers; 429s are what a bounded one should get."""
     body = {"model": MODEL, "prompt": [f"flood {i} " * 30 for i in range(8)], "max_tokens": 16}
     try:
-        r = client(server).post("/v1/completions", json=body, headers=headers("flood"), timeout=300)
-    except httpx.TransportError as exc:
-        tally.add("good_5xx", f"flood: transport error {exc}")
+        r = client(server).post("/v1/completions", json=body, headers=headers(tenant), timeout=300)
+    except httpx.TimeoutException:
+        tally.add("timeouts", f"{tenant}: completions request past the client's 300 s")
         return
-    if not tally.answered("flood", r) and r.status_code == 429:
+    except httpx.TransportError as exc:
+        tally.add("good_5xx", f"{tenant}: transport error {exc}")
+        return
+    if not tally.answered(tenant, r) and r.status_code == 429:
         time.sleep(0.05)
 
 
@@ -384,12 +405,20 @@ ATTACKS: list[tuple[str, str, bytes]] = []  # built once by `soak` before its ph
 
 
 def attack(server: Service, tally: Tally, i: int) -> None:
-    """The attacker's next attack: its status and time are recorded; a 5xx or a dead server is a failure."""
+    """The attacker's next attack: its status and time are recorded; a 5xx or a dead server is a failure.
+    A request the server accepts is served at the attacker's share: while the victim is active, one
+    16-token cut of prefill a step (SERVER.md, Limits, fairness and faults), so the stored 6,000-token
+    conversation takes 375 steps, 1-2 minutes on a 2-core CPU, after the attacker's request before it.
+    The client waits `ATTACK_TIMEOUT_S` for that; past it the request counts as a client timeout, which
+    is the client giving up, not an answer of the server (a 5xx)."""
     name, route, raw = ATTACKS[i % len(ATTACKS)]
     start = time.perf_counter()
     try:
-        r = client(server).post(route, content=raw, timeout=120,
+        r = client(server).post(route, content=raw, timeout=ATTACK_TIMEOUT_S,
                                 headers=headers("attacker") | {"Content-Type": "application/json"})  # fmt: skip
+    except httpx.TimeoutException:
+        tally.add("attack_timeouts", f"attacker: {name} past the client's {ATTACK_TIMEOUT_S} s")
+        return
     except httpx.TransportError as exc:
         tally.add("bad_5xx", f"attack {name}: transport error {exc}")
         return
@@ -530,6 +559,9 @@ def report(args: argparse.Namespace, tally: Tally, readings: dict[str, float], w
     soak_p99 = float(np.percentile(tally.ttft_s, 99)) if tally.ttft_s else float("inf")
     growth = (readings["end"] - readings["warm"]) / readings["warm"]
     flood_vs_idle = readings["flood_ttft_p99"] / readings["idle_ttft_p99"]
+    capped_vs_idle = readings["capped_ttft_p99"] / readings["idle_ttft_p99"]
+    timeouts = tally.timeouts + readings["flood_timeouts"] + readings["capped_timeouts"]
+    attack_timeouts = tally.attack_timeouts + readings["attack_timeouts"]
     attack_vs_idle = readings["attack_ttft_p99"] / readings["idle_ttft_p99"]
     huge_ms = 1e3 * readings["idle_huge_prompt_s"]
     r.checks += [
@@ -538,8 +570,14 @@ def report(args: argparse.Namespace, tally: Tally, readings: dict[str, float], w
         Check("5xx on well-formed requests", len(tally.good_5xx), "", 0),
         Check("5xx on malformed requests", len(tally.bad_5xx), "", 0),
         Check("victim TTFT p99 while a tenant floods / idle p99", flood_vs_idle, "x", 2.0),
+        Check("victim TTFT p99 while a tenant with max_running floods / idle p99", capped_vs_idle, "x", 2.0),
+        Check("client timeouts on well-formed requests", len(timeouts), "", 0),
         Check("victim TTFT p99 while a tenant attacks / idle p99", attack_vs_idle, "x", 2.0),
         Check("5xx on the attacks", readings["attack_5xx"], "", 0),
+        Check(
+            f"attacks past the client's {ATTACK_TIMEOUT_S} s (served at the attacker's share)",
+            len(attack_timeouts),
+        ),
         Check("RSS growth after warm-up", 100 * growth, "%", 10.0),
         Check("3.5 MB prompt that cannot fit: 400 on the idle server, p50", huge_ms, "ms", 100),
     ]
@@ -550,7 +588,9 @@ def report(args: argparse.Namespace, tally: Tally, readings: dict[str, float], w
         f"refused with 429; faults injected: {len(tally.faults)} ({', '.join(sorted(set(tally.faults)))})",
         f"victim TTFT p99: {readings['idle_ttft_p99'] * 1e3:.0f} ms idle, "
         f"{readings['flood_ttft_p99'] * 1e3:.0f} ms while the flooder alone runs "
-        f"({readings['flood_429']} of its requests refused with 429), {soak_p99 * 1e3:.0f} ms under the "
+        f"({readings['flood_429']} of its requests refused with 429), "
+        f"{readings['capped_ttft_p99'] * 1e3:.0f} ms while a flooder with max_running 4 runs "
+        f"({readings['capped_429']} refused with 429), {soak_p99 * 1e3:.0f} ms under the "
         f"whole soak (two more tenants' agents and the faults: {soak_p99 / readings['idle_ttft_p99']:.1f}x); "
         f"RSS {readings['warm']:.0f} MiB after warm-up, {readings['end']:.0f} MiB at the end; the too-long "
         f"prompt's 400 took {1e3 * _median(tally.huge_prompt_s):.0f} ms (p50) under load",
@@ -562,6 +602,7 @@ def report(args: argparse.Namespace, tally: Tally, readings: dict[str, float], w
         f"5xx: {e}" for e in (tally.good_5xx + tally.bad_5xx)[:5]
     ]
     r.notes += [f"health: {h}" for h in tally.health_failures[:5]] + tally.bad_not_4xx[:5]
+    r.notes += [f"client timeout: {t}" for t in (timeouts + attack_timeouts)[:5]]
     return r
 
 

@@ -18,6 +18,7 @@ starts at once. Alone, a tenant may take every place.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass
@@ -145,6 +146,16 @@ class WaitingRoom:
         with self._lock:
             if not self._size:
                 self._nonempty.wait(timeout)
+
+    def wait_for(self, tenants: Set[str], timeout: float) -> None:
+        """Block until one of `tenants` has a request waiting (or `timeout` passes, or `wake`)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not any(self._queues.get(t) for t in tenants):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._nonempty.wait(left)
 
     def wake(self) -> None:
         with self._lock:

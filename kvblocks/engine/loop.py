@@ -220,6 +220,10 @@ class Engine:
         """Admit; schedule → run → postprocess the packed batch; one stream step per serial request."""
         if not self.active and not (len(self.room) == 0 and self.promotions.run_one()):
             self.room.wait(0.5)
+        if self.scheduler is not None:  # a lighter tenant's next request, moments away (`Scheduler.hold`)
+            tenants, seconds = self.scheduler.hold(r.tenant for r in self.serial.active)
+            if seconds > 0:
+                self.room.wait_for(tenants, seconds)
         self._admit()
         self._step_packed()
         self.serial.step()
@@ -241,7 +245,10 @@ class Engine:
         self._end(step.failed)
         start = time.perf_counter()
         outputs = self.runner.run(step.batch)
-        self.ledger.ran(sum(n for _, n in step.batch), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.ledger.ran(sum(n for _, n in step.batch), seconds)
+        if step.batch:
+            self._batches().turns.stepped(seconds)
         self._end([out for out in outputs if isinstance(out, Failure)])
         self._postprocess(step.batch, outputs)
 

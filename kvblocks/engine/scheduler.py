@@ -9,7 +9,9 @@ place is taken and nobody waits); a step in which some request can get its first
 prefills out (head-of-line blocking is then the step in flight plus one short step). Tenants share
 in tokens: while another tenant has work, a tenant's prefill takes at most its weighted share of a
 step, a tenant starts no request beyond its weighted share of the batch places, and a tenant holding
-every batch place gives one up to a tenant under its share. When the
+every batch place gives one up to a tenant under its share. On the CPU, where a step's time is mostly
+fixed, a lighter tenant's first-token step holds no decode of a tenant twice as busy, and `hold`
+says how long the loop waits for a lighter tenant's next request before a step (`Turnarounds`). When the
 pool runs out of slots, the busiest tenant's youngest other running request is the preemption
 victim: it waits again, first in its tenant's line, and resumes later.
 
@@ -21,7 +23,7 @@ what failed on the way (`Failure`) for the loop to end; nothing here calls back 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass
 from enum import Enum
 
@@ -34,6 +36,7 @@ from kvblocks.engine.report import trace_admitted
 from kvblocks.engine.request import Request
 from kvblocks.engine.sequence import Sequence
 from kvblocks.engine.slots import SlotManager
+from kvblocks.engine.turnaround import Turnarounds
 from kvblocks.telemetry import tracing
 
 # batch-invariant mode cuts prompts at every multiple of this many positions: the CPU kernel's width
@@ -110,8 +113,10 @@ class Scheduler:
         sequences: Sequences,
         rounds: speculative.Rounds | None = None,
         elsewhere: Callable[[], int] = lambda: 0,
+        turns: Turnarounds | None = None,
     ) -> None:
         self.room = room
+        self.turns = turns or Turnarounds()  # lighter tenants' next requests, which `hold` waits for
         self.elsewhere = elsewhere  # requests running off the packed path (their locks come back)
         self.slots = slots
         self.limits = limits
@@ -184,6 +189,7 @@ class Scheduler:
             return False
         s.admitted_at = self.step_no
         self.running.append(s)
+        self.turns.arrived(s.request.tenant, s.request.submitted)
         return True
 
     # ---- one step's tokens ----------------------------------------------------------------------
@@ -198,12 +204,16 @@ class Scheduler:
         # held behind a long one, which takes what budget is left every step
         order = sorted(self.running, key=lambda s: (s.left, s.admitted_at))
         urgent = first_in_line(order, self.room.ledger)
+        # on the CPU a step's time is mostly fixed: a first token's step holds no busier decodes either
+        yielding = (
+            self.busier_than({urgent}) if urgent is not None and self.limits.contended_prefill else set()
+        )
         shares = self.prefill_shares(budget)
         ended, self.ended = self.ended, set()
         if self.limits.contended_prefill > 0 and ended:
             shares |= dict.fromkeys(self.busier_than(ended), 0)
         for s in order:
-            if urgent is not None and held_back(s, urgent, self.limits.max_wait_steps):
+            if urgent is not None and held_back(s, urgent, self.limits.max_wait_steps, yielding):
                 continue
             if s not in self.running:  # preempted for an earlier one's slots
                 continue
@@ -262,7 +272,24 @@ class Scheduler:
     def finished(self, s: Sequence) -> None:
         """`s` ended with its reply (`remove`, and its tenant's next request is likely moments away)."""
         self.remove(s)
-        self.ended.add(s.request.tenant)
+        tenant = s.request.tenant
+        self.ended.add(tenant)
+        if all(r.request.tenant != tenant for r in self.running):
+            self.turns.reply_ended(tenant)
+
+    def hold(self, elsewhere: Iterable[str] = ()) -> tuple[set[str], float]:
+        """The tenants whose next request the engine waits for before its next step, and for how
+        long (`Turnarounds.due`), with `contended_prefill` on (the CPU, where a step's time is mostly
+        fixed): only tenants with nothing running whose every tenant with work, packed or `elsewhere`
+        (the serial runner's), is at least twice as busy (`busier_than`'s measure). Nobody has work:
+        no hold (an idle engine starts a step the moment a request comes)."""
+        busy = {s.request.tenant for s in self.running} | set(elsewhere)
+        if self.limits.contended_prefill <= 0 or not busy:
+            return set(), 0.0
+        usage = self.room.ledger.usage
+        least = min(usage(t) for t in busy)
+        lighter = [t for t in self.turns.ended if t not in busy and least >= 2 * usage(t) + 1]
+        return self.turns.due(lighter)
 
     def budget(self) -> int:
         """This step's token budget: `max_batch_tokens`, or `full_batch_tokens` when larger and every
@@ -371,13 +398,19 @@ def first_in_line(order: list[Sequence], ledger: TenantLedger) -> str | None:
     return min(near, key=lambda t: (ledger.usage(t), t)) if near else None
 
 
-def held_back(s: Sequence, urgent: str, max_wait_steps: int) -> bool:
+def held_back(s: Sequence, urgent: str, max_wait_steps: int, yielding: Set[str] = frozenset()) -> bool:
     """The head-of-line rule: with a first token of tenant `urgent` one short step away, a long
     prefill sits the step out, and so does any prefill of a tenant served more than `urgent`
-    (a victim's first token does not wait behind a flooder's short prompts); each at most
-    `max_wait_steps` steps in a row."""
-    if s.left <= 1 or s.held_back >= max_wait_steps:
+    (a victim's first token does not wait behind a flooder's short prompts), and any decode of a
+    `yielding` tenant (at least twice as busy: its rows would make the step longer than the
+    victim's step alone); each at most `max_wait_steps` steps in a row."""
+    if s.held_back >= max_wait_steps:
         return False
+    if s.left <= 1:
+        if s.request.tenant not in yielding:
+            return False
+        s.held_back += 1
+        return True
     if s.left > NEAR or s.request.tenant != urgent:
         s.held_back += 1
         return True
