@@ -29,20 +29,30 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 from kvblocks.bench.harness import BenchOptions, Check, Report, add_suite, ints
+from kvblocks.bench.soak_http import (
+    ATTACK_TIMEOUT_S,
+    ATTACKS,
+    MODEL,
+    Tally,
+    attack,
+    build_attacks,
+    chat,
+    client,
+    headers,
+    malformed,
+    vanish,
+)
 from kvblocks.launch.redis_server import RedisServer
 from kvblocks.launch.service import Service, spawn_serve, wait_serve
 
 TENANTS = ("victim", "alpha", "beta", "flood", "capped", "attacker")
 BOUNDED = ("capped", "attacker")  # with `max_running` 4 and `max_waiting` 32, as an operator would bound them
-ATTACK_TIMEOUT_S = 300  # an attack request's client timeout: see `attack`
-MODEL = "unknown"  # what a request that names no model sends (sglang-router's placeholder): the served one
 TOPICS = ("refunds", "shipping", "invoices", "passwords", "warranty", "upgrades", "outages", "billing")
 
 
@@ -68,43 +78,6 @@ def add_parser(suites: argparse._SubParsersAction) -> None:
         model=True,
         options=OPTIONS,
     )
-
-
-@dataclass(slots=True)
-class Tally:
-    """What the traffic saw, shared by its threads (under `lock`)."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    replies: list[tuple[dict, str]] = field(default_factory=list)  # (chat body, reply text)
-    good_5xx: list[str] = field(default_factory=list)
-    bad_5xx: list[str] = field(default_factory=list)
-    bad_not_4xx: list[str] = field(default_factory=list)
-    rejected_429: int = 0
-    health_failures: list[str] = field(default_factory=list)
-    faults: list[str] = field(default_factory=list)
-    ttft_s: list[float] = field(default_factory=list)
-    huge_prompt_s: list[float] = field(default_factory=list)  # time to the 400 of a prompt too long
-    attacks: list[tuple[str, int, float]] = field(default_factory=list)  # (attack, status, seconds)
-    # requests the client gave up on (its timeout, not an answer of the server): "tenant: what"
-    timeouts: list[str] = field(default_factory=list)
-    attack_timeouts: list[str] = field(default_factory=list)
-
-    def add(self, name: str, value) -> None:
-        with self.lock:
-            getattr(self, name).append(value)
-
-    def answered(self, who: str, response: httpx.Response) -> bool:
-        """Whether a well-formed request of `who` got its 200; a 429 is counted as a refusal, a
-        5xx as a failure, anything else noted."""
-        if response.status_code == 200:
-            return True
-        if response.status_code == 429:
-            with self.lock:
-                self.rejected_429 += 1
-        else:
-            kind = "good_5xx" if response.status_code >= 500 else "bad_not_4xx"
-            self.add(kind, f"{who}: {response.status_code} {response.text[:200]}")
-        return False
 
 
 def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
@@ -146,10 +119,6 @@ def write_keys(work: Path) -> Path:
     return path
 
 
-def headers(tenant: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer sk-soak-{tenant}-0000"}
-
-
 def system_prompt(tenant: str, words: int) -> str:
     rng = random.Random(tenant)
     return f"You are {tenant}'s support agent. " + " ".join(rng.choice(TOPICS) for _ in range(words))
@@ -160,7 +129,7 @@ def soak(server: Service, redis: RedisServer, args: argparse.Namespace) -> tuple
     faults (warm-up: RSS is read after it); then the traffic under faults. Returns the tally of the
     last phase and the readings."""
     if not ATTACKS:  # built before any TTFT is timed: the client's work is not the server's latency
-        ATTACKS.extend(_attacks())
+        ATTACKS.extend(build_attacks())
     idle = Tally()
     for i in range(16):  # the first turns compute the victim's system prompt, the rest hit it
         victim_turn(server, args, idle if i >= 4 else Tally(), i)
@@ -230,37 +199,6 @@ def loop(stop: threading.Event, step: Callable[[], None]) -> None:
         step()
 
 
-_CLIENTS = threading.local()
-
-
-def client(server: Service) -> httpx.Client:
-    """This thread's keep-alive client of `server`, as an agent's SDK keeps one. A new client a request
-    builds an SSL context and a connection each time: tens of milliseconds of the client's CPU and
-    GIL on the cores the server uses, which the victim's TTFT measured too, more so the more threads
-    (the flooder's six) made clients at once."""
-    clients = _CLIENTS.__dict__.setdefault("by_url", {})
-    if server.url not in clients:
-        clients[server.url] = httpx.Client(base_url=server.url)
-    return clients[server.url]
-
-
-def chat(server: Service, tenant: str, body: dict, tally: Tally, timeout: float = 300) -> str | None:
-    """A well-formed chat request: its reply text (recorded for the replay), None when refused."""
-    try:
-        r = client(server).post("/v1/chat/completions", json=body, headers=headers(tenant), timeout=timeout)
-    except httpx.TimeoutException:
-        tally.add("timeouts", f"{tenant}: chat request past the client's {timeout:.0f} s")
-        return None
-    except httpx.TransportError as exc:
-        tally.add("good_5xx", f"{tenant}: transport error {exc}")
-        return None
-    if not tally.answered(tenant, r):
-        return None
-    text = r.json()["choices"][0]["message"]["content"] or ""
-    tally.add("replies", (body, text))
-    return text
-
-
 def agent(server: Service, args, tally: Tally, tenant: str, index: int, stop: threading.Event) -> None:
     """Conversations of three turns on the tenant's system prompt; the replies become the history."""
     rng = random.Random(f"{tenant}-{index}")
@@ -318,7 +256,8 @@ def victim_turn(server: Service, args, tally: Tally, i: int) -> None:
 
 
 def flood(server: Service, tally: Tally, tenant: str) -> None:
-    """Eight prompts per request, as fast as the server answers; 429s are what a bounded one should get."""
+    """Eight prompts per request, as fast as the server answers; 429s are what a bounded one should
+    get, and after one the flooder waits what its `Retry-After` says, as the OpenAI SDKs do."""
     body = {"model": MODEL, "prompt": [f"flood {i} " * 30 for i in range(8)], "max_tokens": 16}
     try:
         r = client(server).post("/v1/completions", json=body, headers=headers(tenant), timeout=300)
@@ -329,118 +268,7 @@ def flood(server: Service, tally: Tally, tenant: str) -> None:
         tally.add("good_5xx", f"{tenant}: transport error {exc}")
         return
     if not tally.answered(tenant, r) and r.status_code == 429:
-        time.sleep(0.05)
-
-
-MALFORMED: tuple[tuple[str, bytes], ...] = (
-    ("not json", b"{not json"),
-    ("deep nesting", b'{"model": "x", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
-    ("lone surrogate", b'{"model": "x", "messages": [{"role": "user", "content": "\\ud800"}]}'),
-    ("unknown field", b'{"model": "x", "messages": [], "frobnicate": 1}'),
-    ("huge prompt", b'{"model": "x", "prompt": "' + b"word " * 700_000 + b'", "max_tokens": 1}'),
-    ("bad penalty", b'{"model": "x", "prompt": "0", "max_tokens": 2, "repetition_penalty": 1e-38}'),
-)
-
-
-def malformed(server: Service, tally: Tally, only: str | None = None) -> None:
-    for name, raw in MALFORMED:
-        if only is not None and name != only:
-            continue
-        route = "/v1/completions" if b'"prompt"' in raw else "/v1/chat/completions"
-        start = time.perf_counter()
-        try:
-            r = httpx.post(f"{server.url}{route}", content=raw, timeout=60,
-                           headers=headers("beta") | {"Content-Type": "application/json"})  # fmt: skip
-        except httpx.TransportError as exc:
-            tally.add("bad_5xx", f"{name}: transport error {exc}")
-            continue
-        if name == "huge prompt":
-            tally.add("huge_prompt_s", time.perf_counter() - start)
-        if r.status_code >= 500:
-            tally.add("bad_5xx", f"{name}: {r.status_code} {r.text[:200]}")
-        elif not 400 <= r.status_code < 500:
-            tally.add("bad_not_4xx", f"{name}: {r.status_code}")
-    if only is None:
-        time.sleep(1.0)
-
-
-def ref_chain(links: int) -> dict:
-    """A JSON schema whose `$defs` form one flat `$ref` chain of `links` links (~33 bytes a link)."""
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(links)}
-    defs[f"d{links}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def _attacks() -> list[tuple[str, str, bytes]]:
-    """(name, route, body) of each attack; each must be a 4xx, or a 200 that costs only its sender."""
-    chain = {"type": "json_schema", "json_schema": {"name": "chain", "schema": ref_chain(3000)}}
-    user = [{"role": "user", "content": "hi"}]
-    blocks = [{"text": f" w{i}", "block": True} for i in range(250)] + [{"text": " end"}]
-    few_blocks = [{"text": f" block {i} " * 4, "block": True} for i in range(48)] + [{"text": " end"}]
-    tiny_messages = [{"role": "user", "content": "a"}] * 115_000
-    items = [{"role": "user", "content": "a"}] * 110_000
-    metadata = {f"k{i}": "v" * 4000 for i in range(900)}
-    stored = [{"role": "user", "content": "remember " * 6000}]
-    pinned = [{"role": "system", "content": [{"type": "text", "text": "pin " * 4000,
-                                              "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}, *user]  # fmt: skip
-    bodies = [
-        ("ref chain", "/v1/chat/completions", {"messages": user, "max_tokens": 4, "response_format": chain}),
-        ("ref chain (text.format)", "/v1/responses",
-         {"input": "hi", "max_output_tokens": 4, "text": {"format": {"type": "json_schema", "name": "c",
-                                                                      "schema": ref_chain(3000)}}}),
-        ("250 blocks", "/v1/completions",
-         {"prompt_blocks": blocks, "kv_mode": "blend", "max_tokens": 2}),
-        ("48 blocks", "/v1/completions",
-         {"prompt_blocks": few_blocks, "kv_mode": "blend", "max_tokens": 2}),
-        ("115k messages", "/v1/chat/completions", {"messages": tiny_messages, "max_tokens": 1}),
-        ("110k input items", "/v1/responses", {"input": items, "max_output_tokens": 1}),
-        ("huge metadata", "/v1/responses", {"input": "hi", "max_output_tokens": 1, "metadata": metadata}),
-        ("stored 48 KB", "/v1/responses", {"input": stored, "max_output_tokens": 1, "store": True}),
-        ("pin the cache", "/v1/chat/completions", {"messages": pinned, "max_tokens": 1}),
-    ]  # fmt: skip
-    return [(name, route, json.dumps({"model": MODEL, **body}).encode()) for name, route, body in bodies]
-
-
-ATTACKS: list[tuple[str, str, bytes]] = []  # built once by `soak` before its phases (~8 MB of JSON)
-
-
-def attack(server: Service, tally: Tally, i: int) -> None:
-    """The attacker's next attack: its status and time are recorded; a 5xx or a dead server is a failure.
-    A request the server accepts is served at the attacker's share: while the victim is active, one
-    16-token cut of prefill a step (SERVER.md, Limits, fairness and faults), so the stored 6,000-token
-    conversation takes 375 steps, 1-2 minutes on a 2-core CPU, after the attacker's request before it.
-    The client waits `ATTACK_TIMEOUT_S` for that; past it the request counts as a client timeout, which
-    is the client giving up, not an answer of the server (a 5xx)."""
-    name, route, raw = ATTACKS[i % len(ATTACKS)]
-    start = time.perf_counter()
-    try:
-        r = client(server).post(route, content=raw, timeout=ATTACK_TIMEOUT_S,
-                                headers=headers("attacker") | {"Content-Type": "application/json"})  # fmt: skip
-    except httpx.TimeoutException:
-        tally.add("attack_timeouts", f"attacker: {name} past the client's {ATTACK_TIMEOUT_S} s")
-        return
-    except httpx.TransportError as exc:
-        tally.add("bad_5xx", f"attack {name}: transport error {exc}")
-        return
-    tally.add("attacks", (name, r.status_code, time.perf_counter() - start))
-    if r.status_code >= 500:
-        tally.add("bad_5xx", f"attack {name}: {r.status_code} {r.text[:200]}")
-    if not server.alive():
-        tally.add("health_failures", f"the server process exited after the attack {name}")
-    time.sleep(0.2)
-
-
-def vanish(server: Service) -> None:
-    """A client that starts a stream and hangs up after its first chunk."""
-    body = {"model": MODEL, "prompt": "vanishing client " * 20, "max_tokens": 64, "stream": True}
-    try:
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers("alpha"),
-                          timeout=60) as r:  # fmt: skip
-            for _ in r.iter_lines():
-                break
-    except httpx.TransportError:
-        pass
-    time.sleep(0.5)
+        time.sleep(float(r.headers.get("retry-after", 1)))
 
 
 def health(server: Service, tally: Tally) -> None:
