@@ -9,6 +9,7 @@ requests before anything is rendered, and a prompt that fits is never refused.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
@@ -16,6 +17,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 from server_proc import cli_env, kvblocks_command, start_server, stop_cleanly, tiny_model_dir
 
@@ -58,23 +60,37 @@ def refused(response: httpx.Response, param: str) -> dict:
     return error
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) the server process and its living children (the body parsers)
+    have used: what a request cost the server whatever else the machine runs (a loaded CI machine
+    tripled the wall time of a fast 400)."""
+    process = psutil.Process(pid)
+    total = 0.0
+    for p in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def timed(server, path: str, body: bytes) -> tuple[float, httpx.Response]:
-    start = time.perf_counter()
+    """The server's CPU seconds for `body` at `path`, and its answer."""
+    start = cpu_seconds(server.proc.pid)
     response = post(server, "attacker", path, body)
-    return time.perf_counter() - start, response
+    return cpu_seconds(server.proc.pid) - start, response
 
 
 def test_115k_one_character_messages_are_a_fast_400_naming_messages(server):
     seconds, response = timed(server, "/v1/chat/completions", CHAT_ATTACK)
     refused(response, "messages")
-    assert seconds < 6.0  # 16 s when they were rendered first
+    assert seconds < 6.0  # 16 s when they were rendered first (wall time, quiet machine)
 
 
 def test_110k_responses_input_items_are_a_fast_400_naming_input(server):
     body = {"model": MODEL, "input": one_char_messages(110_000), "max_output_tokens": 1}
     seconds, response = timed(server, "/v1/responses", json.dumps(body).encode())
     assert "110000 items" in refused(response, "input")["message"]
-    assert seconds < 6.0  # 20 s when they were rendered first
+    assert seconds < 6.0  # 20 s when they were rendered first (wall time, quiet machine)
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize", "/v1/cache/explain"])
