@@ -46,6 +46,7 @@ from kvblocks.bench.soak_http import (
     client,
     headers,
     malformed,
+    send,
     vanish,
 )
 from kvblocks.launch.redis_server import RedisServer
@@ -259,15 +260,12 @@ def flood(server: Service, tally: Tally, tenant: str) -> None:
     """Eight prompts per request, as fast as the server answers; 429s are what a bounded one should
     get, and after one the flooder waits what its `Retry-After` says, as the OpenAI SDKs do."""
     body = {"model": MODEL, "prompt": [f"flood {i} " * 30 for i in range(8)], "max_tokens": 16}
-    try:
-        r = client(server).post("/v1/completions", json=body, headers=headers(tenant), timeout=300)
-    except httpx.TimeoutException:
-        tally.add("timeouts", f"{tenant}: completions request past the client's 300 s")
-        return
-    except httpx.TransportError as exc:
-        tally.add("good_5xx", f"{tenant}: transport error {exc}")
-        return
-    if not tally.answered(tenant, r) and r.status_code == 429:
+    r = send(
+        tally,
+        lambda: client(server).post("/v1/completions", json=body, headers=headers(tenant), timeout=300),
+        "timeouts", f"{tenant}: completions request", "good_5xx",
+    )  # fmt: skip
+    if r is not None and not tally.answered(tenant, r) and r.status_code == 429:
         time.sleep(float(r.headers.get("retry-after", 1)))
 
 

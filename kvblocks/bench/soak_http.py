@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -71,17 +72,28 @@ def client(server: Service) -> httpx.Client:
     return clients[server.url]
 
 
+def send(
+    tally: Tally, post: Callable[[], httpx.Response], timeouts: str, what: str, failures: str
+) -> httpx.Response | None:
+    """`post()`'s answer, or None: past the client's timeout it is noted in the tally's `timeouts`
+    (the client giving up, not an answer of the server), a transport error in its `failures`."""
+    try:
+        return post()
+    except httpx.TimeoutException:
+        tally.add(timeouts, f"{what} past the client's timeout")
+    except httpx.TransportError as exc:
+        tally.add(failures, f"{what}: transport error {exc}")
+    return None
+
+
 def chat(server: Service, tenant: str, body: dict, tally: Tally, timeout: float = 300) -> str | None:
     """A well-formed chat request: its reply text (recorded for the replay), None when refused."""
-    try:
-        r = client(server).post("/v1/chat/completions", json=body, headers=headers(tenant), timeout=timeout)
-    except httpx.TimeoutException:
-        tally.add("timeouts", f"{tenant}: chat request past the client's {timeout:.0f} s")
-        return None
-    except httpx.TransportError as exc:
-        tally.add("good_5xx", f"{tenant}: transport error {exc}")
-        return None
-    if not tally.answered(tenant, r):
+    r = send(
+        tally,
+        lambda: client(server).post("/v1/chat/completions", json=body, headers=headers(tenant), timeout=timeout),
+        "timeouts", f"{tenant}: chat request", "good_5xx",
+    )  # fmt: skip
+    if r is None or not tally.answered(tenant, r):
         return None
     text = r.json()["choices"][0]["message"]["content"] or ""
     tally.add("replies", (body, text))
@@ -169,14 +181,13 @@ def attack(server: Service, tally: Tally, i: int) -> None:
     is the client giving up, not an answer of the server (a 5xx)."""
     name, route, raw = ATTACKS[i % len(ATTACKS)]
     start = time.perf_counter()
-    try:
-        r = client(server).post(route, content=raw, timeout=ATTACK_TIMEOUT_S,
-                                headers=headers("attacker") | {"Content-Type": "application/json"})  # fmt: skip
-    except httpx.TimeoutException:
-        tally.add("attack_timeouts", f"attacker: {name} past the client's {ATTACK_TIMEOUT_S} s")
-        return
-    except httpx.TransportError as exc:
-        tally.add("bad_5xx", f"attack {name}: transport error {exc}")
+    r = send(
+        tally,
+        lambda: client(server).post(route, content=raw, timeout=ATTACK_TIMEOUT_S,
+                                    headers=headers("attacker") | {"Content-Type": "application/json"}),
+        "attack_timeouts", f"attacker: {name}", "bad_5xx",
+    )  # fmt: skip
+    if r is None:
         return
     tally.add("attacks", (name, r.status_code, time.perf_counter() - start))
     if r.status_code >= 500:
