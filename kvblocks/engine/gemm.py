@@ -84,6 +84,7 @@ def _supported() -> bool:
     return "avx512_bf16" in flags or {"avx2", "fma"} <= flags
 
 
+@functools.cache
 def float32() -> bool:
     """Whether float32 layers take the kernel here: where it is built and this CPU has no AVX-512
     (there float32 is the default dtype, and oneDNN's float32 product has the same 8-lane vectors;

@@ -265,9 +265,9 @@ class Scheduler:
         served of `ended`: in the step after that tenant's reply ended they prefill nothing, so the
         step in flight when its next request arrives (an interactive client sends it within moments)
         is a short one. Twice: tenants about as busy never hold each other's prefill back."""
-        ledger = self.room.ledger
-        least = min(ledger.usage(t) for t in ended)
-        return {s.request.tenant for s in self.running if ledger.usage(s.request.tenant) >= 2 * least + 1}
+        usage = self.room.ledger.usage
+        least = min(usage(t) for t in ended)
+        return {s.request.tenant for s in self.running if twice_as_busy(usage(s.request.tenant), least)}
 
     def finished(self, s: Sequence) -> None:
         """`s` ended with its reply (`remove`, and its tenant's next request is likely moments away)."""
@@ -288,7 +288,7 @@ class Scheduler:
             return set(), 0.0
         usage = self.room.ledger.usage
         least = min(usage(t) for t in busy)
-        lighter = [t for t in self.turns.ended if t not in busy and least >= 2 * usage(t) + 1]
+        lighter = [t for t in self.turns.ended if t not in busy and twice_as_busy(least, usage(t))]
         return self.turns.due(lighter)
 
     def budget(self) -> int:
@@ -389,6 +389,12 @@ class Scheduler:
     def _handed_back(self) -> list[Failure]:
         failed, self.failed = self.failed, []
         return failed
+
+
+def twice_as_busy(busy: float, light: float) -> bool:
+    """Whether a tenant of `busy` recent work is at least twice as busy as one of `light` (plus a
+    token: tenants about as busy never hold each other back)."""
+    return busy >= 2 * light + 1
 
 
 def first_in_line(order: list[Sequence], ledger: TenantLedger) -> str | None:
