@@ -1,10 +1,15 @@
 """What a verify forward costs by the rows it feeds, and the draft tree that buys the most tokens per second.
 
-A target forward of n new rows takes about `a + b * n` seconds: `a` reads every weight once (on a
-CPU, most of a decode step), `b` is the arithmetic one more row adds. `StepCost` fits the two by
-least squares to the median time of each row count's newest forwards, timed by itself (`probe`:
-1, 8, 16 and 32 rows at start) and reported by the generator (`add`, every verify forward), so a
-loaded machine or a longer context moves the price and one stalled forward does not.
+A target forward of n new rows takes about `a + b * max(0, n - knee)` seconds: `a` reads every
+weight once (on a CPU, most of a decode step), `b` is the arithmetic one more row adds once the
+rows' multiply-adds outlast the weights' reading, past `knee` rows (a roofline: a CPU kernel that
+streams the weights once does 1 to about 4-8 rows in the time of one, the 0.5B model's layers 83 ms
+at 1 row, 88 at 4, 107 at 8, 176 at 16; a product that repacks per call has no flat part, knee 0).
+`StepCost` fits `a` and `b` by least squares to the median time of each row count's newest
+forwards for each knee at a measured row count (and 0), and keeps the knee that fits best; the
+forwards are timed by itself (`probe`: 1, 4, 8, 16 and 32 rows at start) and reported by the
+generator (`add`, every verify forward), so a loaded machine or a longer context moves the price
+and one stalled forward does not.
 
 `best_cut` prices a round (EAGLE-2's dynamic tree, made cost-aware): the nodes of a scored tree are
 added best first (their estimated acceptance probabilities, each at most its parent's), the expected
@@ -25,17 +30,17 @@ from collections.abc import Callable, Sequence
 
 
 class StepCost:
-    """`seconds(rows)` of one target forward, fitted as `a + b * rows` to timed forwards."""
+    """`seconds(rows)` of one target forward, fitted as `a + b * max(0, rows - knee)` to timed forwards."""
 
     KEEP = 8  # the newest forwards kept per row count; each row count's median is fitted
     MAX_ROWS = 256  # forwards wider than this (prefills) say little about a verify step
 
-    def __init__(self, a: float = 1.0, b: float = 0.05, *, learn: bool = True) -> None:
-        """The prior (`a` seconds per forward, `b` per row; the default prices a row at 1/20 of a
-        forward) holds until samples arrive; with `learn=False` it holds for good (tests)."""
-        if a <= 0 or b < 0:
-            raise ValueError(f"a step cost needs a > 0 and b >= 0, got a={a}, b={b}")
-        self.a, self.b = a, b
+    def __init__(self, a: float = 1.0, b: float = 0.05, *, knee: int = 0, learn: bool = True) -> None:
+        """The prior (`a` seconds per forward, `b` per row past `knee`; the default prices every row
+        at 1/20 of a forward) holds until samples arrive; with `learn=False` it holds for good (tests)."""
+        if a <= 0 or b < 0 or knee < 0:
+            raise ValueError(f"a step cost needs a > 0, b >= 0 and knee >= 0, got a={a}, b={b}, knee={knee}")
+        self.a, self.b, self.knee = a, b, knee
         self._lock = threading.Lock()
         self._times: dict[int, deque[float]] = {}  # rows -> the newest forwards' seconds
         self.samples = 0
@@ -43,7 +48,7 @@ class StepCost:
         self.probed = not learn
 
     def seconds(self, rows: int) -> float:
-        return self.a + self.b * rows
+        return self.a + self.b * max(0, rows - self.knee)
 
     def add(self, rows: int, seconds: float) -> None:
         """One timed forward of `rows` new rows."""
@@ -52,22 +57,22 @@ class StepCost:
         with self._lock:
             self._times.setdefault(rows, deque(maxlen=self.KEEP)).append(seconds)
             self.samples += 1
-            points = [(n, statistics.median(t), len(t)) for n, t in self._times.items()]
-            w = sum(k for _, _, k in points)
-            x = sum(n * k for n, _, k in points) / w
-            y = sum(t * k for _, t, k in points) / w
-            var = sum(k * (n - x) ** 2 for n, _, k in points)
-            if var > 0:  # two row counts at least: the slope is measured
-                b = max(sum(k * (n - x) * (t - y) for n, t, k in points) / var, 0.0)
-                a = y - b * x
-            else:  # one row count: the prior's ratio of b to a, scaled to the measured time
-                scale = y / self.seconds(x)
-                a, b = self.a * scale, self.b * scale
-            if a <= 0:  # a steep noisy fit: keep the level, not a negative fixed cost
-                a, b = y / 2, y / 2 / max(x, 1.0)
-            self.a, self.b = a, b
+            points = [(n, statistics.median(t), len(t)) for n, t in sorted(self._times.items())]
+            if len(points) == 1:  # one row count: the prior's shape, scaled to the measured time
+                n, t, _ = points[0]
+                scale = t / self.seconds(n)
+                self.a, self.b = self.a * scale, self.b * scale
+                return
+            # every knee at a measured row count but the widest (rows past it must be measured), and 0
+            fits = [f for knee in (0, *(n for n, _, _ in points[:-1])) if (f := _fit(points, knee)) is not None]
+            if not fits:  # every slope came out negative (noise): the level, rows free
+                w = sum(k for _, _, k in points)
+                self.a, self.b, self.knee = sum(t * k for _, t, k in points) / w, 0.0, 0
+                return
+            least = min(f[0] for f in fits)  # the least squared error; of fits as good, the smallest knee
+            _, self.a, self.b, self.knee = next(f for f in fits if f[0] <= least * (1 + 1e-6) + 1e-15)
 
-    def probe(self, forward: Callable[[int], None], rows: Sequence[int] = (1, 8, 16, 32)) -> None:
+    def probe(self, forward: Callable[[int], None], rows: Sequence[int] = (1, 4, 8, 16, 32)) -> None:
         """Time `forward(n)` (one forward of n new rows, rolled back by the caller) for each n,
         the best of two, after one untimed warm-up."""
         forward(rows[0])
@@ -79,6 +84,24 @@ class StepCost:
                 best = min(best, time.perf_counter() - t0)
             self.add(n, best)
         self.probed = True
+
+
+def _fit(points: list[tuple[int, float, int]], knee: int) -> tuple[float, float, float, int] | None:
+    """(weighted squared error, a, b, knee) of `t = a + b * max(0, n - knee)` fitted by least squares
+    to (rows, median seconds, weight) points, or None where the slope comes out negative or `a` not
+    positive."""
+    z = [(max(0, n - knee), t, k) for n, t, k in points]
+    w = sum(k for _, _, k in z)
+    x = sum(v * k for v, _, k in z) / w
+    y = sum(t * k for _, t, k in z) / w
+    var = sum(k * (v - x) ** 2 for v, _, k in z)
+    if var <= 0:
+        return None
+    b = sum(k * (v - x) * (t - y) for v, t, k in z) / var
+    a = y - b * x
+    if b < 0 or a <= 0:
+        return None
+    return sum(k * (a + b * v - t) ** 2 for v, t, k in z), a, b, knee
 
 
 def best_cut(scores: Sequence[float], cost: StepCost, others: int = 0, rows: int | None = None) -> int:

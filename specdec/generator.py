@@ -145,6 +145,10 @@ class SpeculativeGenerator(CachedGenerator):
     proposes up to `tree.budget` nodes, `tree.depth` deep (gamma is the depth), verified in one
     forward under a tree mask, the accepted path's KV kept and the rest dropped. Needs a target of
     full-attention layers on this path (the packed engine also takes windowed layers).
+
+    `packed` (default "all") runs the target's linear layers on packed weights (`ModelRunner`): on a
+    CPU a verify forward of 2 to 16 rows then costs little more than a decode step of one row, where
+    `F.linear` took 1.7-2.6x one row's time at 2-8 rows (the 0.5B model; BENCHMARKS.md, trees).
     """
 
     def __init__(
@@ -160,8 +164,9 @@ class SpeculativeGenerator(CachedGenerator):
         on_round: Callable[[Round], None] | None = None,
         tree: TreeShape | None = None,
         cost: StepCost | None = None,
+        packed: str = "all",
     ) -> None:
-        super().__init__(model, tokenizer, cache)
+        super().__init__(model, tokenizer, cache, packed=packed)
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if tree is not None:

@@ -205,6 +205,32 @@ def test_step_cost_fits_its_samples_and_a_round_is_cut_to_the_most_tokens_per_se
     assert rate[alone] == max(rate)
 
 
+def test_step_cost_finds_where_rows_stop_being_free():
+    # a CPU kernel that streams the weights once: 1 to 8 rows in one row's time, then 10 ms a row
+    cost = StepCost()
+    for rows in (1, 4, 8, 16, 32):
+        cost.add(rows, 0.08 + 0.01 * max(0, rows - 8))
+    assert cost.knee == 8 and abs(cost.a - 0.08) < 1e-9 and abs(cost.b - 0.01) < 1e-9
+    assert cost.seconds(5) == cost.seconds(1) and abs(cost.seconds(24) - 0.24) < 1e-9
+    linear = StepCost()  # a product that repacks per call: every row costs, knee 0 (the smaller of equals)
+    for rows in (1, 4, 8, 16, 32):
+        linear.add(rows, 0.08 + 0.01 * rows)
+    assert linear.knee == 0 and abs(linear.b - 0.01) < 1e-9
+    scores = [0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.3]
+    assert best_cut(scores, cost) == len(scores)  # rows under the knee are free: take every node
+    assert best_cut(scores, cost) > best_cut(scores, linear)
+    beside = best_cut(scores, cost, others=16)  # past the knee every node must pay for its row
+    assert beside < len(scores)
+    rate = [(17 + sum(scores[:k])) / cost.seconds(17 + k) for k in range(len(scores) + 1)]
+    assert rate[beside] == max(rate)
+    noisy = StepCost()
+    for rows, t in ((1, 0.1), (8, 0.09), (16, 0.08)):  # slower with more rows: noise, not a price
+        noisy.add(rows, t)
+    assert noisy.b == 0.0 and noisy.a > 0
+    with pytest.raises(ValueError):
+        StepCost(1.0, 0.1, knee=-1)
+
+
 def test_scored_shape_measures_how_sure_the_drafter_is():
     shape = Shape(TreeShape(budget=16, depth=8, width=2))
     sure = shape.sure
@@ -265,6 +291,26 @@ def _drafter(kind: str, model, cache):
     if kind == "trie":
         return TrieDrafter(cache)
     return ModelDrafter(truncated_model(model, 1))
+
+
+def test_verify_forwards_run_on_the_packed_weights_and_keep_target_greedy():
+    from kvblocks.engine import head
+
+    model = tiny_llama(torch.float32, seed=0, eos_token_id=EOS)
+    plain = CachedGenerator(model, TOK, None, packed="all")  # the same products, one row a forward
+    sg = SpeculativeGenerator(model, TOK, None, PromptLookupDrafter(), tree=SHAPES[1])
+    unpacked = SpeculativeGenerator(model, TOK, None, PromptLookupDrafter(), tree=SHAPES[1], packed="none")
+    assert unpacked.runner.linears is None
+    if head.available():  # on a CPU with oneDNN (or kvblocks' kernel): every linear layer packed
+        assert sg.runner.linears is plain.runner.linears is not None  # one copy per model
+        assert len(sg.runner.linears.layers) == sum(type(m) is torch.nn.Linear for m in model.modules())
+    trees = 0
+    for prompt in _prompts():
+        want = plain.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
+        r = sg.generate(prompt, max_new_tokens=16, ignore_eos=True)
+        assert r.token_ids == want
+        trees += r.spec.tree_rounds
+    assert trees > 0
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["fixed", "adaptive"])

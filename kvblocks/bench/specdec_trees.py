@@ -189,7 +189,9 @@ def bench_trees(opts: BenchOptions, model, tokenizer, args: argparse.Namespace) 
             "its last (prefill and the first round left out, as in the other specdec suites); "
             f"targets judged against the default chain ({default}), the fastest chain reported beside"
         )
-        report.notes.append(f"step cost: {cost.a * 1e3:.1f} ms + {cost.b * 1e3:.2f} ms a row")
+        report.notes.append(
+            f"step cost: {cost.a * 1e3:.1f} ms + {cost.b * 1e3:.2f} ms a row past {cost.knee} rows"
+        )
         report.notes.append("provisional when taken on a loaded machine")
         reports.append(report)
     return reports

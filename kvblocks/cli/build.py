@@ -224,7 +224,7 @@ def build_generator(args: argparse.Namespace, model, tokenizer, cache, on_round=
     try:
         return SpeculativeGenerator(
             model, tokenizer, cache, drafter, gamma=args.gamma, adaptive=args.adaptive_gamma,
-            on_round=on_round, tree=tree_shape(args),
+            on_round=on_round, tree=tree_shape(args), packed=getattr(args, "packed_weights", "all"),
         )  # fmt: skip
     except ValueError as exc:  # a target draft trees cannot serve, a bad gamma
         raise UserError(f"--draft: {exc}") from exc

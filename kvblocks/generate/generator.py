@@ -105,13 +105,19 @@ class DecodeState:
 
 
 class CachedGenerator(BlockSteps, PromptSteps):
-    """Generate with prefix reuse from a `KVCacheTrie` (or with no reuse when `cache` is None)."""
+    """Generate with prefix reuse from a `KVCacheTrie` (or with no reuse when `cache` is None).
 
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, cache: KVCacheTrie | None) -> None:
+    `packed` ("all", "head" or "none") runs the model's linear layers on packed weights
+    (`ModelRunner`): with "all", on a CPU, a forward of a few rows costs about one of a single row,
+    what speculative rounds verify."""
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: Any, cache: KVCacheTrie | None, *, packed: str = "none"
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.cache = cache
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, packed=packed)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.max_context = context_length(model.config)
         self.vocab_size = vocab_size(model.config)
