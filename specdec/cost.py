@@ -64,7 +64,9 @@ class StepCost:
                 self.a, self.b = self.a * scale, self.b * scale
                 return
             # every knee at a measured row count but the widest (rows past it must be measured), and 0
-            fits = [f for knee in (0, *(n for n, _, _ in points[:-1])) if (f := _fit(points, knee)) is not None]
+            fits = [
+                f for knee in (0, *(n for n, _, _ in points[:-1])) if (f := _fit(points, knee)) is not None
+            ]
             if not fits:  # every slope came out negative (noise): the level, rows free
                 w = sum(k for _, _, k in points)
                 self.a, self.b, self.knee = sum(t * k for _, t, k in points) / w, 0.0, 0
