@@ -93,6 +93,12 @@ inline V fmadd(V a, V b, V c) {
                                                reinterpret_cast<__m512d>(c)));
 #endif
 #if defined(__FMA__)
+  if constexpr (sizeof(V) == 32 && std::is_same_v<T, float>)
+    return reinterpret_cast<V>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                               reinterpret_cast<__m256>(c)));
+  if constexpr (sizeof(V) == 32 && std::is_same_v<T, double>)
+    return reinterpret_cast<V>(_mm256_fmadd_pd(reinterpret_cast<__m256d>(a), reinterpret_cast<__m256d>(b),
+                                               reinterpret_cast<__m256d>(c)));
   if constexpr (sizeof(V) == 16 && std::is_same_v<T, float>)
     return reinterpret_cast<V>(_mm_fmadd_ps(reinterpret_cast<__m128>(a), reinterpret_cast<__m128>(b),
                                             reinterpret_cast<__m128>(c)));
@@ -596,9 +602,16 @@ int attend(const S* q, const S* pool, const int64_t* const* index, int64_t group
   const Plan plan{index[0], index[1], index[2], index[3], index[4], index[5], index[6], index[7], groups};
   const Layout at{layout[0], layout[1], layout[2], layout[3], layout[4], layout[5], layout[6], layout[7]};
   if (at.kv_heads <= 0 || at.heads % at.kv_heads || at.dim <= 0) return 1;
-  constexpr int wide = 64 / sizeof(T), narrow = 16 / sizeof(T);
+  // A vector is one register of the target where the head dim allows (64 bytes with AVX-512, 32 with
+  // AVX2): 64-byte vectors on AVX2 were two registers each to GCC, their multiply-adds unfused (a
+  // 0.5B model's decode step of 16 rows took 1.9x as long); then 64 bytes (a head dim of more vectors
+  // than the kernels are built for), then 16.
+  constexpr int reg = std::max<int>(register_bytes, 16) / sizeof(T), wide = 64 / sizeof(T),
+                narrow = 16 / sizeof(T);
   const T s = static_cast<T>(scale);
-  if (at.dim % wide == 0 && dispatch<S, wide>(at.dim / wide, q, pool, plan, at, s, out, lse)) return 0;
+  if (at.dim % reg == 0 && dispatch<S, reg>(at.dim / reg, q, pool, plan, at, s, out, lse)) return 0;
+  if (wide != reg && at.dim % wide == 0 && dispatch<S, wide>(at.dim / wide, q, pool, plan, at, s, out, lse))
+    return 0;
   if (at.dim % narrow == 0 && dispatch<S, narrow>(at.dim / narrow, q, pool, plan, at, s, out, lse)) return 0;
   return 2;  // a head dim this build has no kernel for
 }
