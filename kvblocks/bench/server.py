@@ -293,6 +293,12 @@ def build_report(
         report.checks += checks
         report.notes.append(note)
     report.notes += peer_notes(args, loads)
+    resent = {key: load.resent for key, load in loads.items() if load.resent}
+    if resent:
+        report.notes.append(
+            "requests sent again on a new connection after a kept-alive one closed unanswered: "
+            + ", ".join(f"{key} {n}" for key, n in resent.items())
+        )
     keys = ("queries", "hit_tokens", "inserted_tokens", "resident_tokens")
     report.notes.append(
         "cache-on server's trie at the end: " + ", ".join(f"{k} {stats.get(k)}" for k in keys)

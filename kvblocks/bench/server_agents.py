@@ -10,6 +10,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+import httpx
 import numpy as np
 
 
@@ -43,6 +44,7 @@ class Load:
     sent: list[Sent] = field(default_factory=list)
     timed: list[Sent] = field(default_factory=list)
     spans: list[float] = field(default_factory=list)
+    resent: int = 0  # requests sent again on a new connection: a kept-alive one closed under them
 
 
 async def wave(
@@ -96,6 +98,21 @@ async def chat(client, load: Load, messages: list[dict], max_tokens: int, s: Sen
     body = {"model": load.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     s.submitted = time.perf_counter()
+    try:
+        await _stream(client, url, body, s)
+    except httpx.RemoteProtocolError:
+        # A pooled connection the server had closed while idle (llama-server closes kept-alive
+        # connections after a few seconds): nothing was answered, so the request is sent once more
+        # on a new connection and counted; a second failure, or one after an answer began, stands.
+        if s.first or s.text or s.prompt_tokens:
+            raise
+        load.resent += 1
+        await _stream(client, url, body, s)
+    s.done = time.perf_counter()
+    s.first = s.first or s.done
+
+
+async def _stream(client, url: str, body: dict, s: Sent) -> None:
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread()).decode()}")
@@ -114,8 +131,6 @@ async def chat(client, load: Load, messages: list[dict], max_tokens: int, s: Sen
                 if content:
                     s.first = s.first or time.perf_counter()
                     s.text += content
-    s.done = time.perf_counter()
-    s.first = s.first or s.done
 
 
 def ttfts(sent: list[Sent]) -> list[float]:
