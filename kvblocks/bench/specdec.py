@@ -636,12 +636,15 @@ def bench_sweep(
     context = prompts[0] + reference[0]
     n = len(context) - 1
     runners = {0: ModelRunner(model)} | {k: ModelRunner(d) for k, d in drafts.items()}
+    verify = ModelRunner(model, packed="all")  # a SpeculativeGenerator's (its default; one copy per model)
     pasts = {k: hf.empty_cache(r.model.config) for k, r in runners.items()}
     for k, r in runners.items():
         r.forward(context[:-1], pasts[k])
 
     def step(k: int, width: int) -> Variant:
-        runner, past = runners[k], pasts[k]
+        # a plain decode step on the target's own runner; wider forwards on the runner a
+        # SpeculativeGenerator verifies with (its linear layers on packed weights)
+        runner, past = (verify if k == 0 and width > 1 else runners[k]), pasts[k]
         label = "target" if k == 0 else f"self:{k}"
         return Variant(
             f"{label} forward, {width} token{'s' * (width > 1)}",
