@@ -179,6 +179,16 @@ def test_dtype_suite_times_both_dtypes_in_decode_and_prefill_on_a_tiny_model(tmp
         assert checks(summary, name)["tokens/s, bfloat16 / float32"] > 0
 
 
+def test_quant_suite_times_int8_against_float32_and_measures_its_agreement(tmp_path, capsys):
+    sizes = ["--requests", "3", "--context", "70", "--steps", "2", "--prompt", "130", "--runs", "2"]
+    summary = run_suite(tmp_path, capsys, "quant", *sizes, "--chats", "2", "--reply", "6", "--no-fail")
+    for name in ("quant-decode-3", "quant-decode-1", "quant-prefill"):
+        assert checks(summary, name)["tokens/s, int8 / float32"] > 0
+    quality = checks(summary, "quant-quality")
+    assert 0.5 < quality["next token the float model's (teacher-forced)"] <= 1
+    assert 0 <= quality["mean KL divergence, float32 to int8"] < 1
+
+
 def test_packed_decode_over_a_shared_prefix_reports_where_a_step_goes(tmp_path, capsys):
     """--shared stores the common prefix once (cascade attention reads it for every request);
     --profile adds the attention share and the FLOP/s against the matmul peak."""

@@ -22,6 +22,7 @@ def bench_parser() -> argparse.ArgumentParser:
         micro,
         packed,
         prefix_listing,
+        quant,
         redis,
         seq2seq,
         server,
@@ -39,6 +40,6 @@ def bench_parser() -> argparse.ArgumentParser:
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
     first = (micro, workloads, redis, specdec, server, fleet, packed, hybrid)
-    for suite in (*first, seq2seq, prefix_listing, constrained, soak, gpu, blocks, dtype, weights, tiers):
+    for suite in (*first, seq2seq, prefix_listing, constrained, soak, gpu, blocks, dtype, quant, weights, tiers):
         suite.add_parser(suites)
     return p

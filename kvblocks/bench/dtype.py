@@ -114,24 +114,30 @@ class Decoding:
             tokens.append(int(logits[-1].argmax()))
 
 
-def decode(loaded: dict, b: int, args: argparse.Namespace, opts: BenchOptions, params: dict) -> Report:
+def decode(
+    loaded: dict, b: int, args: argparse.Namespace, opts: BenchOptions, params: dict, suite: str = "dtype"
+) -> Report:
+    """Decode steps of `b` requests in each of `loaded`'s models (the first is the baseline)."""
     vocab = next(iter(loaded.values())).config.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(vocab // 8, vocab // 2, args.context).tolist() for _ in range(b)]
     ways = {dtype: Decoding(model, prompts, args.steps + opts.warmup + 1) for dtype, model in loaded.items()}
     samples = measure([Variant(d, w.step) for d, w in ways.items()], args.steps, opts, f"decode x{b}")
     title = f"Decode steps of {b} request{'s' * (b > 1)}, {args.context}-token contexts, batch-invariant"
-    report = Report(f"dtype-decode-{b}", title, params | {"requests": b, "context": args.context}, samples)
-    report.baseline = DTYPES[0]
+    report = Report(f"{suite}-decode-{b}", title, params | {"requests": b, "context": args.context}, samples)
+    report.baseline = next(iter(loaded))
     same = sum(x == y for x, y in zip(*(w.tokens for w in ways.values())))
     report.notes = [
         "tokens/s: " + ", ".join(f"{d} {b / report.median(d):.1f}" for d in ways),
-        f"requests whose greedy tokens are the same in both dtypes: {same} of {b} (dtypes round differently)",
+        f"requests whose greedy tokens are the same in both: {same} of {b} ({' and '.join(ways)} round differently)",
     ]
     return report
 
 
-def prefill(loaded: dict, args: argparse.Namespace, opts: BenchOptions, params: dict) -> Report:
+def prefill(
+    loaded: dict, args: argparse.Namespace, opts: BenchOptions, params: dict, suite: str = "dtype"
+) -> Report:
+    """A prompt's chunked prefill in each of `loaded`'s models (the first is the baseline)."""
     from kvblocks.engine.attention.batch import Segment
     from kvblocks.engine.scheduler import CHUNK, chunk_ends
 
@@ -151,6 +157,8 @@ def prefill(loaded: dict, args: argparse.Namespace, opts: BenchOptions, params: 
 
     samples = measure([Variant(d, way(m)) for d, m in loaded.items()], args.runs, opts, "prefill")
     title = f"Prefill of a {args.prompt}-token prompt in {CHUNK}-token chunks, batch-invariant"
-    report = Report("dtype-prefill", title, params | {"prompt": args.prompt}, samples, baseline=DTYPES[0])
+    report = Report(
+        f"{suite}-prefill", title, params | {"prompt": args.prompt}, samples, baseline=next(iter(loaded))
+    )
     report.notes = ["tokens/s: " + ", ".join(f"{d} {args.prompt / report.median(d):.1f}" for d in loaded)]
     return report

@@ -23,6 +23,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: cpu)")
     p.add_argument(
+        "--quantization",
+        choices=("none", "int8"),
+        default="none",
+        help="none (default: the model's own weights, exact) or int8: every linear layer but the output head "
+        "as int8 weights and per-token int8 activations (oneDNN, CPU only, float32 activations): about 1.5-2x "
+        "faster on a CPU without AVX-512, approximate (another model: responses say `quantization`, its "
+        "cache namespace is its own; batched = alone and cached = uncached still hold); BENCHMARKS.md",
+    )
+    p.add_argument(
         "--capacity",
         default="1GiB",
         help="device KV pool size: tokens (e.g. 200000) or bytes with a unit (e.g. 512MiB, 2GiB); default 1GiB",

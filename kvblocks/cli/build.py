@@ -47,12 +47,14 @@ def load_stack(args: argparse.Namespace):
     import torch
 
     from kvblocks import KVCacheTrie, UnsupportedModelError, models
+    from kvblocks.engine import quant
 
     torch.set_num_threads(max(1, args.threads))
     capacity = parse_capacity(args.capacity)
     spill = spill_stack(args)
     try:
         model, tokenizer = models.load(args.model, args.dtype, args.device)
+        quant.quantize(model, getattr(args, "quantization", "none"))  # before the cache hashes the weights
         if getattr(
             model.config, "is_encoder_decoder", False
         ):  # a Seq2SeqCache: source records + decoder trie
@@ -65,7 +67,7 @@ def load_stack(args: argparse.Namespace):
             cache = KVCacheTrie.for_model(
                 model, **capacity, spill=spill, eviction=args.eviction, snapshot_every=args.snapshot_every
             )
-    except (models.ModelLoadError, UnsupportedModelError, ValueError) as exc:
+    except (models.ModelLoadError, UnsupportedModelError, ValueError) as exc:  # QuantizationError too
         raise UserError(str(exc)) from exc
     return model, tokenizer, cache
 
@@ -96,6 +98,8 @@ def serve_dtype(args: argparse.Namespace) -> str:
     asked = args.dtype
     if asked != "auto" and asked not in models.DTYPES:
         raise UserError(f"unknown --dtype '{asked}'; choose auto or one of {', '.join(models.DTYPES)}")
+    if quantized(args):
+        return quantized_dtype(args)
     dtype = models.default_dtype(args.device) if asked == "auto" else asked
     why = half_refusal(args, dtype) if dtype in HALF_DTYPES else None
     if why is not None and asked != "auto":
@@ -105,6 +109,24 @@ def serve_dtype(args: argparse.Namespace) -> str:
         dtype = "float32"
     args.dtype = dtype
     return dtype
+
+
+def quantized(args: argparse.Namespace) -> bool:
+    return getattr(args, "quantization", "none") != "none"
+
+
+def quantized_dtype(args: argparse.Namespace) -> str:
+    """--dtype under --quantization int8: its activations and the rest of the model run in float32
+    (`kvblocks.engine.quant`), on CPU only; anything else is refused by name."""
+    if args.device.split(":")[0] != "cpu":
+        raise UserError(f"--quantization {args.quantization} runs on CPU only (oneDNN), not on {args.device}")
+    if args.dtype not in ("auto", "float32"):
+        raise UserError(
+            f"--quantization {args.quantization} runs its activations in float32; use --dtype float32 "
+            f"(or auto), not {args.dtype}"
+        )
+    args.dtype = "float32"
+    return "float32"
 
 
 def half_refusal(args: argparse.Namespace, dtype: str) -> str | None:
@@ -145,6 +167,15 @@ def half_refusal(args: argparse.Namespace, dtype: str) -> str | None:
             "is not batch-invariant on this CPU (probes.probe_row_invariance / probe_blocks_invariance fail)"
         )
     return None
+
+
+def quantized_note(model) -> str:
+    """The start line's word on --quantization: the int8 weights' size, and that it is approximate."""
+    from kvblocks.engine import quant
+
+    if quant.scheme(model) == "none":
+        return ""
+    return f" with int8 weights ({quant.nbytes(model) / 2**20:,.0f} MiB; --quantization int8, approximate)"
 
 
 def packed_note(engine) -> str:

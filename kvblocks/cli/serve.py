@@ -18,6 +18,7 @@ from kvblocks.cli.build import (
     cuda_graphs,
     load_stack,
     packed_note,
+    quantized_note,
     serve_dtype,
 )
 from kvblocks.errors import UserError
@@ -190,6 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_blocks=args.max_blocks,
         max_block_tokens=args.max_block_tokens,
         cors=cors,
+        quantization=args.quantization,
         grammar=GrammarLimits(
             max_bytes=args.max_schema_bytes,
             max_depth=args.max_schema_depth,
@@ -200,7 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(frontend, config)
     stats = cache.stats()
     print(
-        f"kvblocks: serving {name} in {args.dtype} on http://{args.host}:{args.port} "
+        f"kvblocks: serving {name} in {args.dtype}{quantized_note(model)} on http://{args.host}:{args.port} "
         f"(cache {stats['capacity_tokens']} tokens, {stats['capacity_bytes'] / 2**20:.0f} MiB"
         f"{', redis ' + args.redis if args.redis else ''}{', draft ' + args.draft if args.draft else ''}"
         f"{', KV events on ' + args.kv_events_endpoint if args.kv_events_endpoint else ''}"

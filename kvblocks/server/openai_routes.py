@@ -451,6 +451,7 @@ def check_model(s: Served, name: str | None) -> None:
 
 def model_card(s: Served) -> dict:
     card = {"id": s.config.model_name, "object": "model", "created": int(s.started), "owned_by": "kvblocks"}
+    card |= s.config.labels()
     if s.engine.max_context:
         card["max_model_len"] = s.engine.max_context
     return card
@@ -505,7 +506,7 @@ class Call:
             "system_fingerprint": s.system_fingerprint(),
             "choices": sorted(choices, key=lambda c: c["index"]),
             "usage": usage(results, prompts_counted),
-        }
+        } | s.config.labels()
 
 
 @dataclass(slots=True, eq=False)
@@ -772,7 +773,7 @@ async def sse(
         "created": call.created,
         "model": s.config.model_name,
         "system_fingerprint": s.system_fingerprint(),
-    }
+    } | s.config.labels()
     obj = "chat.completion.chunk" if call.chat else "text_completion"
     queue: asyncio.Queue = asyncio.Queue()
 

@@ -307,6 +307,7 @@ def response_object(
         "created_at": call.created,
         "status": status,
         "model": s.config.model_name,
+        **s.config.labels(),
         "output": output,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,

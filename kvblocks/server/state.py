@@ -60,6 +60,12 @@ class ServerConfig:
     max_block_tokens: int | None = None  # their tokens in all (--max-block-tokens; None: the model's context)
     cors: CorsConfig | None = None  # --allowed-origins (None: no CORS headers, browsers are refused)
     grammar: GrammarLimits = DEFAULT_LIMITS  # --max-schema-bytes, --max-schema-depth, --grammar-timeout
+    quantization: str = "none"  # --quantization: not "none" labels every response (`labels`)
+
+    def labels(self) -> dict[str, str]:
+        """Fields every response of an approximate model carries: `quantization` ("int8") where the
+        server runs a quantised model, nothing where it runs the model's own weights."""
+        return {} if self.quantization == "none" else {"quantization": self.quantization}
 
 
 @dataclass(slots=True)

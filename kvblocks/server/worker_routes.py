@@ -90,6 +90,7 @@ def identity(s: Served) -> dict:
         "model_path": info.path,
         "tokenizer_path": info.tokenizer_path,
         "dtype": info.dtype,
+        "quantization": s.config.quantization,
     }
 
 
