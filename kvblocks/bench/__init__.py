@@ -40,6 +40,18 @@ def bench_parser() -> argparse.ArgumentParser:
     )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
     first = (micro, workloads, redis, specdec, server, fleet, packed, hybrid)
-    for suite in (*first, seq2seq, prefix_listing, constrained, soak, gpu, blocks, dtype, quant, weights, tiers):
+    for suite in (
+        *first,
+        seq2seq,
+        prefix_listing,
+        constrained,
+        soak,
+        gpu,
+        blocks,
+        dtype,
+        quant,
+        weights,
+        tiers,
+    ):
         suite.add_parser(suites)
     return p

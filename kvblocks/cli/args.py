@@ -27,7 +27,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         choices=("none", "int8"),
         default="none",
         help="none (default: the model's own weights, exact) or int8: every linear layer but the output head "
-        "as int8 weights and per-token int8 activations (oneDNN, CPU only, float32 activations): about 1.5-2x "
+        "as int8 weights and per-token int8 activations (FBGEMM, CPU only, float32 activations): about 1.5-2x "
         "faster on a CPU without AVX-512, approximate (another model: responses say `quantization`, its "
         "cache namespace is its own; batched = alone and cached = uncached still hold); BENCHMARKS.md",
     )

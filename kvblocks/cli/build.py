@@ -119,7 +119,7 @@ def quantized_dtype(args: argparse.Namespace) -> str:
     """--dtype under --quantization int8: its activations and the rest of the model run in float32
     (`kvblocks.engine.quant`), on CPU only; anything else is refused by name."""
     if args.device.split(":")[0] != "cpu":
-        raise UserError(f"--quantization {args.quantization} runs on CPU only (oneDNN), not on {args.device}")
+        raise UserError(f"--quantization {args.quantization} runs on CPU only (FBGEMM), not on {args.device}")
     if args.dtype not in ("auto", "float32"):
         raise UserError(
             f"--quantization {args.quantization} runs its activations in float32; use --dtype float32 "

@@ -4,18 +4,25 @@ In float32 a token costs about two multiply-adds per weight, and on a CPU withou
 fused multiply-adds are the bound, in prefill and in a decode step of 16 rows alike (Qwen2.5-Coder-
 1.5B: about 3 GFLOP a token at 80-90 GFLOP/s; BENCHMARKS.md, weights). 8-bit integer products do
 four multiply-adds in a float32 lane's width (`vpmaddubsw`), which is how llama.cpp's quantised
-models run fast on such a core. This module runs a model's linear layers that way with oneDNN's
-quantised linear, the one PyTorch's own int8 CPU inference lowers to (`torch.ops.onednn`):
+models run fast on such a core. This module runs a model's linear layers that way with FBGEMM's
+dynamically quantised linear, as PyTorch ships it (`torch.ops.quantized.linear_dynamic`):
 
-- weights: per output channel, symmetric, 7 bits (-63..63), quantised once and prepacked for oneDNN;
-- activations: per token (per row), symmetric, 8 bits, quantised on every call;
-- products: integer sums in int32, then scaled by the row's and the channel's scales in float32.
+- weights: per output channel, symmetric, 7 bits (-63..63), quantised and packed once;
+- activations: per token (per row), 8 bits, quantised on every call;
+- products: integer sums in int32, then scaled back in float32.
+
+FBGEMM picks one activation range for the whole input (its min and max), which would make a row's
+rounding depend on the other rows. So each row is first divided by its own largest magnitude, and one
+extra row holding +1 and -1 pins the input's range to [-1, 1]: the range, and with it every row's
+quantisation, is then the same whatever else is in the batch, and the row's result is multiplied back
+by its magnitude (and the bias added) afterwards. oneDNN's quantised linear (`torch.ops.onednn`) takes
+a scale per input and needs no such pin, but at 16 rows it ran the 1.5B's layers 1.3-1.7x slower
+than FBGEMM on an AVX2 core, and a decode step is 16 rows (BENCHMARKS.md, quantization).
 
 Why 7-bit weights: without VNNI the product multiplies unsigned 8-bit activations by signed 8-bit
 weights and adds pairs in 16 bits with saturation; 2 x 255 x 63 = 32,130 fits, 2 x 255 x 127 does
 not, and a saturated sum would be silently wrong. Measured on the real Qwen2.5-Coder-0.5B, 7-bit
-weights with 8-bit activations keep the fp32 model's next token more often than the reverse
-(BENCHMARKS.md, quantization).
+weights with 8-bit activations keep the fp32 model's next token more often than the reverse.
 
 Exactness scope. The output is not the float model's: it is another, quantised model, labelled so
 in every response (`quantization`) and in its own cache namespace (the fingerprint hashes the
@@ -32,14 +39,14 @@ dtype: it is read for the kept rows only, and its logits are what a reply is cho
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import xxhash
 
 SCHEMES = ("none", "int8")
 WEIGHT_MAX = 63  # 7 bits: no 16-bit pair sum of u8 x s8 can saturate (2 * 255 * 63 < 2**15)
-ACTIVATION_MAX = 127
-_ZERO_POINT = 128  # activations travel as u8: q + 128
+ENGINE = "fbgemm"
 PROBE_ROWS = (1, 2, 4, 5, 16, 17, 64)  # each must match the same rows of a 300-row product
 PROBE_TOLERANCE = 0.05  # relative error against the float product on random inputs (measured ~0.02)
 
@@ -50,12 +57,12 @@ class QuantizationError(ValueError):
 
 @functools.cache
 def available() -> bool:
-    """Whether this torch has oneDNN's quantised linear (a CPU build with oneDNN)."""
-    ops = torch.ops.onednn
+    """Whether this torch has FBGEMM's dynamically quantised linear (x86 CPU builds)."""
+    ops = torch.ops.quantized
     return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(ops, "qlinear_prepack")
-        and hasattr(ops, "qlinear_pointwise")
+        ENGINE in torch.backends.quantized.supported_engines
+        and hasattr(ops, "linear_prepack")
+        and hasattr(ops, "linear_dynamic")
     )
 
 
@@ -64,7 +71,7 @@ class Int8Linear(torch.nn.Module):
 
     `weight_scale` (float32, one per output channel) and `weight_digest` (16 bytes: the int8 weights'
     and scales' hash) are buffers, so the model's fingerprint, and with it its cache namespace, is
-    that of the quantised weights; the prepacked weight is oneDNN's opaque copy, not a buffer."""
+    that of the quantised weights; the packed weight is FBGEMM's opaque copy, not a buffer."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -79,8 +86,19 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("weight_digest", torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8))
         bias = linear.bias
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(torch.float32), False)
-        self._zero = torch.zeros(self.out_features, dtype=torch.int64)
-        self._packed = torch.ops.onednn.qlinear_prepack(q, [16, self.in_features])
+        pin = torch.zeros(1, self.in_features)
+        pin[0, 0], pin[0, -1] = 1.0, -1.0
+        self._pin = pin  # the extra row that fixes the input's range to [-1, 1]
+        zero = torch.zeros(self.out_features, dtype=torch.int64)
+        previous = torch.backends.quantized.engine
+        try:
+            torch.backends.quantized.engine = ENGINE
+            with warnings.catch_warnings():  # quantised tensors are deprecated in torch; the op is not gone
+                warnings.simplefilter("ignore")
+                weight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
+                self._packed = torch.ops.quantized.linear_prepack(weight, None)
+        finally:
+            torch.backends.quantized.engine = previous
 
     @property
     def nbytes(self) -> int:
@@ -90,20 +108,10 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(torch.float32)
-        scale = (
-            rows.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / ACTIVATION_MAX
-        )
-        q = (
-            torch.round(rows / scale)
-            .clamp_(-ACTIVATION_MAX, ACTIVATION_MAX)
-            .add_(_ZERO_POINT)
-            .to(torch.uint8)
-        )
-        y = torch.ops.onednn.qlinear_pointwise(
-            q, 1.0, _ZERO_POINT, self._packed, self.weight_scale, self._zero,
-            None, 1.0, 0, torch.float32, "none", [], "",
-        )  # fmt: skip
-        y = y * scale if self.bias is None else torch.addcmul(self.bias, y, scale)
+        size = rows.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        pinned = torch.cat([rows / size, self._pin])
+        y = torch.ops.quantized.linear_dynamic(pinned, self._packed, False)[:-1]
+        y = y * size if self.bias is None else torch.addcmul(self.bias, y, size)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -135,7 +143,7 @@ def scheme(model: torch.nn.Module) -> str:
 
 def quantize(model: torch.nn.Module, name: str = "int8") -> int:
     """Replace every linear layer of `model` but its output head with an `Int8Linear`; returns how
-    many. Raises `QuantizationError` where it cannot serve (not CPU, no oneDNN, a probe fails).
+    many. Raises `QuantizationError` where it cannot serve (not CPU, no FBGEMM, a probe fails).
     "none" does nothing. Run it before the model's cache is made (the namespace hashes the result)."""
     if name not in SCHEMES:
         raise QuantizationError(f"unknown quantization '{name}'; choose one of {', '.join(SCHEMES)}")
@@ -144,18 +152,20 @@ def quantize(model: torch.nn.Module, name: str = "int8") -> int:
     if scheme(model) == name:
         return 0
     if not available():
-        raise QuantizationError("--quantization int8 needs a torch built with oneDNN (its quantised linear)")
+        raise QuantizationError(
+            "--quantization int8 needs a torch with FBGEMM's quantised linear (x86 CPU builds)"
+        )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     found = [
         (parent, child_name, child)
         for parent in model.modules()
         for child_name, child in parent.named_children()
-        if type(child) is torch.nn.Linear and child is not head
+        if type(child) is torch.nn.Linear and child is not head and child.in_features > 1
     ]
     devices = {child.weight.device.type for _, _, child in found}
     if devices - {"cpu"}:
         raise QuantizationError(
-            f"--quantization int8 runs on CPU only (oneDNN); the model is on {', '.join(sorted(devices))}"
+            f"--quantization int8 runs on CPU only (FBGEMM); the model is on {', '.join(sorted(devices))}"
         )
     checked: set[tuple[int, int, bool]] = set()
     for parent, child_name, child in found:
