@@ -66,6 +66,8 @@ OPTIONS = (
     Option("--no-cold", bool, False,
            "skip the cold round (the first wave of agents on the cache-on server before any warm-up)"),
     Option("--server-arg", None, [], "extra argument for every server", repeat=True),
+    Option("--quantization", None, "none", "kvblocks servers' --quantization (int8: opt-in, approximate)",
+           choices=("none", "int8")),
     Option("--batch-size", int, 16,
            "also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)",
            metavar="N"),
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace, opts: BenchOptions) -> list[Report]:
         except models.ModelLoadError as exc:
             raise UserError(str(exc)) from exc
     system = system_prompt(tokenizer, args.system_tokens)
-    common = ["--threads", str(opts.threads), *args.server_arg]
+    common = ["--threads", str(opts.threads), "--quantization", args.quantization, *args.server_arg]
     if args.model:
         common += ["--model", args.model]
     logs = opts.out / "server-logs"  # every server's stderr, kept for when one misbehaves

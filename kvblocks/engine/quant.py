@@ -155,7 +155,8 @@ def quantize(model: torch.nn.Module, name: str = "int8") -> int:
         raise QuantizationError(
             "--quantization int8 needs a torch with FBGEMM's quantised linear (x86 CPU builds)"
         )
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     found = [
         (parent, child_name, child)
         for parent in model.modules()
@@ -177,7 +178,7 @@ def quantize(model: torch.nn.Module, name: str = "int8") -> int:
                 raise QuantizationError(f"--quantization int8 is not exact on this CPU: {why}")
             checked.add(shape)
         setattr(parent, child_name, layer)
-    model.kvblocks_quantization = name
+    setattr(model, "kvblocks_quantization", name)  # noqa: B010  # nn.Module's typed __setattr__
     return len(found)
 
 
