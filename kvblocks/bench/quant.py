@@ -31,13 +31,9 @@ PROMPTS = (
     "What does the HTTP status code 429 mean, and how should a client react?",
     "Give me three tips for writing clean code.",
 )
-OPTIONS = (
+OPTIONS = (  # bench dtype's decode and prefill sizes, then the quality run's
+    *dtype.OPTIONS,
     *ints("", [
-        ("requests", 16, "decode: concurrent requests"),
-        ("context", 600, "decode: tokens of context per request"),
-        ("steps", 10, "decode: timed decode steps per variant"),
-        ("prompt", 512, "prefill: tokens of the prompt"),
-        ("runs", 5, "prefill: timed prefills per variant"),
         ("chats", len(PROMPTS), "quality: chat prompts (of a fixed set of agent-like questions)"),
         ("reply", 48, "quality: tokens of each greedy reply"),
     ]),
