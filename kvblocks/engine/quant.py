@@ -79,7 +79,7 @@ class Int8Linear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / WEIGHT_MAX
         q = torch.round(w / scale[:, None]).clamp_(-WEIGHT_MAX, WEIGHT_MAX).to(torch.int8)
-        digest = xxhash.xxh3_128(b"int8:w7a8:")
+        digest = xxhash.xxh3_128(b"int8:w7a8:fbgemm-pinned:")  # the scheme names the namespace too
         digest.update(q.numpy().data)
         digest.update(scale.numpy().data)
         self.register_buffer("weight_scale", scale)
