@@ -169,11 +169,9 @@ def long_prompts(n: int = 3) -> list[list[int]]:
     return [shared + rng.integers(0, VOCAB, int(rng.integers(140, 180))).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_bf16_requests_get_their_alone_uncached_bits_batched_and_cached(arch):
-    """bf16, tokens and log-probabilities compared bit for bit: each request alone in an empty cache
+def assert_alone_bits_batched_and_cached(model) -> None:
+    """Tokens and log-probabilities compared bit for bit: each request alone in an empty cache
     against all at once (the shared prefix hit) and all again (full hits)."""
-    model = tiny_model(arch, torch.bfloat16)
     prompts, params = long_prompts(), GenerationParams(max_new_tokens=12, logprobs=2)
     reference = alone(model, IdTokenizer(), prompts, params)
     assert len({tuple(tokens) for tokens, _ in bits(reference)}) > 1  # the replies differ: a real check
@@ -187,6 +185,11 @@ def test_bf16_requests_get_their_alone_uncached_bits_batched_and_cached(arch):
     assert sum(r.cached_tokens > 0 for *_, r in together) >= 1
     assert bits(again) == bits(reference)
     assert all(r.cached_tokens >= len(p) - 1 for p, (*_, r) in zip(prompts, again))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_requests_get_their_alone_uncached_bits_batched_and_cached(arch):
+    assert_alone_bits_batched_and_cached(tiny_model(arch, torch.bfloat16))
 
 
 def test_a_bf16_prefix_restored_from_redis_gives_the_recomputed_bits(tmp_path):

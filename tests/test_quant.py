@@ -9,13 +9,13 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import IdTokenizer
 from server_proc import start_server, stop_cleanly, tiny_model_dir
-from test_dtype import alone, bits, invariant_engine, long_prompts, run
+from test_dtype import assert_alone_bits_batched_and_cached
 from tiny_models import tiny_model
 
-from kvblocks import GenerationParams, models
+from kvblocks import models
 from kvblocks.cache.namespace import namespace_for
+from kvblocks.cli import args as cli_args
 from kvblocks.cli.commands import main
 from kvblocks.engine import quant
 
@@ -125,22 +125,9 @@ def test_a_probe_that_fails_refuses_the_quantization_by_name(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_int8_requests_get_their_alone_uncached_bits_batched_and_cached(arch):
-    """Tokens and log-probabilities bit for bit: each request alone in an empty cache against all
-    at once (the shared prefix hit) and all again (full hits), the model quantised."""
     model = tiny_model(arch)
     quant.quantize(model, "int8")
-    prompts, params = long_prompts(), GenerationParams(max_new_tokens=12, logprobs=2)
-    reference_bits = alone(model, IdTokenizer(), prompts, params)
-    assert len({tuple(tokens) for tokens, _ in bits(reference_bits)}) > 1
-    engine = invariant_engine(model, IdTokenizer())
-    try:
-        together = run(engine, prompts, params)
-        again = run(engine, prompts, params)
-    finally:
-        engine.stop()
-    assert bits(together) == bits(reference_bits)
-    assert sum(r.cached_tokens > 0 for *_, r in together) >= 1
-    assert bits(again) == bits(reference_bits)
+    assert_alone_bits_batched_and_cached(model)
 
 
 def test_the_real_model_quantised_keeps_most_of_its_next_tokens():
@@ -196,8 +183,12 @@ def test_the_server_labels_every_response_of_an_int8_model():
     ],
 )
 def test_serve_refuses_what_int8_cannot_run_by_name(argv, named, capsys):
-    assert (
-        main(["serve", "--port", "0", "--model", str(tiny_model_dir()), "--quantization", "int8", *argv]) == 2
-    )
+    model = str(tiny_model_dir())
+    capsys.readouterr()  # the model's first writing reports its progress
+    assert main(["serve", "--port", "0", "--model", model, "--quantization", "int8", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and named in err, err
+
+
+def test_the_flags_offer_the_schemes_the_package_has():
+    assert cli_args.QUANTIZATION_SCHEMES == quant.SCHEMES

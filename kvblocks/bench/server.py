@@ -22,6 +22,7 @@ import numpy as np
 from kvblocks.bench import server_decode as decode_heavy
 from kvblocks.bench.harness import BenchOptions, Check, Option, Report, add_suite, fmt_seconds, ints
 from kvblocks.bench.server_agents import Load, Sent, agent, p50_p99, ttfts, wave
+from kvblocks.cli.args import QUANTIZATION_SCHEMES
 from kvblocks.errors import UserError
 
 _TOOLS = (
@@ -67,7 +68,7 @@ OPTIONS = (
            "skip the cold round (the first wave of agents on the cache-on server before any warm-up)"),
     Option("--server-arg", None, [], "extra argument for every server", repeat=True),
     Option("--quantization", None, "none", "kvblocks servers' --quantization (int8: opt-in, approximate)",
-           choices=("none", "int8")),
+           choices=QUANTIZATION_SCHEMES),
     Option("--batch-size", int, 16,
            "also run a cache-on server with --max-batch-size N in the same rounds (default 16; 1: skip)",
            metavar="N"),

@@ -24,7 +24,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: cpu)")
     p.add_argument(
         "--quantization",
-        choices=("none", "int8"),
+        choices=QUANTIZATION_SCHEMES,
         default="none",
         help="none (default: the model's own weights, exact) or int8: every linear layer but the output head "
         "as int8 weights and per-token int8 activations (FBGEMM, CPU only, float32 activations): about 1.5-2x "
@@ -83,6 +83,7 @@ TOOL_PARSERS = (
     "mistral",
 )  # kvblocks.generate.tools.PARSERS, without importing it here
 EVICTION_POLICIES = ("gdsf", "lru")  # kvblocks.cache.eviction.POLICIES, without importing the package here
+QUANTIZATION_SCHEMES = ("none", "int8")  # kvblocks.engine.quant.SCHEMES, without importing torch here
 DEFAULT_REDIS_TTL_S = 24 * 3600.0  # kvblocks.spill.redis_tier.DEFAULT_TTL_S, without importing torch here
 # kvblocks.generate.grammar.GrammarLimits' defaults, without importing torch here; the stack of the
 # compile thread grows with the depth (32 KB a level), so the depth has a ceiling

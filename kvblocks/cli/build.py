@@ -98,8 +98,8 @@ def serve_dtype(args: argparse.Namespace) -> str:
     asked = args.dtype
     if asked != "auto" and asked not in models.DTYPES:
         raise UserError(f"unknown --dtype '{asked}'; choose auto or one of {', '.join(models.DTYPES)}")
-    if quantized(args):
-        return quantized_dtype(args)
+    if (dtype := quantized_dtype(args)) is not None:
+        return dtype
     dtype = models.default_dtype(args.device) if asked == "auto" else asked
     why = half_refusal(args, dtype) if dtype in HALF_DTYPES else None
     if why is not None and asked != "auto":
@@ -111,13 +111,12 @@ def serve_dtype(args: argparse.Namespace) -> str:
     return dtype
 
 
-def quantized(args: argparse.Namespace) -> bool:
-    return getattr(args, "quantization", "none") != "none"
-
-
-def quantized_dtype(args: argparse.Namespace) -> str:
-    """--dtype under --quantization int8: its activations and the rest of the model run in float32
-    (`kvblocks.engine.quant`), on CPU only; anything else is refused by name."""
+def quantized_dtype(args: argparse.Namespace) -> str | None:
+    """--dtype under --quantization int8 (None without it): its activations and the rest of the model
+    run in float32 (`kvblocks.engine.quant`), on CPU only; anything else is refused by name. Sets
+    `args.dtype`."""
+    if getattr(args, "quantization", "none") == "none":
+        return None
     if args.device.split(":")[0] != "cpu":
         raise UserError(f"--quantization {args.quantization} runs on CPU only (FBGEMM), not on {args.device}")
     if args.dtype not in ("auto", "float32"):

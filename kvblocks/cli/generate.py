@@ -7,7 +7,7 @@ import json
 import sys
 
 from kvblocks.cli.args import add_draft_args, add_model_args
-from kvblocks.cli.build import build_generator, load_stack, plain_generator, quantized, quantized_dtype
+from kvblocks.cli.build import build_generator, load_stack, plain_generator, quantized_dtype
 from kvblocks.errors import UserError
 
 
@@ -28,8 +28,7 @@ def generation_request(args: argparse.Namespace, prompt: str, encoder_decoder: b
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvblocks import PromptError
 
-    if quantized(args):
-        quantized_dtype(args)
+    quantized_dtype(args)
     if args.dtype == "auto":  # one request per forward: a half dtype rounds by the shapes a hit leaves
         args.dtype = "float32"
     model, tokenizer, cache = load_stack(args)
