@@ -9,15 +9,17 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import IdTokenizer, tiny_llama
 from server_proc import start_server, stop_cleanly, tiny_model_dir
 from test_dtype import assert_alone_bits_batched_and_cached
 from tiny_models import tiny_model
 
-from kvblocks import models
+from kvblocks import CachedGenerator, KVCacheTrie, models
 from kvblocks.cache.namespace import namespace_for
 from kvblocks.cli import args as cli_args
 from kvblocks.cli.commands import main
 from kvblocks.engine import quant
+from kvblocks.specdec import ModelDrafter, PromptLookupDrafter, SpeculativeGenerator, TreeShape
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="this torch has no FBGEMM quantised linear")
 
@@ -192,3 +194,26 @@ def test_serve_refuses_what_int8_cannot_run_by_name(argv, named, capsys):
 
 def test_the_flags_offer_the_schemes_the_package_has():
     assert cli_args.QUANTIZATION_SCHEMES == quant.SCHEMES
+
+
+@pytest.mark.parametrize("tree", [None, TreeShape(budget=8, depth=4, width=2)], ids=["chain", "tree"])
+def test_int8_speculative_greedy_is_the_int8_targets_greedy(tree):
+    """Verify forwards of several rows go through the same row-invariant int8 products as one-row
+    steps: a float drafter's proposals, right or wrong, never change the quantised target's reply,
+    and the cache the rounds fill gives the same reply again."""
+    model = tiny_llama(torch.float32, seed=0, eos_token_id=2)
+    quant.quantize(model, "int8")
+    plain = CachedGenerator(model, IdTokenizer(), None, packed="all")
+    cache = KVCacheTrie.for_model(model, capacity_tokens=4096)
+    drafters = [PromptLookupDrafter(), ModelDrafter(tiny_llama(torch.float32, seed=1, eos_token_id=2))]
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2]]
+    drafted = 0
+    for drafter in drafters:
+        sg = SpeculativeGenerator(model, IdTokenizer(), cache, drafter, gamma=4, tree=tree)
+        for prompt in prompts:
+            want = plain.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
+            for _ in range(2):  # the second from the cache the first filled
+                r = sg.generate(prompt, max_new_tokens=16, ignore_eos=True)
+                assert r.token_ids == want
+                drafted += r.spec.drafted
+    assert drafted > 0
