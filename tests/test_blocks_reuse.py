@@ -14,6 +14,9 @@ from kvblocks import Block, CachedGenerator, KVCacheTrie, RedisTier
 from kvblocks.blocks.explain import explain_blocks
 from kvblocks.blocks.prefill import PROMOTE_SHARE, block_scope, kv_deviation
 from kvblocks.blocks.segments import flatten
+from kvblocks.spill.disk import DiskTier
+from kvblocks.spill.host import HostTier
+from kvblocks.spill.stack import TierStack
 
 VOCAB = 128
 
@@ -62,9 +65,21 @@ def test_kv_deviation_weighs_a_value_error_as_much_as_a_key_error_of_the_same_re
 def test_reused_block_tokens_are_counted_by_the_tier_their_kv_came_from(model):
     gen = generator(model)
     first = run(gen, rag("AB"), kv_mode="concat").blocks
-    assert first.reused_by_tier == {"device": 0, "redis": 0, "fill": first.reused_tokens}
+    assert first.reused_by_tier == {
+        "device": 0,
+        "host": 0,
+        "disk": 0,
+        "redis": 0,
+        "fill": first.reused_tokens,
+    }
     second = run(gen, rag("BA"), kv_mode="blend", blend_recompute=0.2).blocks
-    assert second.reused_by_tier == {"device": second.reused_tokens, "redis": 0, "fill": 0}
+    assert second.reused_by_tier == {
+        "device": second.reused_tokens,
+        "host": 0,
+        "disk": 0,
+        "redis": 0,
+        "fill": 0,
+    }
     assert [b.device for b in second.blocks] == [len(DOC_B), len(DOC_A)]
 
 
@@ -77,7 +92,7 @@ def test_block_tokens_fetched_from_redis_are_counted_as_redis(model, tmp_path):
         reader = generator(model, spill=RedisTier(server.url, chunk_tokens=8))
         r = run(reader, rag("BA"), kv_mode="concat").blocks
         assert [(b.device, b.stored) for b in r.blocks] == [(0, 8), (0, 16)]  # whole chunks only
-        assert r.reused_by_tier == {"device": 0, "redis": 8 + 16, "fill": 7 + 4}
+        assert r.reused_by_tier == {"device": 0, "host": 0, "disk": 0, "redis": 8 + 16, "fill": 7 + 4}
         for gen in (writer, reader):
             gen.cache.close()
     finally:
@@ -128,3 +143,30 @@ def test_explain_blocks_says_what_the_store_holds_and_each_mode_would_reuse(mode
     actual = run(gen, rag("BA"), kv_mode="blend", blend_recompute=0.25).blocks
     assert [u.reused for u in actual.blocks] == [15 - 4, 20 - 5]
     assert gen.cache.cached_length(DOC_B, salt=block_scope(None)) == len(DOC_B)  # stored by the run only
+
+
+def test_block_tokens_are_counted_by_the_spill_tier_that_gave_them_and_explain_changes_nothing(
+    model, tmp_path
+):
+    def stack() -> TierStack:  # host memory, then a disk directory another process may have filled
+        return TierStack([HostTier(16 << 20), DiskTier(tmp_path / "disk", 64 << 20)], chunk_tokens=8)
+
+    writer = generator(model, spill=stack())
+    run(writer, rag("AB"), kv_mode="concat")
+    writer.cache.spill.flush()
+    writer.cache.close()
+    reader = generator(model, spill=stack())
+    prompt_ids, spans = flatten(IdTokenizer(), rag("BA"))
+    before = reader.cache.spill.stats()
+    explained = explain_blocks(reader.cache, prompt_ids, spans, 0, None, "concat", 0.0)
+    assert [(e["device_tokens"], e["spill_tokens"], e["tiers"], e["redis_tokens"]) for e in explained] == [
+        (0, 8, [{"tier": "disk", "tokens": 8}], 0),  # whole chunks only
+        (0, 16, [{"tier": "disk", "tokens": 16}], 0),
+    ]
+    assert reader.cache.spill.stats() == before  # a dry run: nothing read, promoted or counted
+    assert reader.cache.spill.tier_sizes()[0]["records"] == 0  # the host tier: nothing promoted
+    r = run(reader, rag("BA"), kv_mode="concat").blocks
+    assert [b.origin for b in r.blocks] == [{"device": 0, "disk": 8}, {"device": 0, "disk": 16}]
+    assert r.reused_by_tier == {"device": 0, "host": 0, "disk": 8 + 16, "redis": 0, "fill": 7 + 4}
+    assert "8 found stored (8 in disk)" in "\n".join(r.explain())
+    reader.cache.close()

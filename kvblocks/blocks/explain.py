@@ -1,8 +1,8 @@
 """What a prompt with KV blocks would reuse, before it is sent: per block, its offset, its length,
 how much of it the block store holds (device pool or Redis) and how many tokens would be reused.
 
-A dry run: it reads the block store (Redis records are read and verified, as a request would) and
-stores nothing, so asking does not change the answer.
+A dry run: the device pool is matched and each spill tier is asked only for the sizes of its
+records (as `kvblocks.cache.explain` asks), so asking reads, promotes, stores and counts nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ class BlockExplanation:
     offset: int
     length: int
     device_tokens: int  # leading tokens of the block the device pool holds
-    redis_tokens: int  # the verified chunks Redis holds after those
+    spill_tokens: int  # the chunks the spill tiers hold after those, by their records' sizes
+    tiers: list[dict]  # {tier, tokens} of each spill tier holding some of them, in lookup order
+    redis_tokens: int  # Redis's share of `spill_tokens`
     held: bool  # all of it is stored: a request computes none of it to store it
     reused_tokens: int  # tokens whose stored KV a request in this kv_mode places at this offset
     note: str
@@ -50,11 +52,16 @@ def explain_blocks(
     out = []
     for span in spans:
         device = cache.cached_length(span.ids, salt=scope)
-        redis = _redis_tokens(cache, span.ids, device, scope)
+        tiers = _spill_tiers(cache, span.ids, device, scope)
+        spilled = sum(t["tokens"] for t in tiers)
+        redis = sum(t["tokens"] for t in tiers if t["tier"] == "redis")
         placed = min(span.length, len(ids) - 1 - span.start)
         reused, note = _reuse(span, placed, exact, mode, share)
-        stored = device + redis == len(span.ids)
-        out.append(asdict(BlockExplanation(span.start, span.length, device, redis, stored, reused, note)))
+        stored = device + spilled >= len(span.ids)
+        explained = BlockExplanation(
+            span.start, span.length, device, spilled, tiers, redis, stored, reused, note
+        )
+        out.append(asdict(explained))
     return out
 
 
@@ -75,12 +82,10 @@ def _reuse(span: BlockSpan, placed: int, exact: int, mode: str, share: float) ->
     return placed - recomputed, f"blend: {recomputed} of {placed} tokens recomputed{cut}"
 
 
-def _redis_tokens(cache: KVCacheTrie, block: tuple[int, ...], device: int, scope) -> int:
-    """Tokens of `block` after the `device` ones that Redis holds as verified chunks (0 without Redis)."""
+def _spill_tiers(cache: KVCacheTrie, block: tuple[int, ...], device: int, scope) -> list[dict]:
+    """{tier, tokens} of each spill tier holding chunks of `block` after its `device` tokens, by the
+    records' sizes alone (none without spill tiers)."""
     if cache.spill is None or device >= len(block):
-        return 0
+        return []
     arr, ns = cache.key_of(block, scope)
-    fetched = cache.spill.fetch(ns.key, arr, device, len(block))
-    if fetched is None:
-        return 0
-    return max(0, fetched.start + fetched.length - device)
+    return [{"tier": t, "tokens": n} for t, n in cache.spill.locate(ns.key, arr, device, len(block))]

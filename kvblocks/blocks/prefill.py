@@ -139,10 +139,11 @@ class BlockPrefill:
 
     # ---- block store -----------------------------------------------------------------------
 
-    def block_kv(self, block: tuple[int, ...], salt: Salt) -> tuple[KV, int, int]:
+    def block_kv(self, block: tuple[int, ...], salt: Salt) -> tuple[KV, int, dict[str, int]]:
         """A block's keys and values `[n, H, D]` per layer, computed from position 0 on its own, how
-        many of its tokens the store held (the rest are computed now and stored), and how many of
-        those the device pool held before the lookup (the others came from Redis)."""
+        many of its tokens the store held (the rest are computed now and stored), and where those
+        came from: `{"device": n, tier: n, ...}`, the device pool's first, then each spill tier's
+        in lookup order (`origin`)."""
         return finish(self._fill(block, salt, None))
 
     def _fill(self, block: tuple[int, ...], salt: Salt, chunk: int | None) -> Work:
@@ -150,7 +151,7 @@ class BlockPrefill:
         if self.cache is None:
             past = hf.empty_cache(self.model.config)
             yield from self._forward(list(block), past, chunk)
-            return hf.extract(past, self.specs, 0, len(block)), 0, 0
+            return hf.extract(past, self.specs, 0, len(block)), 0, {}
         scope = block_scope(salt)
         device = self.cache.cached_length(block, salt=scope)
         with self.cache.match(block, salt=scope, whole=True) as hit:
@@ -158,7 +159,7 @@ class BlockPrefill:
             if hit.length < len(block):
                 yield from self._forward(list(block[hit.length :]), past, chunk)
                 self.cache.insert(block, past, salt=scope)
-            return hf.extract(past, self.specs, 0, len(block)), hit.length, min(device, hit.length)
+            return hf.extract(past, self.specs, 0, len(block)), hit.length, origin(device, hit)
 
     def store_steps(self, block: tuple[int, ...], salt: Salt, chunk: int | None = None) -> Work:
         """Store `block` ahead of the requests that use it, as resumable work (as `steps`); returns how
@@ -217,17 +218,17 @@ class BlockPrefill:
         if exact is not None:
             for layer, (k, v) in zip(base, exact):
                 layer[: k.shape[0], 0], layer[: k.shape[0], 1] = k, v
-        fetched: dict[tuple[int, ...], tuple[KV, int, int]] = {}
+        fetched: dict[tuple[int, ...], tuple[KV, int, dict[str, int]]] = {}
         for span in spans:
             if span.ids not in fetched:
                 fetched[span.ids] = yield from self._fill(span.ids, salt, chunk)
                 report.block_fill_tokens += len(span.ids) - fetched[span.ids][1]
-            kv, stored, device = fetched[span.ids]
+            kv, stored, came = fetched[span.ids]
             n = span.end - span.start
             for layer, (k, v) in zip(base, kv):
                 layer[span.start : span.end, 0] = self.rope.shift(k[:n], span.start)
                 layer[span.start : span.end, 1] = v[:n]
-            report.blocks.append(BlockUse(span.start, len(span.ids), stored, n, device))
+            report.blocks.append(BlockUse(span.start, len(span.ids), stored, n, came))
         return base
 
     def _choose(
@@ -338,17 +339,26 @@ def _pieces(items: Sequence | torch.Tensor, chunk: int | None) -> list:
     return [items[i : i + step] for i in range(0, len(items), step)]
 
 
+def origin(device: int, hit) -> dict[str, int]:
+    """Where the `hit.length` tokens of a block's lookup came from: the `device` tokens the pool held
+    before it, then what each spill tier gave (`Hit.tiers`, in lookup order), cut at the hit."""
+    out, left = {"device": min(device, hit.length)}, hit.length - min(device, hit.length)
+    for tier, n in hit.tiers.items():
+        out[tier] = min(n, left)
+        left -= out[tier]
+    return out
+
+
 def _tiers(use: BlockUse, reused: torch.Tensor) -> dict[str, int]:
     """Where the KV of a block's reused tokens (`reused`, per placed token) came from: the device
-    pool, Redis, or computed by this request to store the block ("fill")."""
+    pool, each spill tier, or computed by this request to store the block ("fill")."""
     at = torch.arange(len(reused))
-    device = reused & (at < use.device)
-    redis = reused & (at >= use.device) & (at < use.stored)
-    return {
-        "device": int(device.sum()),
-        "redis": int(redis.sum()),
-        "fill": int(reused.sum()) - int(device.sum()) - int(redis.sum()),
-    }
+    out, start = {}, 0
+    for tier, n in use.origin.items():
+        out[tier] = int((reused & (at >= start) & (at < start + n)).sum())
+        start += n
+    out["fill"] = int(reused.sum()) - sum(out.values())
+    return out
 
 
 def _reusable(spans: list[BlockSpan], h: int, last: int) -> list[BlockSpan]:

@@ -7,21 +7,27 @@ from dataclasses import dataclass, field
 
 __all__ = ["TIERS", "BlockReport", "BlockUse", "StoredBlock"]
 
-# Where a reused block token's KV came from (the `tier` label of `kvblocks_block_reused_tokens_total`).
-TIERS = ("device", "redis", "fill")
+# Where a reused block token's KV came from (the `tier` label of `kvblocks_block_reused_tokens_total`):
+# the device pool, a spill tier (`kvblocks.spill`'s names), or computed by the request ("fill").
+TIERS = ("device", "host", "disk", "redis", "fill")
 
 
 @dataclass(slots=True)
 class BlockUse:
     """One block of the prompt: where it starts, its length, how many of its tokens the block store
-    already held (`device` of them in the device pool, the rest in Redis), and how many had their
-    stored KV reused at this position."""
+    already held and where (`origin`: the device pool's first, then each spill tier's, in order),
+    and how many had their stored KV reused at this position."""
 
     start: int
     length: int
     stored: int
     reused: int
-    device: int = 0
+    origin: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def device(self) -> int:
+        """Tokens of the block the device pool held before the lookup."""
+        return self.origin.get("device", 0)
 
 
 @dataclass(slots=True)
@@ -38,12 +44,12 @@ class BlockReport:
     probe_tokens: int = 0  # tokens run through the first two layers to choose what to recompute
     block_fill_tokens: int = 0  # tokens computed to store blocks the store did not hold yet
     blocks: list[BlockUse] = field(default_factory=list)
-    # reused tokens by where their KV came from: "device" pool, "redis", or "fill" (computed now)
+    # reused tokens by where their KV came from: the "device" pool, a spill tier, "fill" (computed now)
     reused_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
     def add_tiers(self, counts: dict[str, int]) -> None:
         for tier, n in counts.items():
-            self.reused_by_tier[tier] += n
+            self.reused_by_tier[tier] = self.reused_by_tier.get(tier, 0) + n
 
     def explain(self) -> list[str]:
         """One line per block: where it was placed and what of it was reused."""
@@ -53,10 +59,12 @@ class BlockReport:
             f"{self.probe_tokens} probed (first two layers), {self.block_fill_tokens} to fill blocks"
         ]
         for i, b in enumerate(self.blocks):
+            where = ", ".join(
+                f"{n} {'on the' if t == 'device' else 'in'} {t}" for t, n in b.origin.items() if n
+            )
             lines.append(
-                f"block {i}: {b.length} tokens at offset {b.start}, {b.stored} found stored "
-                f"({b.device} on the device, {b.stored - b.device} in Redis), "
-                f"{b.reused} reused, {b.length - b.reused} recomputed"
+                f"block {i}: {b.length} tokens at offset {b.start}, {b.stored} found stored"
+                f"{f' ({where})' if where else ''}, {b.reused} reused, {b.length - b.reused} recomputed"
             )
         return lines
 
@@ -64,8 +72,8 @@ class BlockReport:
 @dataclass(slots=True, frozen=True)
 class StoredBlock:
     """A block stored ahead of the requests that use it (`CachedGenerator.store_block`): its length,
-    and how many of its tokens the store held already (in the device pool or Redis, a start it
-    shares with another block included); the rest were computed now (`tokens - held`)."""
+    and how many of its tokens the store held already (in the device pool or a spill tier, a start
+    it shares with another block included); the rest were computed now (`tokens - held`)."""
 
     tokens: int
     held: int

@@ -28,6 +28,8 @@ class Hit:
         self.matched = length if matched is None else matched
         self._match = match
         self._slots = match.slots(length)
+        # tokens the spill tiers gave this lookup past the device's, by tier in lookup order (`match`)
+        self.tiers: dict[str, int] = {}
         self._locked = length > 0
         if self._locked:
             trie._tree.lock(match.node, +1)

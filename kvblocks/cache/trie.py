@@ -135,7 +135,10 @@ class PrefixCache:
                 hit_tokens=m.length,
                 snapshot_misses=m.length < matched,
             )
-            return Hit(self, ns, m, m.length, matched)
+            hit = Hit(self, ns, m, m.length, matched)
+            if fetched is not None:
+                hit.tiers = dict(fetched.tiers)
+            return hit
 
     def match_or_miss(self, token_ids: TokenIds, *, salt: Salt = None) -> Hit:
         """`match`, where any failure of the lookup (a spill tier fault, a bad namespace) is an empty

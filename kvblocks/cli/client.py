@@ -438,9 +438,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         console.print(f"kv_mode {e['kv_mode']} (blend_recompute {e['blend_recompute']:g}):")
         for i, b in enumerate(e["blocks"]):
             held = "held" if b["held"] else "not held"
+            where = "".join(f", {t['tokens']} in {t['tier']}" for t in b.get("tiers", []))
             console.print(
                 f"  block {i}: {b['length']} tokens at offset {b['offset']}, {held} "
-                f"({b['device_tokens']} on the device, {b['redis_tokens']} in Redis), "
+                f"({b['device_tokens']} on the device{where}), "
                 f"{b['reused_tokens']} would be reused: {b['note']}"
             )
     return 0

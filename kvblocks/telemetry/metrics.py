@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvblocks.blocks.report import TIERS as BLOCK_TIERS
 from kvblocks.telemetry.tier_metrics import hit_labels, tier_families
 from kvblocks.telemetry.vllm_metrics import VllmCollector, VllmHistograms
 
@@ -56,7 +57,7 @@ COUNTERS = {
 }
 # Counters with labels, and every value each label takes (exported at 0 from the start).
 LABELLED = {
-    "kvblocks_block_reused_tokens_total": ("tier", ("device", "redis", "fill")),
+    "kvblocks_block_reused_tokens_total": ("tier", BLOCK_TIERS),
     "kvblocks_block_promotions_total": ("outcome", ("done", "dropped", "failed")),
 }
 HISTOGRAMS = {
