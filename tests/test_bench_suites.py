@@ -163,6 +163,7 @@ def test_server_suite_runs_cache_on_and_off_servers_on_a_tiny_model(tmp_path, ca
     heavy = checks(summary, "server-decode-heavy")
     assert heavy["makespan (median round), kvblocks serve (batched)"] > 0
     assert heavy["completion tokens/s, kvblocks serve (batched)"] > 0
+    assert heavy["replies short of 6 tokens, kvblocks serve (batched)"] == 0  # written past end-of-sequence
 
 
 def test_packed_suite_decodes_the_same_tokens_both_ways_on_a_tiny_model(tmp_path, capsys):

@@ -28,6 +28,7 @@ class Sent:
     reply_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    completion_tokens: int = 0  # the server's `usage` (0 where it sent none)
 
     @property
     def ttft(self) -> float:
@@ -48,12 +49,22 @@ class Load:
 
 
 async def wave(
-    client, load: Load, tokenizer, system: str, args, tag: str, turns: int, bar, max_tokens: int | None = None
+    client,
+    load: Load,
+    tokenizer,
+    system: str,
+    args,
+    tag: str,
+    turns: int,
+    bar,
+    max_tokens: int | None = None,
+    extra: dict | None = None,
 ) -> list[Sent]:
-    """All agents at once, each a conversation of `turns` requests; returns the requests sent."""
+    """All agents at once, each a conversation of `turns` requests (`extra`: fields added to each
+    request's body); returns the requests sent."""
     results = await asyncio.gather(
         *(
-            agent(client, load, tokenizer, system, args, tag, a, turns, bar, max_tokens)
+            agent(client, load, tokenizer, system, args, tag, a, turns, bar, max_tokens, extra)
             for a in range(args.agents)
         )
     )
@@ -71,6 +82,7 @@ async def agent(
     turns: int,
     bar=None,
     max_tokens: int | None = None,
+    extra: dict | None = None,
 ) -> list[Sent]:
     from kvblocks.generate.text import encode_prompt
 
@@ -83,7 +95,7 @@ async def agent(
         messages.append({"role": "user", "content": text})
         s = Sent(index, turn, encode_prompt(tokenizer, messages), time.perf_counter())
         load.sent.append(s)
-        await chat(client, load, messages, max_tokens or args.max_tokens, s)
+        await chat(client, load, messages, max_tokens or args.max_tokens, s, extra)
         s.reply_ids = tokenizer(s.text, add_special_tokens=False)["input_ids"]
         messages.append({"role": "assistant", "content": s.text})
         sent.append(s)
@@ -92,11 +104,13 @@ async def agent(
     return sent
 
 
-async def chat(client, load: Load, messages: list[dict], max_tokens: int, s: Sent) -> None:
+async def chat(
+    client, load: Load, messages: list[dict], max_tokens: int, s: Sent, extra: dict | None = None
+) -> None:
     """One streaming chat completion; fills in `s` (first content chunk, text, usage)."""
     url = load.url
     body = {"model": load.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
-    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    body |= {"stream": True, "stream_options": {"include_usage": True}} | (extra or {})
     s.submitted = time.perf_counter()
     try:
         await _stream(client, url, body, s)
@@ -124,6 +138,7 @@ async def _stream(client, url: str, body: dict, s: Sent) -> None:
                 raise RuntimeError(f"{url} streamed an error: {event['error']}")
             if event.get("usage"):
                 s.prompt_tokens = event["usage"]["prompt_tokens"]
+                s.completion_tokens = event["usage"].get("completion_tokens") or 0
                 details = event["usage"].get("prompt_tokens_details") or {}  # transformers serve has none
                 s.cached_tokens = details.get("cached_tokens") or 0
             for choice in event["choices"]:

@@ -3,7 +3,10 @@
 Every agent sends one turn with `N` max_tokens, all at once, against the batched kvblocks server
 and the peers of the run (llama-server at its best setting, transformers serve). Prefill is a
 small share here: the servers race on decode, where llama.cpp's quantised kernels are strongest.
-The round's wall time is the makespan.
+The round's wall time is the makespan. Makespans compare only where every reply has its `N`
+tokens, so kvblocks and llama-server are asked to write past end-of-sequence (`ignore_eos`, which
+both take; transformers serve refuses fields it does not know, and its replies may end sooner);
+the report counts the replies that came back shorter, by their servers' `usage`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ NAMES = {
     "llama": "llama.cpp llama-server",
     "transformers": "transformers serve --continuous-batching",
 }
+FULL_LENGTH = {"batched": {"ignore_eos": True}, "llama": {"ignore_eos": True}}  # the body fields per server
 
 
 def servers(args, urls: dict[str, str]) -> list[str]:
@@ -39,7 +43,16 @@ async def drive(client, loads: dict, tokenizer, system: str, args, bar) -> dict:
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             t0 = time.perf_counter()
             done = await wave(
-                client, heavy[key], tokenizer, system, args, f"decode {r}", 1, bar, args.decode_heavy
+                client,
+                heavy[key],
+                tokenizer,
+                system,
+                args,
+                f"decode {r}",
+                1,
+                bar,
+                args.decode_heavy,
+                FULL_LENGTH.get(key),
             )
             heavy[key].spans.append(time.perf_counter() - t0)
             heavy[key].timed += done
@@ -61,6 +74,9 @@ def report(args, heavy: dict, llama_slots: int) -> Report:
             Check(f"TTFT p50, {NAMES[key]}", p50, "s"),
             Check(f"TTFT p99, {NAMES[key]}", p99, "s"),
             Check(f"completion tokens/s, {NAMES[key]}", tokens_per_s(load), "tok/s"),
+            Check(
+                f"replies short of {args.decode_heavy} tokens, {NAMES[key]}", short(load, args.decode_heavy)
+            ),
         ]
     if "batched" in heavy and "llama" in heavy:
         ours, theirs = heavy["batched"], heavy["llama"]
@@ -68,6 +84,7 @@ def report(args, heavy: dict, llama_slots: int) -> Report:
             Check(
                 "makespan llama-server / kvblocks", median(theirs.spans) / median(ours.spans), "", 1.5, True
             ),
+            Check("completion tokens/s kvblocks / llama-server", tokens_per_s(ours) / tokens_per_s(theirs)),
             Check(
                 "TTFT p50 llama-server / kvblocks",
                 p50_p99(ttfts(theirs.timed))[0] / p50_p99(ttfts(ours.timed))[0],
@@ -83,6 +100,8 @@ def report(args, heavy: dict, llama_slots: int) -> Report:
         "reply done",
         f"llama-server runs with `--parallel {llama_slots}`"
         + (" (its best setting on one thread)" if llama_slots == 1 else ""),
+        "kvblocks and llama-server write every reply to its max_tokens (`ignore_eos`); a makespan ratio "
+        "compares equal work only where neither has replies short of it",
     ]
     return out
 
@@ -92,5 +111,14 @@ def median(values: list[float]) -> float:
 
 
 def tokens_per_s(load) -> float:
-    """Completion tokens (re-tokenised replies) over the rounds' wall time."""
-    return sum(len(s.reply_ids) for s in load.timed) / sum(load.spans)
+    """Completion tokens (the server's `usage`, else the re-tokenised reply) over the rounds' wall time."""
+    return sum(completion_tokens(s) for s in load.timed) / sum(load.spans)
+
+
+def completion_tokens(s) -> int:
+    return s.completion_tokens or len(s.reply_ids)
+
+
+def short(load, max_tokens: int) -> int:
+    """Timed replies with fewer than `max_tokens` tokens (an end-of-sequence honoured, or an error)."""
+    return sum(completion_tokens(s) < max_tokens for s in load.timed)
