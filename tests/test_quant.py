@@ -96,15 +96,16 @@ def test_a_row_scaled_by_a_power_of_two_scales_its_output_exactly():
         assert torch.equal(q(torch.zeros(2, 640)), torch.zeros(2, 48))  # a zero row is no division by 0
 
 
-def test_quantize_replaces_every_linear_but_the_head_and_is_a_model_of_its_own():
+def test_quantize_replaces_every_linear_head_included_and_is_a_model_of_its_own():
     model = tiny_model("qwen2")
     plain = namespace_for(model)
-    head = model.get_output_embeddings()
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert model.get_output_embeddings() in linears
     assert quant.quantize(model, "none") == 0 and quant.scheme(model) == "none"
     assert quant.quantize(model, "int8") == len(linears) > 0
     assert quant.scheme(model) == "int8"
-    assert [m for m in model.modules() if type(m) is torch.nn.Linear] == [head]
+    assert [m for m in model.modules() if type(m) is torch.nn.Linear] == []
+    assert isinstance(model.get_output_embeddings(), quant.Int8Linear)
     assert sum(isinstance(m, quant.Int8Linear) for m in model.modules()) == len(linears)
     assert quant.nbytes(model) == sum(m.in_features * m.out_features + 4 * m.out_features for m in linears)
     quantized = namespace_for(model)
@@ -134,7 +135,7 @@ def test_int8_requests_get_their_alone_uncached_bits_batched_and_cached(arch):
 
 def test_the_real_model_quantised_keeps_most_of_its_next_tokens():
     """SmolLM2 on a chat reply it wrote itself, teacher-forced: the int8 model's next token is the
-    float model's at most positions and its distribution stays close (measured 0.94 and 0.02 nats;
+    float model's at most positions and its distribution stays close (measured 0.98 and 0.026 nats;
     BENCHMARKS.md, quantization, has the real 0.5B and 1.5B models)."""
     model, tokenizer = models.load(None, "float32")
     messages = [
