@@ -26,7 +26,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATION_SCHEMES,
         default="none",
-        help="none (default: the model's own weights, exact) or int8: every linear layer but the output head "
+        help="none (default: the model's own weights, exact) or int8: every linear layer (the output head too) "
         "as int8 weights and per-token int8 activations (FBGEMM, CPU only, float32 activations): about 1.5-2x "
         "faster on a CPU without AVX-512, approximate (another model: responses say `quantization`, its "
         "cache namespace is its own; batched = alone and cached = uncached still hold); BENCHMARKS.md",
