@@ -341,11 +341,13 @@ def _pieces(items: Sequence | torch.Tensor, chunk: int | None) -> list:
 
 def origin(device: int, hit) -> dict[str, int]:
     """Where the `hit.length` tokens of a block's lookup came from: the `device` tokens the pool held
-    before it, then what each spill tier gave (`Hit.tiers`, in lookup order), cut at the hit."""
+    before it, then what each spill tier gave (`Hit.tiers`, in lookup order), cut at the hit. Hit
+    tokens neither gave (another request stored them meanwhile) were in the pool: `device`."""
     out, left = {"device": min(device, hit.length)}, hit.length - min(device, hit.length)
     for tier, n in hit.tiers.items():
         out[tier] = min(n, left)
         left -= out[tier]
+    out["device"] += left
     return out
 
 
