@@ -208,11 +208,11 @@ def test_int8_speculative_greedy_is_the_int8_targets_greedy(tree):
     cache = KVCacheTrie.for_model(model, capacity_tokens=4096)
     drafters = [PromptLookupDrafter(), ModelDrafter(tiny_llama(torch.float32, seed=1, eos_token_id=2))]
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2]]
+    wants = [plain.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids for prompt in prompts]
     drafted = 0
     for drafter in drafters:
         sg = SpeculativeGenerator(model, IdTokenizer(), cache, drafter, gamma=4, tree=tree)
-        for prompt in prompts:
-            want = plain.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
+        for prompt, want in zip(prompts, wants):
             for _ in range(2):  # the second from the cache the first filled
                 r = sg.generate(prompt, max_new_tokens=16, ignore_eos=True)
                 assert r.token_ids == want

@@ -1,5 +1,5 @@
 """What a prompt with KV blocks would reuse, before it is sent: per block, its offset, its length,
-how much of it the block store holds (device pool or Redis) and how many tokens would be reused.
+how much of it the block store holds (device pool or a spill tier) and how many tokens would be reused.
 
 A dry run: the device pool is matched and each spill tier is asked only for the sizes of its
 records (as `kvblocks.cache.explain` asks), so asking reads, promotes, stores and counts nothing.
